@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Set-up and entry point for a fresh machine with only Python.
+
+    python dev.py replay [ARGS]   # the main job: `sagellm replay` on the embedded default
+    python dev.py test [ARGS]     # the whole test suite (pytest)
+    python dev.py sagellm ARGS    # any sagellm command
+    python dev.py tox [ARGS]      # tox (per-plugin environments)
+
+The first call makes `.venv` and installs the core and every plugin under
+plugins/ (editable) with the test tools; later calls reuse it, and reinstall
+only when a pyproject.toml changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+STAMP = VENV / ".sagellm-installed"
+
+
+def projects() -> list[Path]:
+    return [ROOT, *sorted(p.parent for p in (ROOT / "plugins").glob("*/pyproject.toml"))]
+
+
+def fingerprint() -> str:
+    digest = hashlib.sha256()
+    for project in projects():
+        digest.update((project / "pyproject.toml").read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_env() -> None:
+    if STAMP.exists() and STAMP.read_text() == fingerprint():
+        return
+    if not (BIN / "python").exists():
+        print(f"dev.py: creating {VENV}", file=sys.stderr)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    editable = []
+    for project in projects():
+        editable += ["-e", str(project) + ("[test]" if project == ROOT else "")]
+    print("dev.py: installing sagellm-core and plugins into .venv", file=sys.stderr)
+    subprocess.run([*pip, "tox>=4"], check=True)
+    subprocess.run([*pip, *editable], check=True)
+    STAMP.write_text(fingerprint())
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("replay", "test", "sagellm", "tox"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    ensure_env()
+    command, rest = argv[0], argv[1:]
+    if command == "replay":
+        args = [str(BIN / "sagellm"), "replay", *rest]
+    elif command == "sagellm":
+        args = [str(BIN / "sagellm"), *rest]
+    elif command == "test":
+        args = [str(BIN / "python"), "-m", "pytest", *rest]
+    else:
+        args = [str(BIN / "tox"), *rest]
+    return subprocess.run(args, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""sagellm kv-pool plugins."""

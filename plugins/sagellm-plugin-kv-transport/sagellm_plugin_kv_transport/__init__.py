@@ -1,0 +1,1 @@
+"""sagellm kv-transport plugins."""

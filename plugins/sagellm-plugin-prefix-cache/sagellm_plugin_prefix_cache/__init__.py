@@ -1,0 +1,1 @@
+"""sagellm prefix-cache plugins."""

@@ -1,0 +1,234 @@
+"""A radix tree over token ids with page-aligned edges (SGLang's RadixCache
+with ``page_size > 1``, keyed by whole pages).
+
+Each node holds one edge: a run of pages (``block_size`` tokens each) and the
+physical block holding each page. Children are keyed by their first page, so
+a match walks one dict lookup per node and compares pages along the edge.
+A match that ends inside an edge splits it at that page boundary, so that
+locks are per node: ``lock_ref`` counts the requests whose locked path runs
+through the node (vLLM's ``ref_cnt``, SGLang's ``lock_ref``).
+
+A block is evictable when its node is unlocked. Evicting block ``b`` drops
+the pages of its edge from ``b`` on, and the whole subtree below: a block is
+worth nothing once its parent is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.types import CachedBlock, PrefixInsert, PrefixMatch, Request
+
+
+class _Node:
+    __slots__ = ("parent", "children", "keys", "blocks", "start", "lock_ref")
+
+    def __init__(self, parent: "_Node | None", keys: list[bytes], blocks: list[CachedBlock], start: int):
+        self.parent = parent
+        self.children: dict[bytes, _Node] = {}
+        self.keys = keys
+        self.blocks = blocks
+        self.start = start  # page index of the edge's first page
+        self.lock_ref = 0
+
+
+class _Evictable:
+    """Live view of the unlocked blocks; O(1) membership and size."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: "RadixPrefixCache"):
+        self._cache = cache
+
+    def __contains__(self, block_id: object) -> bool:
+        node = self._cache._where.get(block_id)  # type: ignore[arg-type]
+        return node is not None and node.lock_ref == 0
+
+    def __len__(self) -> int:
+        return self._cache._num_evictable
+
+    def __iter__(self) -> Iterator[int]:
+        for block_id, node in self._cache._where.items():
+            if node.lock_ref == 0:
+                yield block_id
+
+
+class RadixPrefixCache:
+    """``[prefix_cache] plugin = "radix"``"""
+
+    def __init__(self, settings, context: PluginContext):
+        self.block_size = context.block_size
+        self.root = _Node(None, [], [], 0)
+        self.root.lock_ref = 1  # never evictable, never counted
+        self._where: dict[int, _Node] = {}
+        self._info: dict[int, CachedBlock] = {}
+        self._locked: dict[str, _Node] = {}
+        self._num_evictable = 0
+        self._view = _Evictable(self)
+
+    # ------------------------------------------------------------ helpers --
+
+    def _key(self, token_ids, page: int) -> bytes:
+        bs = self.block_size
+        return token_ids[page * bs : (page + 1) * bs].tobytes()
+
+    def _walk(self, token_ids, num_pages: int, split: bool) -> tuple[_Node, list[CachedBlock]]:
+        """Follow ``token_ids``' first ``num_pages`` pages down the tree.
+        Return the deepest node reached and the matched blocks. With ``split``
+        a match ending inside an edge splits it, so the node ends the match."""
+        node, page, matched = self.root, 0, []
+        while page < num_pages:
+            child = node.children.get(self._key(token_ids, page))
+            if child is None:
+                break
+            keys, j, end = child.keys, 1, min(len(child.keys), num_pages - page)
+            while j < end and keys[j] == self._key(token_ids, page + j):
+                j += 1
+            if j < len(keys):
+                if not split:
+                    matched.extend(child.blocks[:j])
+                    return child, matched
+                child = self._split(child, j)
+            matched.extend(child.blocks)
+            node, page = child, page + j
+        return node, matched
+
+    def _split(self, child: _Node, j: int) -> _Node:
+        parent = child.parent
+        mid = _Node(parent, child.keys[:j], child.blocks[:j], child.start)
+        mid.lock_ref = child.lock_ref
+        parent.children[mid.keys[0]] = mid
+        child.keys, child.blocks = child.keys[j:], child.blocks[j:]
+        child.start += j
+        child.parent = mid
+        mid.children[child.keys[0]] = child
+        for block in mid.blocks:
+            self._where[block.block_id] = mid
+        return mid
+
+    def _lock(self, node: _Node) -> list[_Node]:
+        """Lock the path from ``node`` up; return the nodes that were unlocked."""
+        taken = []
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._num_evictable -= len(node.blocks)
+                taken.append(node)
+            node.lock_ref += 1
+            node = node.parent
+        return taken
+
+    def _unlock(self, node: _Node) -> list[_Node]:
+        freed = []
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_evictable += len(node.blocks)
+                freed.append(node)
+            node = node.parent
+        return freed
+
+    def _limit(self, request: Request) -> int:
+        # At least one prompt token is always computed (vLLM, LMDeploy).
+        return (request.num_prompt_tokens - 1) // self.block_size
+
+    # -------------------------------------------------------------- hooks --
+
+    @hookimpl
+    def sagellm_lookup_prefix(self, request: Request) -> PrefixMatch:
+        _, matched = self._walk(request.prompt_token_ids, self._limit(request), split=False)
+        return PrefixMatch(tuple(matched))
+
+    @hookimpl
+    def sagellm_acquire_prefix(self, request: Request) -> PrefixMatch:
+        if request.request_id in self._locked:
+            raise ValueError(f"request {request.request_id!r} already holds a prefix")
+        node, matched = self._walk(request.prompt_token_ids, self._limit(request), split=True)
+        self._lock(node)
+        self._locked[request.request_id] = node
+        return PrefixMatch(tuple(matched))
+
+    @hookimpl
+    def sagellm_insert_prefix(
+        self, request: Request, token_ids: Sequence[int], block_ids: Sequence[int]
+    ) -> PrefixInsert:
+        num_pages = len(block_ids)
+        node, matched = self._walk(token_ids, num_pages, split=True)
+        duplicates = tuple(
+            given for given, held in zip(block_ids, matched) if given != held.block_id
+        )
+        adopted: tuple[CachedBlock, ...] = ()
+        page = len(matched)
+        if page < num_pages:
+            parent_id = matched[-1].block_id if matched else None
+            keys, blocks = [], []
+            for p in range(page, num_pages):
+                block = CachedBlock(block_ids[p], p, parent_id)
+                parent_id = block.block_id
+                keys.append(self._key(token_ids, p))
+                blocks.append(block)
+            leaf = _Node(node, keys, blocks, page)
+            node.children[keys[0]] = leaf
+            for block in blocks:
+                self._where[block.block_id] = leaf
+                self._info[block.block_id] = block
+            self._num_evictable += len(blocks)
+            node, adopted = leaf, tuple(blocks)
+        # Move the request's lock down to the new end of its path. The old
+        # path is a prefix of the new one, so no count falls to zero; blocks
+        # of the path that were evictable (cached meanwhile by another
+        # request, and released) are locked now.
+        taken = self._lock(node)
+        old = self._locked.get(request.request_id)
+        if old is not None:
+            self._unlock(old)
+        self._locked[request.request_id] = node
+        locked = tuple(b for n in reversed(taken) if n is not node or not adopted for b in n.blocks)
+        return PrefixInsert(adopted, duplicates, locked)
+
+    @hookimpl
+    def sagellm_release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
+        node = self._locked.pop(request.request_id, None)
+        if node is None:
+            return ()
+        freed = self._unlock(node)
+        return tuple(block for n in reversed(freed) for block in n.blocks)
+
+    @hookimpl
+    def sagellm_evictable_blocks(self) -> _Evictable:
+        return self._view
+
+    @hookimpl
+    def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:
+        for block_id in block_ids:
+            if block_id not in self._view:
+                raise ValueError(f"block {block_id} is not an evictable cached block")
+        removed: list[CachedBlock] = []
+        for block_id in block_ids:
+            node = self._where.get(block_id)
+            if node is None:
+                continue  # went with an ancestor victim
+            index = self._info[block_id].depth - node.start
+            stack = list(node.children.values())
+            while stack:
+                sub = stack.pop()
+                stack.extend(sub.children.values())
+                removed.extend(sub.blocks)
+            node.children = {}
+            removed.extend(node.blocks[index:])
+            if index == 0:
+                del node.parent.children[node.keys[0]]
+            del node.keys[index:], node.blocks[index:]
+        for block in removed:
+            del self._where[block.block_id], self._info[block.block_id]
+        self._num_evictable -= len(removed)
+        return tuple(removed)
+
+    # ------------------------------------------------------------ queries --
+
+    def refcount(self, block_id: int) -> int:
+        """Requests holding ``block_id`` (for tests and tools)."""
+        return self._where[block_id].lock_ref
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -1,0 +1,1 @@
+"""sagellm scheduler-ir plugins."""

@@ -1,0 +1,280 @@
+"""The TOML config file, parsed into typed settings.
+
+Every error is one line: the file, the section and key, the bad value and what
+would be accepted. Plugin parameters are validated later, by each plugin's own
+``Settings`` class (see :mod:`sagellm_core.registry`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+from attrs import frozen
+
+from sagellm_core.errors import ConfigError
+
+SECTIONS = (
+    "engine",
+    "prefix_cache",
+    "kv_pool",
+    "eviction",
+    "lifetime",
+    "scheduler",
+    "transport",
+    "workload",
+    "report",
+)
+WORKLOAD_SOURCES = ("generator", "mooncake", "azure")
+
+
+@frozen
+class Selection:
+    """One plugin picked by the config, with its raw parameters."""
+
+    section: str
+    name: str
+    params: dict[str, Any]
+    #: Where it was picked, for error messages: ``file: [section]``.
+    where: str
+
+
+@frozen
+class WorkloadSettings:
+    source: str = "generator"
+    path: str | None = None
+    #: Tokens per ``hash_ids`` entry of a Mooncake trace.
+    trace_block_tokens: int = 512
+    max_requests: int | None = None
+    seed: int = 0
+    # The built-in generator: multi-tenant chat sessions.
+    tenants: int = 4
+    sessions_per_tenant: int = 12
+    turns: int = 4
+    system_prompt_tokens: int = 1024
+    user_tokens: int = 256
+    output_tokens: int = 192
+    #: Mean new sessions per second (Poisson arrivals).
+    session_rate: float = 2.0
+    #: Mean think time between a reply and the next turn, seconds.
+    think_time_s: float = 5.0
+
+
+@frozen
+class ReportSettings:
+    hook_timing: bool = True
+
+
+@frozen
+class Settings:
+    path: str
+    engine: Selection
+    kv_pool: Selection
+    prefix_cache: Selection | None
+    eviction: Selection | None
+    lifetime: Selection | None
+    passes: tuple[Selection, ...]
+    transport: Selection | None
+    block_size: int
+    num_blocks: int
+    offload_evicted: bool
+    workload: WorkloadSettings
+    report: ReportSettings
+
+    def decisions(self) -> list[Selection]:
+        """The single-plugin decisions picked (scheduler passes aside)."""
+        single = [self.prefix_cache, self.kv_pool, self.eviction, self.lifetime, self.transport]
+        return [s for s in single if s is not None]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+class _Table:
+    """A TOML table being read: keys are taken one by one, leftovers are
+    either plugin parameters or errors."""
+
+    def __init__(self, path: str, section: str, data: Any):
+        self.path, self.section = path, section
+        self.where = f"{path}: [{section}]"
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: {section} must be a table [{section}], got {data!r}")
+        self.data = dict(data)
+
+    def fail(self, key: str, value: Any, accepted: str) -> ConfigError:
+        return ConfigError(f"{self.where} {key} = {value!r}: {accepted}")
+
+    def take(self, key: str, default: Any, check: Callable[[Any], bool], accepted: str) -> Any:
+        if key not in self.data:
+            return default
+        value = self.data.pop(key)
+        if not check(value):
+            raise self.fail(key, value, accepted)
+        return value
+
+    def plugin(self, default: str | None = None) -> str | None:
+        return self.take("plugin", default, lambda v: isinstance(v, str) and v, "a plugin name")
+
+    def selection(self, name: str) -> Selection:
+        return Selection(self.section, name, self.data, self.where)
+
+    def no_leftovers(self) -> None:
+        if self.data:
+            key = next(iter(self.data))
+            raise ConfigError(f"{self.where}: unknown key {key!r}")
+
+
+def load(path: str | Path) -> Settings:
+    path = str(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    settings = parse(raw, path)
+    trace = settings.workload.path
+    if trace is not None and not Path(trace).is_absolute():
+        # Trace paths in a config file are relative to that file.
+        settings = with_workload(settings, path=str(Path(path).parent / trace))
+    return settings
+
+
+def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
+    for section in raw:
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section [{section}]; accepted: {', '.join(SECTIONS)}"
+            )
+
+    def table(section: str) -> _Table | None:
+        return _Table(path, section, raw[section]) if section in raw else None
+
+    engine_t = table("engine") or _Table(path, "engine", {})
+    engine_name = engine_t.take("name", "replay", lambda v: isinstance(v, str) and v, "an engine name")
+    engine = engine_t.selection(engine_name)
+
+    pool_t = table("kv_pool")
+    if pool_t is None:
+        raise ConfigError(f"{path}: missing section [kv_pool]; it picks the block allocator")
+    num_blocks = pool_t.take("num_blocks", None, _positive_int, "a positive number of blocks")
+    if num_blocks is None:
+        raise ConfigError(f"{pool_t.where}: missing key 'num_blocks' (the pool size, in blocks)")
+    pool_name = pool_t.plugin()
+    if pool_name is None:
+        raise ConfigError(f"{pool_t.where}: missing key 'plugin'")
+    kv_pool = pool_t.selection(pool_name)
+
+    prefix_t = table("prefix_cache")
+    block_size = 16
+    prefix_cache = None
+    if prefix_t is not None:
+        block_size = prefix_t.take("block_size", 16, _positive_int, "a positive number of tokens")
+        name = prefix_t.plugin()
+        if name is not None:
+            prefix_cache = prefix_t.selection(name)
+        else:
+            prefix_t.no_leftovers()
+
+    def single(section: str) -> Selection | None:
+        t = table(section)
+        if t is None:
+            return None
+        name = t.plugin()
+        if name is None:
+            raise ConfigError(f"{t.where}: missing key 'plugin'")
+        return t.selection(name)
+
+    eviction = single("eviction")
+    if prefix_cache is not None and eviction is None:
+        raise ConfigError(
+            f"{path}: [prefix_cache] is set but [eviction] is missing; a cache needs a victim policy"
+        )
+    lifetime = single("lifetime")
+
+    transport_t = table("transport")
+    transport = None
+    offload_evicted = False
+    if transport_t is not None:
+        offload_evicted = transport_t.take(
+            "offload_evicted", False, lambda v: isinstance(v, bool), "true or false"
+        )
+        name = transport_t.plugin()
+        if name is None:
+            raise ConfigError(f"{transport_t.where}: missing key 'plugin'")
+        transport = transport_t.selection(name)
+
+    passes: list[Selection] = []
+    sched_t = table("scheduler")
+    if sched_t is not None:
+        names = sched_t.take(
+            "passes",
+            [],
+            lambda v: isinstance(v, list) and all(isinstance(n, str) and n for n in v),
+            "a list of pass names",
+        )
+        if len(set(names)) != len(names):
+            raise sched_t.fail("passes", names, "each pass at most once")
+        for name in names:
+            params = sched_t.data.pop(name, {})
+            if not isinstance(params, dict):
+                raise sched_t.fail(name, params, f"a table [scheduler.{name}] of parameters")
+            passes.append(Selection("scheduler", name, params, f"{path}: [scheduler.{name}]"))
+        sched_t.no_leftovers()
+
+    workload = _typed(table("workload"), WorkloadSettings)
+    if workload.source not in WORKLOAD_SOURCES:
+        raise ConfigError(
+            f"{path}: [workload] source = {workload.source!r}: accepted: {', '.join(WORKLOAD_SOURCES)}"
+        )
+    if workload.source != "generator" and workload.path is None:
+        raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
+    report = _typed(table("report"), ReportSettings)
+
+    return Settings(
+        path=path,
+        engine=engine,
+        kv_pool=kv_pool,
+        prefix_cache=prefix_cache,
+        eviction=eviction,
+        lifetime=lifetime,
+        passes=tuple(passes),
+        transport=transport,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        offload_evicted=offload_evicted,
+        workload=workload,
+        report=report,
+    )
+
+
+def _typed(t: _Table | None, cls: type) -> Any:
+    """Fill a core settings class from a table, checking each value against
+    the type of the field's default."""
+    if t is None:
+        return cls()
+    values = {}
+    for field in attrs.fields(cls):
+        default = field.default
+        if default is None or isinstance(default, str):
+            ok, accepted = (lambda v: isinstance(v, str)), "a string"
+            if field.name == "max_requests":
+                ok, accepted = _positive_int, "a positive integer"
+        elif isinstance(default, bool):
+            ok, accepted = (lambda v: isinstance(v, bool)), "true or false"
+        elif isinstance(default, int):
+            ok, accepted = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0), "a non-negative integer"
+        else:
+            ok, accepted = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0), "a non-negative number"
+        if field.name in t.data:
+            values[field.name] = t.take(field.name, default, ok, accepted)
+    t.no_leftovers()
+    return cls(**values)
+
+
+def with_workload(settings: Settings, **changes: Any) -> Settings:
+    return attrs.evolve(settings, workload=attrs.evolve(settings.workload, **changes))

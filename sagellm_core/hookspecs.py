@@ -1,0 +1,232 @@
+"""Hook specifications: the six decisions of KV-cache management, and the
+observations every plugin receives.
+
+Conventions (after pytest and simonw/llm):
+
+* Every hook is named ``sagellm_<what it decides or observes>`` and documented
+  here, where it is declared. ``docs/hooks.md`` is generated from this module.
+* A *decision* has one answer: it is ``firstresult``, and a plugin may return
+  ``None`` to pass the decision on to the next plugin.
+* An *observation* goes to every registered plugin; its return value is
+  ignored. Plugins keep their own state up to date from observations.
+* Hooks are called per request or per step, never per block or per token:
+  block-level facts travel as tuples in one call.
+* A plugin never calls another plugin. What one decision needs from another
+  (the evictable blocks, a lifetime prediction) the runtime passes as an
+  argument.
+
+A plugin implements any subset, with the argument names below (pluggy lets it
+omit arguments it does not need).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pluggy
+
+from sagellm_core.types import (
+    BlockAllocation,
+    CachedBlock,
+    EvictionCandidates,
+    EvictionDecision,
+    LifetimePrediction,
+    PoolUsage,
+    PrefixInsert,
+    PrefixMatch,
+    PreemptionDecision,
+    Request,
+    RequestOutcome,
+    ScheduleIR,
+    SequenceState,
+    StepResult,
+    TransferPlan,
+    TransferResult,
+)
+
+PROJECT = "sagellm"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------
+# 1. Prefix matching: which leading blocks of a prompt are already in KV.
+#    Served by a `sagellm.prefix_cache` plugin.
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_lookup_prefix(request: Request) -> PrefixMatch | None:
+    """Return the longest cached, block-aligned prefix of ``request``'s prompt,
+    without changing any state.
+
+    Used for scheduling hints (a prefix-aware pass orders by it). At least one
+    prompt token is always left to compute, as in vLLM and LMDeploy, so a fully
+    cached prompt matches one block less.
+    """
+
+
+@hookspec(firstresult=True)
+def sagellm_acquire_prefix(request: Request) -> PrefixMatch | None:
+    """Match ``request``'s prompt like :func:`sagellm_lookup_prefix` and lock the
+    matched blocks for it (reference count +1), so they cannot be evicted while
+    the request uses them. Called once at admission; paired with
+    :func:`sagellm_release_prefix`.
+    """
+
+
+@hookspec(firstresult=True)
+def sagellm_insert_prefix(
+    request: Request, token_ids: Sequence[int], block_ids: Sequence[int]
+) -> PrefixInsert | None:
+    """Cache the full blocks of ``token_ids`` (the request's prompt, or prompt
+    and output), whose KV lives in ``block_ids`` (one id per full block, in
+    token order, the acquired prefix included). Adopted blocks stay locked for
+    ``request`` until :func:`sagellm_release_prefix`.
+    """
+
+
+@hookspec(firstresult=True)
+def sagellm_release_prefix(request: Request) -> tuple[CachedBlock, ...] | None:
+    """Drop ``request``'s locks. Return the blocks whose reference count fell to
+    zero (now evictable), in chain order, root first. Releasing a request that
+    holds nothing returns ``()``.
+    """
+
+
+@hookspec(firstresult=True)
+def sagellm_evictable_blocks() -> EvictionCandidates | None:
+    """Return a live view of the evictable (unreferenced) cached blocks, with
+    O(1) membership and size."""
+
+
+@hookspec(firstresult=True)
+def sagellm_remove_blocks(block_ids: Sequence[int]) -> tuple[CachedBlock, ...] | None:
+    """Drop evictable ``block_ids`` from the cache, with their cached
+    descendants (a block is useless once its parent is gone). Return every
+    block removed; the runtime returns them to the pool."""
+
+
+# --------------------------------------------------------------------------
+# 2. Block allocation: physical KV blocks. Served by a `sagellm.kv_pool` plugin.
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_allocate_blocks(num_blocks: int, request: Request) -> BlockAllocation | None:
+    """Take exactly ``num_blocks`` free blocks for ``request``, or return an
+    empty allocation (nothing taken) when fewer are free. The runtime checks
+    that the ids are distinct, in range and not in use."""
+
+
+@hookspec(firstresult=True)
+def sagellm_free_blocks(block_ids: Sequence[int]) -> bool | None:
+    """Return ``block_ids`` to the free pool. Return ``True``."""
+
+
+@hookspec(firstresult=True)
+def sagellm_pool_usage() -> PoolUsage | None:
+    """Report the pool's size and free blocks."""
+
+
+# --------------------------------------------------------------------------
+# 3. Victim selection: which cached blocks to evict, which request to preempt.
+#    Served by a `sagellm.eviction` plugin, which keeps its own order up to
+#    date from the block observations below and answers in O(k log n).
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_select_victims(
+    num_blocks: int, candidates: EvictionCandidates
+) -> EvictionDecision | None:
+    """Choose up to ``num_blocks`` evictable blocks to evict, best victim first.
+    Every victim must be in ``candidates``; returning fewer is allowed (the
+    runtime then frees what it can)."""
+
+
+@hookspec(firstresult=True)
+def sagellm_select_preemption(
+    running: Sequence[SequenceState], needed_by: SequenceState
+) -> PreemptionDecision | None:
+    """Memory ran out while ``needed_by`` grows: choose the running request to
+    preempt (its blocks are released and it is recomputed later). May choose
+    ``needed_by`` itself."""
+
+
+# --------------------------------------------------------------------------
+# 4. Lifetime prediction: how many tokens a request will generate.
+#    Served by a `sagellm.lifetime` plugin.
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_predict_lifetime(request: Request) -> LifetimePrediction | None:
+    """Predict ``request``'s output length at arrival. Plugins learn from
+    :func:`sagellm_request_finished`."""
+
+
+# --------------------------------------------------------------------------
+# 5. Scheduling passes: the pipeline from waiting+running to a step's batch.
+#    Each `sagellm.scheduler_passes` plugin is one pass.
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def sagellm_schedule_pass(ir: ScheduleIR) -> None:
+    """Refine ``ir`` in place: reorder ``ir.waiting`` / ``ir.running`` or lower
+    the budgets. Passes run in the order the config lists them; the engine then
+    packs the result into a :class:`~sagellm_core.types.StepPlan`."""
+
+
+# --------------------------------------------------------------------------
+# 6. KV transport: moving KV blocks between tiers or hosts.
+#    Served by a `sagellm.transport` plugin.
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_transfer_blocks(plan: TransferPlan) -> TransferResult | None:
+    """Carry out ``plan``. A failed transfer returns ``ok=False`` with an error
+    rather than raising; the runtime counts it and goes on without the copy."""
+
+
+# --------------------------------------------------------------------------
+# Observations: every registered plugin receives them.
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def sagellm_request_arrived(request: Request, prediction: LifetimePrediction | None) -> None:
+    """A request entered the waiting queue."""
+
+
+@hookspec
+def sagellm_request_finished(outcome: RequestOutcome) -> None:
+    """A request finished; ``outcome`` carries its true output length."""
+
+
+@hookspec
+def sagellm_blocks_cached(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    """Blocks entered the prefix cache (locked by the request that made them)."""
+
+
+@hookspec
+def sagellm_blocks_touched(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    """Cached blocks were hit and locked by a request (no longer evictable)."""
+
+
+@hookspec
+def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    """Cached blocks lost their last reference and became evictable, chain
+    order, root first."""
+
+
+@hookspec
+def sagellm_blocks_evicted(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    """Blocks left the prefix cache (victims and their descendants)."""
+
+
+@hookspec
+def sagellm_step_done(result: StepResult) -> None:
+    """A scheduling step executed."""

@@ -1,0 +1,96 @@
+"""Roofline step time: a step costs the larger of its FLOPs at the hardware's
+sustained FLOP/s and its bytes (weights once, KV read and written) at the
+sustained bandwidth, plus a fixed per-step overhead.
+
+Numbers are dense BF16/FP16 peaks from the vendors' data sheets, times an
+efficiency that real kernels reach (about 0.6 of peak FLOP/s for GEMMs, 0.8
+of peak bandwidth); both are settable.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from attrs import frozen
+
+from sagellm_core.types import ScheduledChunk
+
+
+@frozen
+class Hardware:
+    name: str
+    flops: float  # peak dense FLOP/s, 16-bit
+    bandwidth: float  # peak memory bytes/s
+
+
+@frozen
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        attn += self.num_heads * self.head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+HARDWARE = {
+    h.name: h
+    for h in (
+        Hardware("h100", flops=989e12, bandwidth=3.35e12),
+        Hardware("h200", flops=989e12, bandwidth=4.8e12),
+        Hardware("a100", flops=312e12, bandwidth=2.0e12),
+        Hardware("ascend-910b", flops=320e12, bandwidth=1.6e12),
+    )
+}
+
+MODELS = {
+    m.name: m
+    for m in (
+        ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+        ModelShape("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064),
+        ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152),
+    )
+}
+
+
+@frozen
+class CostModel:
+    hardware: Hardware
+    model: ModelShape
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 0.002
+
+    def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
+        m = self.model
+        tokens = 0
+        attn_flops = 0.0
+        kv_tokens = 0
+        for c in chunks:
+            n, ctx = c.num_new_tokens, c.num_context_tokens
+            tokens += n
+            # QK^T and AV over the context and the causal part of the chunk.
+            attn_flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * n * (ctx + (n + 1) / 2)
+            kv_tokens += ctx + n
+        if tokens == 0:
+            return 0.0
+        flops = 2.0 * m.num_params * tokens + attn_flops
+        bytes_moved = m.num_params * m.dtype_bytes + kv_tokens * m.kv_bytes_per_token
+        compute = flops / (self.hardware.flops * self.flops_efficiency)
+        memory = bytes_moved / (self.hardware.bandwidth * self.bandwidth_efficiency)
+        return max(compute, memory) + self.step_overhead_s

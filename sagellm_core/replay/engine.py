@@ -1,0 +1,269 @@
+"""The replay engine (engine name ``replay``): drives the runtime over a
+workload in simulated time.
+
+* ``timed``: continuous batching as vLLM v1 schedules it. Each step gives a
+  token budget first to running requests (decode, or the next prefill chunk),
+  preempting by the victim-selection hook when blocks run out, then admits
+  waiting requests in the order the scheduling passes left them (stopping at
+  the first that does not fit). Step time comes from the roofline cost model.
+* ``cache-only``: each request is served alone, in arrival order, as cache
+  simulators do; no batching, no time model. For comparing prefix-cache and
+  eviction policies without engine dynamics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import attrs
+from attrs import field, frozen, validators
+
+from sagellm_core.errors import PluginError
+from sagellm_core.registry import PluginContext
+from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
+from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.types import (
+    PoolUsage,
+    Request,
+    RequestOutcome,
+    ScheduledChunk,
+    ScheduleIR,
+    SequenceState,
+    StepPlan,
+    StepResult,
+)
+
+MODES = ("timed", "cache-only")
+
+
+@frozen
+class ReplaySettings:
+    mode: str = field(default="timed", validator=validators.in_(MODES))
+    hardware: str = field(default="h100", validator=validators.in_(sorted(HARDWARE)))
+    model: str = field(default="llama-3.1-8b", validator=validators.in_(sorted(MODELS)))
+    max_num_batched_tokens: int = field(default=8192, validator=[validators.instance_of(int), validators.gt(0)])
+    max_num_seqs: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
+    flops_efficiency: float = field(default=0.6, validator=[validators.gt(0), validators.le(1)])
+    bandwidth_efficiency: float = field(default=0.8, validator=[validators.gt(0), validators.le(1)])
+    step_overhead_s: float = field(default=0.002, validator=validators.ge(0))
+
+
+@attrs.define
+class Recorder:
+    """What the replay observed, beyond the runtime's counters: finished
+    requests and a timeline (sampled, at most ``max_samples`` points)."""
+
+    outcomes: list[RequestOutcome] = attrs.field(factory=list)
+    #: (time s, cumulative block hit rate, used blocks, cached blocks)
+    timeline: list[tuple[float, float, int, int]] = attrs.field(factory=list)
+    steps: int = 0
+    batched_tokens: int = 0
+    used_block_sum: float = 0.0
+    used_block_samples: int = 0
+    used_block_peak: int = 0
+    fragmentation_sum: float = 0.0
+    simulated_s: float = 0.0
+    max_samples: int = 2000
+    _every: int = 1
+    _events: int = 0
+
+    def sample(self, rt: Runtime, now_s: float, usage: PoolUsage) -> None:
+        used_blocks = usage.num_used_blocks
+        self.fragmentation_sum += usage.external_fragmentation
+        self.used_block_sum += used_blocks
+        self.used_block_samples += 1
+        self.used_block_peak = max(self.used_block_peak, used_blocks)
+        self._events += 1
+        if self._events % self._every:
+            return
+        c = rt.counters
+        rate = c.hit_blocks / c.query_blocks if c.query_blocks else 0.0
+        self.timeline.append((now_s, rate, used_blocks, len(rt._cached)))
+        if len(self.timeline) >= self.max_samples:
+            self.timeline = self.timeline[::2]
+            self._every *= 2
+
+
+class ReplayEngine:
+    """The embedded default engine."""
+
+    Settings = ReplaySettings
+
+    def __init__(self, settings: ReplaySettings, context: PluginContext):
+        self.settings = settings
+        self.cost = CostModel(
+            HARDWARE[settings.hardware],
+            MODELS[settings.model],
+            settings.flops_efficiency,
+            settings.bandwidth_efficiency,
+            settings.step_overhead_s,
+        )
+
+    def run(
+        self,
+        rt: Runtime,
+        requests: Iterator[Request],
+        on_request: Callable[[], None] = lambda: None,
+    ) -> Recorder:
+        recorder = Recorder()
+        if self.settings.mode == "cache-only":
+            self._cache_only(rt, requests, recorder, on_request)
+        else:
+            self._timed(rt, requests, recorder, on_request)
+        return recorder
+
+    # ---------------------------------------------------------- cache-only --
+
+    def _cache_only(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
+        for request in requests:
+            rt.now_s = request.arrival_s
+            state = rt.arrive(request)
+            if not rt.admit(state, state.num_tokens):
+                rt.reject(state)
+                on_request()
+                continue
+            state.num_computed_tokens = request.num_prompt_tokens
+            state.first_token_s = rt.now_s
+            out = request.output_tokens
+            # Outputs whose ids are known are computed and cached like a real
+            # engine caches them; unknown ones hold no KV here.
+            if request.output_token_ids is not None and rt.grow(state, out):
+                state.num_computed_tokens += out
+            state.num_output_tokens = out
+            state.finish_s = rt.now_s
+            recorder.sample(rt, rt.now_s, rt.pool_usage())
+            recorder.outcomes.append(rt.finish(state))
+            on_request()
+        recorder.simulated_s = rt.now_s
+
+    # --------------------------------------------------------------- timed --
+
+    def _timed(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
+        s = self.settings
+        upcoming = iter(requests)
+        nxt = next(upcoming, None)
+        waiting: list[SequenceState] = []
+        running: list[SequenceState] = []
+        now = 0.0
+        step = 0
+        while True:
+            while nxt is not None and nxt.arrival_s <= now:
+                rt.now_s = max(now, nxt.arrival_s)
+                waiting.append(rt.arrive(nxt))
+                nxt = next(upcoming, None)
+            if not waiting and not running:
+                if nxt is None:
+                    break
+                now = nxt.arrival_s
+                continue
+            rt.now_s = now
+            usage = rt.pool_usage()
+            ir = ScheduleIR(
+                now_s=now,
+                step=step,
+                waiting=list(waiting),
+                running=list(running),
+                token_budget=s.max_num_batched_tokens,
+                max_num_seqs=s.max_num_seqs,
+                block_size=rt.block_size,
+                num_free_blocks=usage.num_free_blocks,
+                num_evictable_blocks=len(rt.evictable()),
+            )
+            rt._call("scheduler", "sagellm_schedule_pass", ir=ir)
+            self._check_ir(rt, ir, waiting, running)
+            plan, running, waiting = self._pack(rt, ir)
+            if not plan.chunks:
+                # Nothing runs and the head of the queue cannot be admitted
+                # even into an empty pool: it can never be served.
+                head = waiting.pop(0)
+                rt.reject(head)
+                on_request()
+                continue
+            duration = self.cost.step_time(plan.chunks)
+            start, now = now, now + duration
+            rt.now_s = now
+            by_id = {st.request_id: st for st in running}
+            for chunk in plan.chunks:
+                state = by_id[chunk.request_id]
+                state.num_computed_tokens += chunk.num_new_tokens
+                if state.num_computed_tokens < state.num_tokens:
+                    continue  # a prefill chunk that is not the last
+                state.num_output_tokens += 1  # the step samples one token
+                if state.first_token_s is None:
+                    state.first_token_s = now
+                if chunk.is_prefill:
+                    rt.cache(state)
+                if state.num_output_tokens >= state.request.output_tokens:
+                    state.finish_s = now
+                    running.remove(state)
+                    recorder.outcomes.append(rt.finish(state))
+                    on_request()
+            step += 1
+            recorder.steps = step
+            recorder.batched_tokens += plan.num_batched_tokens
+            usage = rt.pool_usage()
+            recorder.sample(rt, now, usage)
+            rt._observe(
+                "sagellm_step_done",
+                result=StepResult(plan, start, duration, len(running), len(waiting), usage),
+            )
+        recorder.simulated_s = now
+
+    @staticmethod
+    def _check_ir(rt: Runtime, ir: ScheduleIR, waiting, running) -> None:
+        """A pass may reorder, never drop, duplicate or invent requests."""
+        for name, before, after in (("waiting", waiting, ir.waiting), ("running", running, ir.running)):
+            if len(after) != len(before) or {id(x) for x in after} != {id(x) for x in before}:
+                raise PluginError(
+                    f"{rt._who('scheduler')} sagellm_schedule_pass changed the set of {name}"
+                    f" requests ({len(before)} -> {len(after)}); passes may only reorder"
+                )
+        if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
+            raise PluginError(f"{rt._who('scheduler')} sagellm_schedule_pass left no budget")
+
+    def _pack(self, rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list, list]:
+        budget = ir.token_budget
+        chunks: dict[str, ScheduledChunk] = {}
+        running = list(ir.running)
+        preempted: list[SequenceState] = []
+        for state in list(running):
+            if state not in running:
+                continue  # preempted earlier in this step
+            n = min(state.num_tokens - state.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not rt.grow(state, n):
+                victim = rt.select_preemption(running, state)
+                running.remove(victim)
+                rt.preempt(victim)
+                preempted.append(victim)
+                dropped = chunks.pop(victim.request_id, None)
+                if dropped is not None:
+                    budget += dropped.num_new_tokens
+                if victim is state:
+                    break
+            else:
+                chunks[state.request_id] = ScheduledChunk(
+                    state.request_id, n, state.num_computed_tokens, state.in_prefill
+                )
+                budget -= n
+        admitted: set[int] = set()
+        if not preempted:  # as vLLM: no new admissions in a step that preempts
+            for state in ir.waiting:
+                if budget <= 0 or len(running) >= ir.max_num_seqs:
+                    break
+                if blocks_for(state.request.num_prompt_tokens + 1, rt.block_size) > rt.num_blocks:
+                    break  # can never fit; rejected by the caller when nothing runs
+                n = rt.admit(state, budget)
+                if n == 0:
+                    break
+                if state.first_scheduled_s is None:
+                    state.first_scheduled_s = ir.now_s
+                chunks[state.request_id] = ScheduledChunk(state.request_id, n, state.num_computed_tokens, True)
+                budget -= n
+                running.append(state)
+                admitted.add(id(state))
+        # Preempted requests go back to the front of the queue, as in vLLM.
+        waiting = preempted[::-1] + [st for st in ir.waiting if id(st) not in admitted]
+        plan = StepPlan(ir.step, tuple(chunks.values()), tuple(st.request_id for st in preempted))
+        return plan, running, waiting

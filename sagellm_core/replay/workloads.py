@@ -1,0 +1,192 @@
+"""Workloads: requests in arrival order.
+
+* Mooncake JSONL traces: ``hash_ids`` are prefix-chained hashes of 512-token
+  blocks. Block ``h`` is mapped to the token ids ``h*512 .. h*512+511`` (cut at
+  ``input_length``), so equal hashes give equal tokens and any block size
+  works: a 16-token block is a slice of one trace block.
+* Azure CSV traces: lengths only; every prompt is distinct (no sharing).
+* The built-in generator: multi-tenant chat sessions with a shared system
+  prompt per tenant and multi-turn growth. Seeded; needs no files.
+
+Every loader streams (a trace is never held whole) and checks that arrivals do
+not go backwards. A line that cannot be read is a :class:`TraceError` naming
+the file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import json
+import random
+from array import array
+from datetime import datetime
+from itertools import islice
+from typing import Iterator
+
+from sagellm_core.config import WorkloadSettings
+from sagellm_core.errors import TraceError
+from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
+
+#: Token ids of synthetic (unshared) text start here, above the id space of
+#: trace blocks and generator vocabularies, so they never collide.
+_UNIQUE_BASE = 1 << 48
+
+
+def _tokens(start: int, count: int) -> array:
+    return array(TOKEN_ARRAY_TYPECODE, range(start, start + count))
+
+
+def load(settings: WorkloadSettings) -> Iterator[Request]:
+    if settings.source == "mooncake":
+        requests = mooncake(settings.path, settings.trace_block_tokens)
+    elif settings.source == "azure":
+        requests = azure(settings.path, seed=settings.seed)
+    else:
+        requests = generate(settings)
+    return _in_order(islice(requests, settings.max_requests), settings.path or "generator")
+
+
+def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
+    last = float("-inf")
+    for index, request in enumerate(requests):
+        if request.arrival_s < last:
+            raise TraceError(
+                f"{where}: request {index + 1} ({request.request_id}) arrives at {request.arrival_s}s,"
+                f" before the previous one ({last}s); traces must be in arrival order"
+            )
+        last = request.arrival_s
+        yield request
+
+
+def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot open trace: {exc.strerror}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not a JSON object: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise TraceError(f"{where}: not a JSON object")
+            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+                if key not in row:
+                    raise TraceError(f"{where}: missing key {key!r}")
+            length, output, hashes = row["input_length"], row["output_length"], row["hash_ids"]
+            if not (isinstance(length, int) and length > 0):
+                raise TraceError(f"{where}: input_length = {length!r}: a positive integer")
+            if not (isinstance(output, int) and output > 0):
+                raise TraceError(f"{where}: output_length = {output!r}: a positive integer")
+            if not isinstance(row["timestamp"], (int, float)):
+                raise TraceError(f"{where}: timestamp = {row['timestamp']!r}: milliseconds")
+            if not (isinstance(hashes, list) and all(isinstance(h, int) and h >= 0 for h in hashes)):
+                raise TraceError(f"{where}: hash_ids: a list of non-negative integers")
+            if len(hashes) != -(-length // trace_block_tokens):
+                raise TraceError(
+                    f"{where}: {len(hashes)} hash_ids for input_length {length};"
+                    f" {trace_block_tokens}-token blocks need {-(-length // trace_block_tokens)}"
+                )
+            tokens = array(TOKEN_ARRAY_TYPECODE)
+            for h in hashes:
+                tokens.extend(range(h * trace_block_tokens, (h + 1) * trace_block_tokens))
+            del tokens[length:]
+            yield Request(
+                request_id=f"mooncake-{lineno}",
+                prompt_token_ids=tokens,
+                output_tokens=output,
+                arrival_s=row["timestamp"] / 1000.0,
+            )
+
+
+def azure(path: str, seed: int = 0) -> Iterator[Request]:
+    try:
+        fh = open(path, encoding="utf-8", newline="")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot open trace: {exc.strerror}") from None
+    with fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        wanted = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+        if header is None or [h.strip() for h in header[:3]] != wanted:
+            raise TraceError(f"{path}:1: header {header!r}: expected {','.join(wanted)}")
+        start = None
+        for lineno, row in enumerate(reader, 2):
+            where = f"{path}:{lineno}"
+            if len(row) < 3:
+                raise TraceError(f"{where}: expected 3 columns, got {len(row)}")
+            try:
+                # Seven fractional digits: one more than %f reads.
+                when = datetime.strptime(row[0].strip()[:26], "%Y-%m-%d %H:%M:%S.%f")
+                context, generated = int(row[1]), int(row[2])
+            except ValueError as exc:
+                raise TraceError(f"{where}: {exc}") from None
+            if context <= 0 or generated <= 0:
+                raise TraceError(f"{where}: token counts must be positive, got {context}, {generated}")
+            start = when if start is None else start
+            yield Request(
+                request_id=f"azure-{lineno}",
+                prompt_token_ids=_tokens(_UNIQUE_BASE + lineno * (1 << 24), context),
+                output_tokens=generated,
+                arrival_s=(when - start).total_seconds(),
+            )
+
+
+def generate(s: WorkloadSettings) -> Iterator[Request]:
+    """Multi-tenant chat sessions. Each tenant has a system prompt shared by
+    all its sessions; turn k's prompt is the system prompt, every earlier user
+    message and reply, and a new user message, so a session's prefix grows.
+    Lengths are lognormal around the configured means; arrivals are a Poisson
+    process of sessions plus exponential think times between turns."""
+    rng = random.Random(s.seed)
+    vocab = 32000
+
+    def text(mean: int) -> array:
+        n = max(1, int(rng.lognormvariate(0.0, 0.6) * mean * 0.835))
+        return array(TOKEN_ARRAY_TYPECODE, (rng.randrange(vocab) for _ in range(n)))
+
+    systems = [array(TOKEN_ARRAY_TYPECODE, (rng.randrange(vocab) for _ in range(s.system_prompt_tokens))) for _ in range(s.tenants)]
+    # (arrival, tie-break, session, turn, context so far)
+    heap: list = []
+    t = 0.0
+    n_sessions = s.tenants * s.sessions_per_tenant
+    for i in range(n_sessions):
+        t += rng.expovariate(s.session_rate) if s.session_rate > 0 else 0.0
+        heapq.heappush(heap, (t, i, i, 0, systems[i % s.tenants]))
+    while heap:
+        arrival, _, session, turn, context = heapq.heappop(heap)
+        prompt = context + text(s.user_tokens)
+        reply = text(s.output_tokens)
+        tenant = session % s.tenants
+        yield Request(
+            request_id=f"t{tenant}-s{session}-turn{turn}",
+            prompt_token_ids=prompt,
+            output_tokens=len(reply),
+            arrival_s=arrival,
+            tenant=f"tenant-{tenant}",
+            session_id=f"s{session}",
+            output_token_ids=reply,
+        )
+        if turn + 1 < s.turns:
+            # The next turn is sent after the reply is read; replay cannot know
+            # when the reply finishes, so think time runs from arrival.
+            nxt = arrival + rng.expovariate(1.0 / s.think_time_s) + 1.0 if s.think_time_s > 0 else arrival
+            heapq.heappush(heap, (nxt, session + (turn + 1) * n_sessions, session, turn + 1, prompt + reply))
+
+
+def count(settings: WorkloadSettings) -> int | None:
+    """How many requests ``load`` will yield, for the progress bar."""
+    if settings.source == "generator":
+        total = settings.tenants * settings.sessions_per_tenant * settings.turns
+    else:
+        try:
+            with open(settings.path, "rb") as fh:
+                total = sum(1 for line in fh if line.strip()) - (settings.source == "azure")
+        except OSError:
+            return None
+    return total if settings.max_requests is None else min(total, settings.max_requests)

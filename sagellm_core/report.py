@@ -1,0 +1,205 @@
+"""The replay report: one flat dict of figures, printed as a rich table and
+written as JSON and Markdown, with plots of hit rate and memory over time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from sagellm_core.replay.engine import Recorder
+from sagellm_core.runtime import Runtime
+from sagellm_core.timing import summarise
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    return {
+        "mean": round(sum(ordered) / len(ordered), 6),
+        "p50": round(q(0.50), 6),
+        "p95": round(q(0.95), 6),
+        "p99": round(q(0.99), 6),
+    }
+
+
+def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str) -> dict[str, Any]:
+    c = rt.counters
+    outcomes = recorder.outcomes
+    sim = recorder.simulated_s
+    span = sim - min((o.arrival_s for o in outcomes), default=0.0)
+    output_tokens = sum(o.num_output_tokens for o in outcomes)
+    timed = mode == "timed"
+    return {
+        "label": label,
+        "config": rt.settings.path,
+        "mode": mode,
+        "workload": rt.settings.workload.path or "generator",
+        "plugins": {
+            section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.plugins.items()
+        },
+        "block_size": rt.block_size,
+        "num_blocks": rt.num_blocks,
+        "requests": c.requests_finished,
+        "rejected": c.requests_rejected,
+        "block_hit_rate": round(c.hit_blocks / c.query_blocks, 6) if c.query_blocks else 0.0,
+        "token_hit_rate": round(c.hit_tokens / c.query_tokens, 6) if c.query_tokens else 0.0,
+        "hit_blocks": c.hit_blocks,
+        "query_blocks": c.query_blocks,
+        "tokens_saved": c.hit_tokens,
+        "prefill_tokens": c.prefill_tokens,
+        "reprefill_tokens": c.reprefill_tokens,
+        "evicted_blocks": c.evicted_blocks,
+        "preemptions": c.preemptions,
+        "pool_utilisation_mean": round(recorder.used_block_sum / recorder.used_block_samples / rt.num_blocks, 4)
+        if recorder.used_block_samples
+        else 0.0,
+        "pool_utilisation_peak": round(recorder.used_block_peak / rt.num_blocks, 4),
+        "pool_fragmentation_mean": round(recorder.fragmentation_sum / recorder.used_block_samples, 4)
+        if recorder.used_block_samples
+        else 0.0,
+        "ttft_s": _percentiles([o.ttft_s for o in outcomes]) if timed else None,
+        "tpot_s": _percentiles([t for o in outcomes if (t := o.tpot_s) is not None]) if timed else None,
+        "e2e_s": _percentiles([o.finish_s - o.arrival_s for o in outcomes]) if timed else None,
+        "throughput_tokens_per_s": round(output_tokens / span, 2) if timed and span > 0 else None,
+        "throughput_requests_per_s": round(len(outcomes) / span, 4) if timed and span > 0 else None,
+        "steps": recorder.steps,
+        "mean_batch_tokens": round(recorder.batched_tokens / recorder.steps, 1) if recorder.steps else None,
+        "simulated_s": round(sim, 3),
+        "wall_s": round(wall_s, 3),
+        "lifetime_mae": round(c.lifetime_abs_error / c.lifetime_predictions, 2) if c.lifetime_predictions else None,
+        "transfers": {
+            "count": c.transfers,
+            "failures": c.transfer_failures,
+            "blocks": c.transferred_blocks,
+            "bytes": c.transferred_bytes,
+            "bytes_per_s": round(c.transferred_bytes / c.transfer_s) if c.transfer_s > 0 else None,
+        },
+        "hooks": summarise(rt.timer) if rt.timer else {},
+    }
+
+
+# (key, label, format) of the figures shown in tables, in order.
+ROWS: list[tuple[str, str, str]] = [
+    ("requests", "requests", "{:,}"),
+    ("rejected", "rejected", "{:,}"),
+    ("block_hit_rate", "block hit rate", "{:.4f}"),
+    ("token_hit_rate", "token hit rate", "{:.4f}"),
+    ("tokens_saved", "tokens saved", "{:,}"),
+    ("prefill_tokens", "prefill tokens", "{:,}"),
+    ("reprefill_tokens", "re-prefill tokens", "{:,}"),
+    ("evicted_blocks", "evicted blocks", "{:,}"),
+    ("preemptions", "preemptions", "{:,}"),
+    ("pool_utilisation_mean", "pool utilisation (mean)", "{:.1%}"),
+    ("pool_utilisation_peak", "pool utilisation (peak)", "{:.1%}"),
+    ("pool_fragmentation_mean", "free-list fragmentation (mean)", "{:.3f}"),
+    ("ttft_s.p50", "TTFT p50 (s)", "{:.3f}"),
+    ("ttft_s.p95", "TTFT p95 (s)", "{:.3f}"),
+    ("ttft_s.p99", "TTFT p99 (s)", "{:.3f}"),
+    ("tpot_s.p50", "TPOT p50 (ms)", "ms"),
+    ("tpot_s.p95", "TPOT p95 (ms)", "ms"),
+    ("tpot_s.p99", "TPOT p99 (ms)", "ms"),
+    ("throughput_tokens_per_s", "throughput (output tok/s)", "{:,.0f}"),
+    ("throughput_requests_per_s", "throughput (req/s)", "{:.3f}"),
+    ("mean_batch_tokens", "mean batch (tokens)", "{:,.0f}"),
+    ("simulated_s", "simulated time (s)", "{:,.1f}"),
+    ("lifetime_mae", "lifetime MAE (tokens)", "{:.1f}"),
+    ("transfers.count", "KV transfers", "{:,}"),
+    ("transfers.bytes", "KV bytes moved", "{:,}"),
+    ("wall_s", "wall time (s)", "{:.2f}"),
+]
+
+
+def _get(report: dict, key: str) -> Any:
+    value: Any = report
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "ms":
+        return f"{value * 1e3:.2f}"
+    return fmt.format(value)
+
+
+def figure_rows(reports: Sequence[dict]) -> list[list[str]]:
+    return [[label, *(_fmt(_get(r, key), fmt) for r in reports)] for key, label, fmt in ROWS]
+
+
+def hook_rows(report: dict) -> list[list[str]]:
+    return [
+        [name.removeprefix("sagellm_"), f"{s['calls']:,}", f"{s['answered']:,}", f"{s['mean_us']:.2f}", f"{s['p50_us']:.2f}", f"{s['p99_us']:.2f}"]
+        for name, s in sorted(report["hooks"].items(), key=lambda kv: -kv[1]["calls"])
+    ]
+
+
+HOOK_HEADER = ["hook", "calls", "answered", "mean µs", "p50 µs", "p99 µs"]
+
+
+def print_reports(reports: Sequence[dict], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="sagellm replay", show_lines=False)
+    table.add_column("figure")
+    for r in reports:
+        table.add_column(r["label"], justify="right")
+    for row in figure_rows(reports):
+        table.add_row(*row)
+    console.print(table)
+    if len(reports) == 1 and reports[0]["hooks"]:
+        hooks = Table(title="hook calls (timed by the HookTimer wrapper)")
+        for i, h in enumerate(HOOK_HEADER):
+            hooks.add_column(h, justify="left" if i == 0 else "right")
+        for row in hook_rows(reports[0]):
+            hooks.add_row(*row)
+        console.print(hooks)
+
+
+def markdown(reports: Sequence[dict]) -> str:
+    lines = ["| figure | " + " | ".join(r["label"] for r in reports) + " |"]
+    lines.append("|---|" + "---:|" * len(reports))
+    lines += ["| " + " | ".join(row) + " |" for row in figure_rows(reports)]
+    if len(reports) == 1 and reports[0]["hooks"]:
+        lines += ["", "| " + " | ".join(HOOK_HEADER) + " |", "|---|" + "---:|" * (len(HOOK_HEADER) - 1)]
+        lines += ["| " + " | ".join(row) + " |" for row in hook_rows(reports[0])]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(reports: Sequence[dict], path: str | Path) -> None:
+    data = reports[0] if len(reports) == 1 else list(reports)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def plot(reports: Sequence[dict], timelines: Sequence[list], path: str | Path) -> None:
+    """Hit rate and memory use over (simulated) time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for report, timeline in zip(reports, timelines):
+        if not timeline:
+            continue
+        t = [p[0] for p in timeline]
+        top.plot(t, [p[1] for p in timeline], label=report["label"])
+        bottom.plot(t, [p[2] / report["num_blocks"] for p in timeline], label=f"{report['label']} used")
+        bottom.plot(t, [p[3] / report["num_blocks"] for p in timeline], linestyle="--", label=f"{report['label']} cached")
+    top.set_ylabel("cumulative block hit rate")
+    bottom.set_ylabel("share of pool")
+    bottom.set_xlabel("time (s, simulated)")
+    top.legend(fontsize="small")
+    bottom.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

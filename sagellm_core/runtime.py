@@ -1,0 +1,500 @@
+"""The request-lifecycle runtime: engine-agnostic, it owns the loop's state
+and asks plugins for every decision.
+
+An engine (the replay engine, or an adapter around a real engine) drives it::
+
+    state = rt.arrive(request)              # predict lifetime, observe
+    n = rt.admit(state, token_budget)       # match+lock prefix, allocate
+    rt.grow(state, n)                       # more blocks as the sequence grows
+    rt.cache(state)                         # insert full blocks into the cache
+    rt.preempt(state) / rt.finish(state)    # release, free, observe
+
+Every plugin answer is checked before the runtime changes anything: a plugin
+that returns nonsense gets a :class:`PluginError` naming it, and the
+runtime's own state (blocks in use, requests holding them) is unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import attrs
+import pluggy
+
+from sagellm_core import hookspecs
+from sagellm_core.config import Selection, Settings
+from sagellm_core.errors import ConfigError, PluginError, SagellmError
+from sagellm_core.registry import PluginContext, PluginInfo, build_settings, load_class
+from sagellm_core.timing import HookTimer
+from sagellm_core.types import (
+    EMPTY_MATCH,
+    BlockAllocation,
+    CachedBlock,
+    EvictionDecision,
+    LifetimePrediction,
+    PoolUsage,
+    PrefixInsert,
+    PrefixMatch,
+    PreemptionDecision,
+    Request,
+    RequestOutcome,
+    RequestStatus,
+    SequenceState,
+    TransferPlan,
+    TransferResult,
+)
+
+#: The hooks a plugin picked for a section must implement (at least one).
+SECTION_HOOKS: dict[str, tuple[str, ...]] = {
+    "prefix_cache": (
+        "sagellm_lookup_prefix",
+        "sagellm_acquire_prefix",
+        "sagellm_insert_prefix",
+        "sagellm_release_prefix",
+        "sagellm_evictable_blocks",
+        "sagellm_remove_blocks",
+    ),
+    "kv_pool": ("sagellm_allocate_blocks", "sagellm_free_blocks", "sagellm_pool_usage"),
+    "eviction": ("sagellm_select_victims",),
+    "lifetime": ("sagellm_predict_lifetime",),
+    "scheduler": ("sagellm_schedule_pass",),
+    "transport": ("sagellm_transfer_blocks",),
+}
+
+
+@attrs.frozen
+class LoadedPlugin:
+    selection: Selection
+    info: PluginInfo
+    instance: Any
+
+    def __str__(self) -> str:
+        dist = f" ({self.info.distribution} {self.info.version})" if self.info.distribution else ""
+        return f"{self.selection.section} plugin {self.selection.name!r}{dist}"
+
+
+@attrs.define
+class Counters:
+    """What the runtime itself counts; the report is built from these."""
+
+    requests_arrived: int = 0
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    prefill_tokens: int = 0
+    reprefill_tokens: int = 0
+    evicted_blocks: int = 0
+    preemptions: int = 0
+    transfers: int = 0
+    transfer_failures: int = 0
+    transferred_blocks: int = 0
+    transferred_bytes: int = 0
+    transfer_s: float = 0.0
+    lifetime_abs_error: float = 0.0
+    lifetime_predictions: int = 0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, *, hook_timing: bool | None = None):
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.num_blocks = settings.num_blocks
+        self.now_s = 0.0
+        self.counters = Counters()
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, list[LoadedPlugin]] = {}
+        self.timer = None
+        if settings.report.hook_timing if hook_timing is None else hook_timing:
+            self.timer = HookTimer()
+            self.pm.register(self.timer, name="sagellm:hook-timer")
+        # pluggy calls implementations last-registered first: register the
+        # passes in reverse so they run in the order the config lists them.
+        for sel in [*reversed(settings.passes), *settings.decisions()]:
+            self._register(sel)
+        self.hook = self.pm.hook
+        # Ground truth for invariants: blocks taken from the pool and not yet
+        # returned; of these, the ones the prefix cache holds.
+        self._in_use: set[int] = set()
+        self._cached: set[int] = set()
+        self._active: dict[str, SequenceState] = {}
+        usage = self.pool_usage()
+        if usage.num_blocks != self.num_blocks or usage.num_free_blocks != self.num_blocks:
+            raise PluginError(
+                f"{self._who('kv_pool')} reports {usage.num_free_blocks}/{usage.num_blocks} free"
+                f" blocks at start; the config asks for {self.num_blocks}"
+            )
+
+    # ------------------------------------------------------------ plugins --
+
+    def _register(self, sel: Selection) -> None:
+        cls, info = load_class(sel.section, sel.name, sel.where)
+        settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
+        context = PluginContext(sel.name, self.block_size, self.num_blocks, self.settings.workload.seed)
+        try:
+            instance = cls(settings, context)
+        except SagellmError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{sel.where}: plugin {sel.name!r} failed to start: {exc}") from exc
+        loaded = LoadedPlugin(sel, info, instance)
+        wanted = SECTION_HOOKS.get(sel.section, ())
+        if wanted and not any(hasattr(instance, h) for h in wanted):
+            raise ConfigError(f"{sel.where}: {loaded} implements none of {', '.join(wanted)}")
+        try:
+            self.pm.register(instance, name=f"{sel.section}:{sel.name}")
+            self.pm.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise ConfigError(f"{sel.where}: {loaded} is not a valid plugin: {exc}") from exc
+        self.plugins.setdefault(sel.section, []).append(loaded)
+
+    def _who(self, section: str) -> str:
+        loaded = self.plugins.get(section)
+        if not loaded:
+            return f"no {section} plugin"
+        return " / ".join(str(p) for p in loaded)
+
+    def _culprit(self, exc: BaseException, section: str) -> str:
+        """The plugin whose method raised ``exc``, found in its traceback."""
+        by_instance = {id(p.instance): p for ps in self.plugins.values() for p in ps}
+        tb = exc.__traceback__
+        culprit = None
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if id(owner) in by_instance:
+                culprit = by_instance[id(owner)]
+            tb = tb.tb_next
+        return str(culprit) if culprit else self._who(section)
+
+    def _call(self, section: str, hook_name: str, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.hook, hook_name)(**kwargs)
+        except SagellmError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{self._culprit(exc, section)} raised in {hook_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
+        return PluginError(f"{self._who(section)} {hook_name} {what}")
+
+    def _observe(self, hook_name: str, **kwargs: Any) -> None:
+        self._call("observer", hook_name, **kwargs)
+
+    # --------------------------------------------------------- decisions --
+
+    def pool_usage(self) -> PoolUsage:
+        usage = self._call("kv_pool", "sagellm_pool_usage")
+        if not isinstance(usage, PoolUsage):
+            raise self._bad("kv_pool", "sagellm_pool_usage", f"returned {usage!r}, not a PoolUsage")
+        return usage
+
+    def evictable(self):
+        return self._call("prefix_cache", "sagellm_evictable_blocks") or ()
+
+    def lookup(self, request: Request) -> PrefixMatch:
+        match = self._call("prefix_cache", "sagellm_lookup_prefix", request=request) or EMPTY_MATCH
+        self._check_match(request, match, "sagellm_lookup_prefix")
+        return match
+
+    def _check_match(self, request: Request, match: Any, hook_name: str) -> None:
+        if not isinstance(match, PrefixMatch):
+            raise self._bad("prefix_cache", hook_name, f"returned {match!r}, not a PrefixMatch")
+        limit = (request.num_prompt_tokens - 1) // self.block_size
+        if match.num_blocks > limit:
+            raise self._bad(
+                "prefix_cache",
+                hook_name,
+                f"matched {match.num_blocks} blocks of a {request.num_prompt_tokens}-token prompt"
+                f" (at most {limit}: one token is always computed)",
+            )
+        ids = match.block_ids
+        if len(set(ids)) != len(ids) or not self._cached.issuperset(ids):
+            raise self._bad("prefix_cache", hook_name, f"matched blocks that are not cached: {ids}")
+
+    def _make_room(self, num_blocks: int) -> bool:
+        """Evict until ``num_blocks`` blocks are free; False if it cannot."""
+        short = num_blocks - self.pool_usage().num_free_blocks
+        while short > 0:
+            candidates = self.evictable()
+            if len(candidates) == 0:
+                return False
+            decision = self._call(
+                "eviction", "sagellm_select_victims", num_blocks=short, candidates=candidates
+            )
+            if not isinstance(decision, EvictionDecision):
+                raise self._bad(
+                    "eviction", "sagellm_select_victims", f"returned {decision!r}, not an EvictionDecision"
+                )
+            victims = decision.victim_ids
+            if len(victims) > short:
+                raise self._bad(
+                    "eviction", "sagellm_select_victims", f"returned {len(victims)} victims, asked for at most {short}"
+                )
+            if len(set(victims)) != len(victims):
+                raise self._bad("eviction", "sagellm_select_victims", f"returned duplicate victims {victims}")
+            stray = [v for v in victims if v not in candidates]
+            if stray:
+                raise self._bad(
+                    "eviction", "sagellm_select_victims", f"returned victims that are not evictable candidates: {stray[:8]}"
+                )
+            if not victims:
+                return False
+            short -= self._evict(victims)
+        return True
+
+    def _evict(self, victims: Sequence[int]) -> int:
+        removed = self._call("prefix_cache", "sagellm_remove_blocks", block_ids=victims)
+        if not isinstance(removed, tuple) or not all(isinstance(b, CachedBlock) for b in removed):
+            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"returned {removed!r}, not CachedBlocks")
+        ids = [b.block_id for b in removed]
+        if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
+            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
+        if self.settings.offload_evicted:
+            self._transfer(TransferPlan("device", "host", tuple(ids), self.block_size))
+        self._free(ids)
+        self._cached.difference_update(ids)
+        self.counters.evicted_blocks += len(ids)
+        self._observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
+        return len(ids)
+
+    def _transfer(self, plan: TransferPlan) -> TransferResult | None:
+        result = self._call("transport", "sagellm_transfer_blocks", plan=plan)
+        if result is None:
+            return None
+        if not isinstance(result, TransferResult):
+            raise self._bad("transport", "sagellm_transfer_blocks", f"returned {result!r}, not a TransferResult")
+        c = self.counters
+        c.transfers += 1
+        if result.ok:
+            c.transferred_blocks += result.num_blocks
+            c.transferred_bytes += result.num_bytes
+            c.transfer_s += result.seconds
+        else:
+            c.transfer_failures += 1
+        return result
+
+    def _allocate(self, num_blocks: int, request: Request) -> tuple[int, ...]:
+        if num_blocks == 0:
+            return ()
+        alloc = self._call("kv_pool", "sagellm_allocate_blocks", num_blocks=num_blocks, request=request)
+        if not isinstance(alloc, BlockAllocation):
+            raise self._bad("kv_pool", "sagellm_allocate_blocks", f"returned {alloc!r}, not a BlockAllocation")
+        ids = alloc.block_ids
+        if len(ids) != num_blocks:
+            raise self._bad(
+                "kv_pool", "sagellm_allocate_blocks",
+                f"returned {len(ids)} blocks, asked for {num_blocks} with enough free",
+            )
+        if len(set(ids)) != len(ids):
+            raise self._bad("kv_pool", "sagellm_allocate_blocks", f"returned duplicate blocks {ids}")
+        bad = [b for b in ids if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
+        if bad:
+            raise self._bad("kv_pool", "sagellm_allocate_blocks", f"returned block ids out of range: {bad[:8]}")
+        busy = self._in_use.intersection(ids)
+        if busy:
+            raise self._bad("kv_pool", "sagellm_allocate_blocks", f"returned blocks already in use: {sorted(busy)[:8]}")
+        self._in_use.update(ids)
+        return ids
+
+    def _free(self, block_ids: Iterable[int]) -> None:
+        ids = tuple(block_ids)
+        if not ids:
+            return
+        self._call("kv_pool", "sagellm_free_blocks", block_ids=ids)
+        self._in_use.difference_update(ids)
+
+    # --------------------------------------------------------- lifecycle --
+
+    def arrive(self, request: Request) -> SequenceState:
+        prediction = self._call("lifetime", "sagellm_predict_lifetime", request=request)
+        if prediction is not None and not (
+            isinstance(prediction, LifetimePrediction)
+            and math.isfinite(prediction.output_tokens)
+            and prediction.output_tokens >= 0
+        ):
+            raise self._bad("lifetime", "sagellm_predict_lifetime", f"returned {prediction!r}")
+        state = SequenceState(request=request, prediction=prediction)
+        state.cached_tokens_hint = self.lookup(request).num_blocks * self.block_size
+        self.counters.requests_arrived += 1
+        self._observe("sagellm_request_arrived", request=request, prediction=prediction)
+        return state
+
+    def admit(self, state: SequenceState, token_budget: int) -> int:
+        """Match and lock ``state``'s prefix and allocate blocks for up to
+        ``token_budget`` new tokens. Return the tokens scheduled, or 0 (nothing
+        changed) when memory does not allow it."""
+        request = state.request
+        match = self._call("prefix_cache", "sagellm_acquire_prefix", request=request) or EMPTY_MATCH
+        try:
+            self._check_match(request, match, "sagellm_acquire_prefix")
+        except PluginError:
+            self._call("prefix_cache", "sagellm_release_prefix", request=request)
+            raise
+        cached = match.num_blocks * self.block_size
+        num_new = min(state.num_tokens - cached, token_budget)
+        need = blocks_for(cached + num_new, self.block_size) - match.num_blocks
+        free = self.pool_usage().num_free_blocks
+        if num_new <= 0 or need > free + len(self.evictable()):
+            # Roll back the lock only: the policy has not been told of it, so
+            # there is nothing to observe and its order is untouched.
+            self._call("prefix_cache", "sagellm_release_prefix", request=request)
+            return 0
+        if match.blocks:
+            # Before any eviction, so the policy never picks a locked block.
+            self._observe("sagellm_blocks_touched", blocks=match.blocks, now_s=self.now_s)
+        if need > free and not self._make_room(need):
+            released = self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
+            if released:
+                self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+            return 0
+        ids = self._allocate(need, request)
+        state.block_ids = [*match.block_ids, *ids]
+        state.private_block_ids = set(ids)
+        state.num_computed_tokens = cached
+        state.status = RequestStatus.RUNNING
+        self._active[request.request_id] = state
+        c = self.counters
+        if state.num_preemptions == 0:
+            c.query_blocks += blocks_for(request.num_prompt_tokens, self.block_size)
+            c.hit_blocks += match.num_blocks
+            c.query_tokens += request.num_prompt_tokens
+            c.hit_tokens += cached
+            c.prefill_tokens += state.num_tokens - cached
+        else:
+            c.reprefill_tokens += state.num_tokens - cached
+        return num_new
+
+    def grow(self, state: SequenceState, num_new_tokens: int) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of a running request."""
+        need = blocks_for(state.num_computed_tokens + num_new_tokens, self.block_size) - len(state.block_ids)
+        if need <= 0:
+            return True
+        if not self._make_room(need):
+            return False
+        ids = self._allocate(need, state.request)
+        state.block_ids.extend(ids)
+        state.private_block_ids.update(ids)
+        return True
+
+    def cache(self, state: SequenceState) -> None:
+        """Insert the request's computed full blocks into the prefix cache."""
+        request = state.request
+        token_ids = request.prompt_token_ids
+        if request.output_token_ids is not None and state.num_output_tokens:
+            token_ids = token_ids + request.output_token_ids[: state.num_output_tokens]
+        num_full = min(state.num_computed_tokens, len(token_ids)) // self.block_size
+        if num_full == 0:
+            return
+        given = state.block_ids[:num_full]
+        result = self._call(
+            "prefix_cache",
+            "sagellm_insert_prefix",
+            request=request,
+            token_ids=token_ids[: num_full * self.block_size],
+            block_ids=given,
+        )
+        if result is None:
+            return
+        if not isinstance(result, PrefixInsert):
+            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"returned {result!r}, not a PrefixInsert")
+        adopted = [b.block_id for b in result.adopted]
+        if not state.private_block_ids.issuperset(adopted) or not set(given).issuperset(result.duplicate_ids):
+            raise self._bad(
+                "prefix_cache", "sagellm_insert_prefix", f"adopted {adopted} of blocks {given} it was not given"
+            )
+        stray = [b.block_id for b in result.locked if b.block_id not in self._cached]
+        if stray:
+            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"locked blocks that are not cached: {stray[:8]}")
+        state.private_block_ids.difference_update(adopted)
+        self._cached.update(adopted)
+        if result.locked:
+            self._observe("sagellm_blocks_touched", blocks=result.locked, now_s=self.now_s)
+        if result.adopted:
+            self._observe("sagellm_blocks_cached", blocks=result.adopted, now_s=self.now_s)
+
+    def select_preemption(self, running: Sequence[SequenceState], needed_by: SequenceState) -> SequenceState:
+        decision = self._call("eviction", "sagellm_select_preemption", running=running, needed_by=needed_by)
+        if decision is None:
+            return running[-1]  # vLLM's FCFS rule: the last one scheduled
+        if isinstance(decision, PreemptionDecision):
+            for state in running:
+                if state.request_id == decision.request_id:
+                    return state
+        raise self._bad("eviction", "sagellm_select_preemption", f"returned {decision!r}, not a running request")
+
+    def release(self, state: SequenceState) -> None:
+        """Free the request's private blocks and drop its cache locks."""
+        self._free(state.private_block_ids)
+        released = self._call("prefix_cache", "sagellm_release_prefix", request=state.request) or ()
+        state.block_ids = []
+        state.private_block_ids = set()
+        self._active.pop(state.request_id, None)
+        if released:
+            self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+
+    def preempt(self, state: SequenceState) -> None:
+        self.release(state)
+        state.num_computed_tokens = 0
+        state.num_preemptions += 1
+        state.status = RequestStatus.WAITING
+        self.counters.preemptions += 1
+
+    def reject(self, state: SequenceState) -> None:
+        """A request that can never fit the pool."""
+        state.status = RequestStatus.FINISHED
+        self.counters.requests_rejected += 1
+
+    def finish(self, state: SequenceState) -> RequestOutcome:
+        self.cache(state)
+        self.release(state)
+        state.status = RequestStatus.FINISHED
+        outcome = RequestOutcome(
+            request=state.request,
+            num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=state.cached_tokens_hint,
+            arrival_s=state.request.arrival_s,
+            first_token_s=state.first_token_s if state.first_token_s is not None else self.now_s,
+            finish_s=state.finish_s if state.finish_s is not None else self.now_s,
+            num_preemptions=state.num_preemptions,
+            prediction=state.prediction,
+        )
+        c = self.counters
+        c.requests_finished += 1
+        if state.prediction is not None:
+            c.lifetime_predictions += 1
+            c.lifetime_abs_error += abs(state.prediction.output_tokens - state.num_output_tokens)
+        self._observe("sagellm_request_finished", outcome=outcome)
+        return outcome
+
+    # --------------------------------------------------------- invariants --
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting is inconsistent. O(blocks);
+        for tests, not for the hot path."""
+        usage = self.pool_usage()
+        assert usage.num_free_blocks + len(self._in_use) == self.num_blocks, (
+            f"pool reports {usage.num_free_blocks} free, runtime holds {len(self._in_use)} of {self.num_blocks}"
+        )
+        private: set[int] = set()
+        referenced: set[int] = set()
+        for state in self._active.values():
+            assert not (private & state.private_block_ids), "a private block is owned twice"
+            private |= state.private_block_ids
+            referenced.update(b for b in state.block_ids if b not in state.private_block_ids)
+            assert set(state.block_ids) <= self._in_use, "a request holds a free block"
+        assert not (private & self._cached), "a block is both private and cached"
+        assert private | self._cached == self._in_use, "a block is leaked (in use, owned by nobody)"
+        evictable = set(self.evictable())
+        assert evictable <= self._cached, "an evictable block is not cached"
+        assert not (evictable & referenced), "a block held by a request is evictable"
+        assert evictable | referenced == self._cached, "a cached block is neither held nor evictable"

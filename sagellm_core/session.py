@@ -1,0 +1,67 @@
+"""One replay run, from settings to report: what ``sagellm replay`` and
+``sagellm compare`` do for each config, and what tests call directly."""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+
+import attrs
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sagellm_core import config as config_mod
+from sagellm_core.config import Settings
+from sagellm_core.errors import ConfigError
+from sagellm_core.registry import PluginContext, build_settings, load_class
+from sagellm_core.replay import workloads
+from sagellm_core.replay.engine import Recorder
+from sagellm_core.report import build
+from sagellm_core.runtime import Runtime
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("sagellm_core") / "default.toml"))
+
+
+def load_settings(path: str | Path | None, trace: str | None = None) -> Settings:
+    settings = config_mod.load(path or default_config_path())
+    if trace is not None:
+        source = "azure" if trace.endswith(".csv") else "mooncake"
+        settings = config_mod.with_workload(settings, source=source, path=trace)
+    return settings
+
+
+@attrs.frozen
+class RunResult:
+    report: dict
+    recorder: Recorder
+    runtime: Runtime
+
+
+def build_engine(settings: Settings):
+    sel = settings.engine
+    cls, _ = load_class("engine", sel.name, sel.where)
+    engine_settings = build_settings(cls, sel.params, f"{sel.where} engine {sel.name!r}")
+    engine = cls(engine_settings, PluginContext(sel.name, settings.block_size, settings.num_blocks))
+    if not hasattr(engine, "run"):
+        raise ConfigError(f"{sel.where}: engine {sel.name!r} cannot replay a workload (no run method)")
+    return engine, engine_settings
+
+
+def run(settings: Settings, *, label: str | None = None, progress: bool = False) -> RunResult:
+    engine, engine_settings = build_engine(settings)
+    rt = Runtime(settings)
+    requests = workloads.load(settings.workload)
+    label = label or Path(settings.path).stem
+    start = time.perf_counter()
+    if progress:
+        columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task(label, total=workloads.count(settings.workload))
+            recorder = engine.run(rt, requests, lambda: bar.advance(task))
+    else:
+        recorder = engine.run(rt, requests)
+    wall = time.perf_counter() - start
+    mode = getattr(engine_settings, "mode", settings.engine.name)
+    return RunResult(build(rt, recorder, mode, wall, label), recorder, rt)

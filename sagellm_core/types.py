@@ -1,0 +1,312 @@
+"""Value types exchanged between the runtime and plugins.
+
+Plugins exchange nothing else. Units are always explicit: ``*_blocks`` counts KV
+blocks of ``block_size`` tokens, ``*_tokens`` counts tokens, ``*_bytes`` bytes,
+``*_s`` seconds (simulated time in replay, wall time in a real engine).
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from typing import Iterator, Protocol, Sequence
+
+import attrs
+from attrs import define, field, frozen
+
+TOKEN_ARRAY_TYPECODE = "q"
+
+
+def as_token_array(values: Sequence[int] | None) -> array | None:
+    """Token ids are stored as a compact int64 ``array``: a 100k-token prompt as
+    a tuple of Python ints costs 3.6 MB, as an array 0.8 MB."""
+    if values is None:
+        return None
+    if isinstance(values, array) and values.typecode == TOKEN_ARRAY_TYPECODE:
+        return values
+    return array(TOKEN_ARRAY_TYPECODE, values)
+
+
+@frozen(eq=False)
+class Request:
+    """One inference request as it arrives: the facts, never the progress."""
+
+    request_id: str
+    prompt_token_ids: array = field(converter=as_token_array)
+    #: Output length. In replay the true length from the trace; in a real
+    #: engine the request's ``max_tokens``.
+    output_tokens: int
+    arrival_s: float = 0.0
+    tenant: str = "default"
+    priority: int = 0
+    session_id: str | None = None
+    #: Generated token ids when the workload knows them (the built-in generator
+    #: does), so that a finished request's output can be cached like a real
+    #: engine caches it. ``None`` when unknown (Mooncake and Azure traces).
+    output_token_ids: array | None = field(default=None, converter=as_token_array)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@define(eq=False)
+class SequenceState:
+    """The runtime's view of a request in flight.
+
+    Owned and mutated by the runtime only; scheduling passes read it and reorder
+    the lists that hold it, they never change its fields.
+    """
+
+    request: Request
+    prediction: "LifetimePrediction | None" = None
+    status: RequestStatus = RequestStatus.WAITING
+    #: Physical block ids, in token order: the prefix-cache hit first.
+    block_ids: list[int] = field(factory=list)
+    #: Blocks this request owns outright (allocated, not adopted by the cache).
+    private_block_ids: set[int] = field(factory=set)
+    #: Tokens whose KV is in ``block_ids`` (prompt, then generated).
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    #: Cached tokens found by the lookup at arrival (or at the last requeue);
+    #: a hint for scheduling passes, the admission match is authoritative.
+    cached_tokens_hint: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    first_scheduled_s: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what must be in KV to decode next."""
+        return self.request.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the prompt (and, after a preemption, the recomputed
+        output) is in KV; a decode step has exactly one token to compute."""
+        return self.num_output_tokens == 0 or self.num_computed_tokens < self.num_tokens - 1
+
+
+@frozen(slots=True)
+class CachedBlock:
+    """A block held by the prefix cache, as observation hooks report it."""
+
+    block_id: int
+    #: Position in its prefix chain: 0 for the first block of a prompt.
+    depth: int
+    #: Block id of the chain's previous block; ``None`` at depth 0.
+    parent_id: int | None
+    namespace: str = ""
+
+
+@frozen
+class PrefixMatch:
+    """The longest cached prefix of a request, block-aligned."""
+
+    blocks: tuple[CachedBlock, ...] = ()
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(b.block_id for b in self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+EMPTY_MATCH = PrefixMatch()
+
+
+@frozen
+class PrefixInsert:
+    """What ``sagellm_insert_prefix`` did with the blocks it was given."""
+
+    #: Blocks the cache adopted (now shared, locked for the request).
+    adopted: tuple[CachedBlock, ...] = ()
+    #: Blocks whose content the cache already held under another block id:
+    #: they stay private to the request and are freed when it finishes.
+    duplicate_ids: tuple[int, ...] = ()
+    #: Cached blocks that were evictable and are now locked for the request
+    #: (its path runs through them); observed as touched.
+    locked: tuple[CachedBlock, ...] = ()
+
+
+@frozen
+class BlockAllocation:
+    block_ids: tuple[int, ...]
+
+
+@frozen
+class PoolUsage:
+    num_blocks: int
+    num_free_blocks: int
+    #: Runs of consecutive free block ids (1 when the free space is one run).
+    num_free_runs: int = 1
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def external_fragmentation(self) -> float:
+        """0 when the free blocks form one run, 1 when no two are adjacent;
+        matters to engines and transports that move runs of blocks."""
+        if self.num_free_blocks <= 1:
+            return 0.0
+        return (self.num_free_runs - 1) / (self.num_free_blocks - 1)
+
+
+class EvictionCandidates(Protocol):
+    """The prefix cache's evictable blocks (unreferenced), as the runtime hands
+    them to the victim-selection hook. Membership and size are O(1)."""
+
+    def __contains__(self, block_id: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[int]: ...
+
+
+@frozen
+class EvictionDecision:
+    #: Victims in eviction order. Each must be an evictable candidate. Evicting
+    #: a block also drops its cached descendants, which are useless without it.
+    victim_ids: tuple[int, ...]
+
+
+@frozen
+class PreemptionDecision:
+    #: The running request to preempt (recompute) to free its blocks.
+    request_id: str
+
+
+@frozen
+class LifetimePrediction:
+    """Predicted output length of a request."""
+
+    output_tokens: float
+    low_tokens: float
+    high_tokens: float
+    #: 0..1; consumers may ignore predictions below their own threshold.
+    confidence: float
+    predictor: str = ""
+
+
+@define
+class ScheduleIR:
+    """What one scheduling step starts from. Passes run in the configured order
+    and refine it in place: they reorder ``waiting`` (admission order) and
+    ``running`` (budget order; the tail is preempted first by the default
+    preemption rule) and may lower ``token_budget`` or ``max_num_seqs``."""
+
+    now_s: float
+    step: int
+    waiting: list[SequenceState]
+    running: list[SequenceState]
+    token_budget: int
+    max_num_seqs: int
+    block_size: int
+    num_free_blocks: int
+    num_evictable_blocks: int
+
+
+@frozen
+class ScheduledChunk:
+    request_id: str
+    num_new_tokens: int
+    #: Tokens already in KV before this step (cached or computed).
+    num_context_tokens: int
+    is_prefill: bool
+
+
+@frozen
+class StepPlan:
+    """The batch one step executes, after packing under budget and memory."""
+
+    step: int
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+@frozen
+class StepResult:
+    """Observed once a step has executed."""
+
+    plan: StepPlan
+    start_s: float
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    pool: PoolUsage
+
+
+@frozen
+class TransferPlan:
+    """Move the KV of some blocks between tiers (``device``, ``host``, a
+    remote peer's name). ``src_block_ids[i]`` goes to the i-th destination
+    slot chosen by the transport."""
+
+    src_tier: str
+    dst_tier: str
+    src_block_ids: tuple[int, ...]
+    block_size: int
+    #: Destination blocks, when the caller owns them (a load into blocks it
+    #: allocated); empty lets the transport pick slots in a tier it manages.
+    dst_block_ids: tuple[int, ...] = ()
+    #: Content keys of the blocks (chained, so equal key means equal prefix),
+    #: letting a tier find a block again on a later load.
+    block_keys: tuple[bytes, ...] = ()
+
+
+@frozen
+class TransferResult:
+    ok: bool
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    dst_block_ids: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@frozen
+class RequestOutcome:
+    """What the runtime observed of a finished request."""
+
+    request: Request
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_preemptions: int
+    prediction: LifetimePrediction | None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+def evolve(inst, **changes):
+    """``attrs.evolve``, re-exported so plugins need only this module."""
+    return attrs.evolve(inst, **changes)
