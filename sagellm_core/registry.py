@@ -134,10 +134,10 @@ def build_settings(cls: type, params: Mapping[str, Any], where: str) -> Any:
     try:
         return settings_cls(**params)
     except (TypeError, ValueError) as exc:
-        attribute = next((a for a in exc.args if isinstance(a, attrs.Attribute)), None)
-        if attribute is not None:
-            value = params.get(attribute.name)
-            raise ConfigError(
-                f"{where}: bad value {attribute.name} = {value!r}: {exc.args[0]}"
-            ) from exc
+        # Find the parameter at fault: the first that fails on its own.
+        for key, value in params.items():
+            try:
+                settings_cls(**{key: value})
+            except (TypeError, ValueError) as alone:
+                raise ConfigError(f"{where}: bad value {key} = {value!r}: {alone.args[0]}") from exc
         raise ConfigError(f"{where}: {exc}") from exc

@@ -146,14 +146,14 @@ class Runtime:
         except Exception as exc:
             raise ConfigError(f"{sel.where}: plugin {sel.name!r} failed to start: {exc}") from exc
         loaded = LoadedPlugin(sel, info, instance)
-        wanted = SECTION_HOOKS.get(sel.section, ())
-        if wanted and not any(hasattr(instance, h) for h in wanted):
-            raise ConfigError(f"{sel.where}: {loaded} implements none of {', '.join(wanted)}")
         try:
             self.pm.register(instance, name=f"{sel.section}:{sel.name}")
             self.pm.check_pending()
         except (pluggy.PluginValidationError, ValueError) as exc:
             raise ConfigError(f"{sel.where}: {loaded} is not a valid plugin: {exc}") from exc
+        wanted = SECTION_HOOKS.get(sel.section, ())
+        if wanted and not any(hasattr(instance, h) for h in wanted):
+            raise ConfigError(f"{sel.where}: {loaded} implements none of {', '.join(wanted)}")
         self.plugins.setdefault(sel.section, []).append(loaded)
 
     def _who(self, section: str) -> str:

@@ -1,0 +1,38 @@
+"""Helpers for testing plugins, for this project and for plugin authors.
+
+``declare_plugins`` writes a minimal ``*.dist-info`` with entry points into a
+folder and puts it on ``sys.path``: ``importlib.metadata`` then finds the
+plugins exactly as it finds installed ones, without installing anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import tomllib
+
+from sagellm_core import config as config_mod
+from sagellm_core.config import Settings
+
+
+def declare_plugins(folder: Path, entry_points: dict[str, dict[str, str]], name: str = "sagellm-test-plugins") -> None:
+    """Declare ``{group: {plugin name: "module:Class"}}`` as the entry points
+    of a distribution ``name`` found in ``folder``."""
+    dist = Path(folder) / f"{name.replace('-', '_')}-0.0.1.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.1\n")
+    lines = []
+    for group, plugins in entry_points.items():
+        lines.append(f"[{group}]")
+        lines += [f"{plugin} = {target}" for plugin, target in plugins.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+
+
+def settings_from_toml(text: str, path: str = "<test>") -> Settings:
+    """Parse config text as if it were a file at ``path``."""
+    return config_mod.parse(tomllib.loads(text), path)

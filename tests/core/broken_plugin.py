@@ -1,0 +1,1 @@
+raise RuntimeError("this module must only be imported when selected")

@@ -1,0 +1,87 @@
+"""Config errors: each one line naming the file, the key, the bad value and
+what is accepted."""
+
+import pytest
+
+from sagellm_core import config
+from sagellm_core.errors import ConfigError
+from sagellm_core.testing import settings_from_toml
+
+GOOD = """
+[engine]
+name = "replay"
+mode = "cache-only"
+[prefix_cache]
+plugin = "radix"
+block_size = 32
+[kv_pool]
+plugin = "paged"
+num_blocks = 100
+[eviction]
+plugin = "lru"
+[scheduler]
+passes = ["fcfs", "prefix-aware"]
+[scheduler.prefix-aware]
+max_queue = 8
+[transport]
+plugin = "local"
+offload_evicted = true
+host_blocks = 10
+[workload]
+source = "generator"
+tenants = 2
+"""
+
+
+def test_good_config_is_typed():
+    s = settings_from_toml(GOOD, "good.toml")
+    assert s.block_size == 32 and s.num_blocks == 100
+    assert s.engine.name == "replay" and s.engine.params == {"mode": "cache-only"}
+    assert [p.name for p in s.passes] == ["fcfs", "prefix-aware"]
+    assert s.passes[1].params == {"max_queue": 8}
+    assert s.transport.params == {"host_blocks": 10} and s.offload_evicted is True
+    assert s.workload.tenants == 2 and s.workload.turns == 4
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (("num_blocks = 100", "num_blocks = -3"), "good.toml: [kv_pool] num_blocks = -3: a positive number of blocks"),
+        (("num_blocks = 100", "num_blocks = 'many'"), "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks"),
+        (("num_blocks = 100", ""), "good.toml: [kv_pool]: missing key 'num_blocks'"),
+        (("block_size = 32", "block_size = 0"), "good.toml: [prefix_cache] block_size = 0: a positive number of tokens"),
+        (('[workload]', '[wrkload]'), "good.toml: unknown section [wrkload]; accepted: engine,"),
+        (('tenants = 2', 'tenants = 2\ncolour = "red"'), "good.toml: [workload]: unknown key 'colour'"),
+        (('tenants = 2', 'tenants = -1'), "good.toml: [workload] tenants = -1: a non-negative integer"),
+        (('source = "generator"', 'source = "kafka"'), "good.toml: [workload] source = 'kafka': accepted: generator, mooncake, azure"),
+        (('source = "generator"', 'source = "mooncake"'), "good.toml: [workload] source = 'mooncake' needs path = FILE"),
+        (('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs", "fcfs"]'), "good.toml: [scheduler] passes = ['fcfs', 'fcfs']: each pass at most once"),
+        (('passes = ["fcfs", "prefix-aware"]', 'passes = "fcfs"'), "good.toml: [scheduler] passes = 'fcfs': a list of pass names"),
+        (('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs"]'), "good.toml: [scheduler]: unknown key 'prefix-aware'"),
+        (('offload_evicted = true', 'offload_evicted = "yes"'), "good.toml: [transport] offload_evicted = 'yes': true or false"),
+        (('[eviction]\nplugin = "lru"', ''), "good.toml: [prefix_cache] is set but [eviction] is missing"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_culprit(edit, expected):
+    text = GOOD.replace(*edit)
+    with pytest.raises(ConfigError) as err:
+        settings_from_toml(text, "good.toml")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(expected), message
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\nname = 1\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: invalid TOML: .*line 1"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match=r"nope.toml: no such config file"):
+        config.load(tmp_path / "nope.toml")
+
+
+def test_trace_path_is_relative_to_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    cfg = tmp_path / "sub" / "c.toml"
+    cfg.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 4\n[workload]\nsource = "azure"\npath = "../t.csv"\n')
+    assert config.load(cfg).workload.path == str(tmp_path / "sub" / ".." / "t.csv")

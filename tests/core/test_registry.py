@@ -1,0 +1,94 @@
+"""Plugin discovery: only selected plugins are imported; unknown, blocked,
+misconfigured or broken plugins are one-line errors naming them."""
+
+import sys
+
+import pytest
+
+from sagellm_core import registry
+from sagellm_core.errors import ConfigError
+from sagellm_core.runtime import Runtime
+from sagellm_core.testing import settings_from_toml
+
+BASE = """
+[kv_pool]
+plugin = "tiny"
+num_blocks = 8
+[lifetime]
+plugin = "{name}"
+{params}
+"""
+
+
+def runtime(name, params=""):
+    return Runtime(settings_from_toml(BASE.format(name=name, params=params), "cfg.toml"))
+
+
+def test_selected_plugins_are_registered_and_answer(sample_plugins):
+    rt = runtime("fixed", "tokens = 7")
+    assert [p.selection.name for p in rt.plugins["lifetime"]] == ["fixed"]
+    assert rt.plugins["lifetime"][0].info.distribution == "sagellm-sample-plugins"
+    assert rt.hook.sagellm_predict_lifetime(request=None).output_tokens == 7
+
+
+def test_only_selected_plugins_are_imported(sample_plugins):
+    runtime("fixed")
+    assert "broken_plugin" not in sys.modules
+
+
+def test_plugin_that_fails_to_import_is_named(sample_plugins):
+    with pytest.raises(ConfigError, match=r"^cfg.toml: \[lifetime\]: plugin 'broken' \(broken_plugin:Nothing\) failed to import: RuntimeError"):
+        runtime("broken")
+
+
+def test_unknown_plugin_lists_installed_and_names_the_distribution(sample_plugins):
+    with pytest.raises(ConfigError) as err:
+        runtime("fixd")
+    # Other lifetime plugins may be installed beside the sample ones.
+    assert str(err.value).startswith("cfg.toml: [lifetime]: unknown lifetime plugin 'fixd'; installed: broken, fixed, ")
+    assert str(err.value).endswith(" (first-party lifetime plugins: pip install sagellm-plugin-lifetime)")
+
+
+@pytest.mark.parametrize("blocked", ["fixed", "sagellm.lifetime:fixed", "other, fixed"])
+def test_environment_variable_blocks_plugins(sample_plugins, monkeypatch, blocked):
+    monkeypatch.setenv(registry.BLOCK_ENV, blocked)
+    with pytest.raises(ConfigError, match=r"plugin 'fixed' \(sagellm.lifetime\) is blocked by SAGELLM_BLOCK_PLUGINS"):
+        runtime("fixed")
+
+
+def test_block_list_of_another_group_does_not_block(sample_plugins, monkeypatch):
+    monkeypatch.setenv(registry.BLOCK_ENV, "sagellm.eviction:fixed")
+    runtime("fixed")
+
+
+def test_unknown_parameter_is_an_error_not_dropped(sample_plugins):
+    with pytest.raises(ConfigError, match=r"^cfg.toml: \[lifetime\] plugin 'fixed': unknown parameter 'tokns'; accepted: tokens$"):
+        runtime("fixed", "tokns = 3")
+
+
+def test_parameter_is_validated_by_the_plugin_settings(sample_plugins):
+    with pytest.raises(ConfigError, match=r"^cfg.toml: \[lifetime\] plugin 'fixed': bad value tokens = -3: "):
+        runtime("fixed", "tokens = -3")
+    with pytest.raises(ConfigError, match=r"bad value tokens = 'many'"):
+        runtime("fixed", 'tokens = "many"')
+
+
+def test_plugin_without_parameters_rejects_any(sample_plugins):
+    with pytest.raises(ConfigError, match=r"unknown parameter 'x'; accepted: no parameters"):
+        runtime("silent", "x = 1")
+
+
+def test_plugin_implementing_none_of_its_hooks(sample_plugins):
+    with pytest.raises(ConfigError, match=r"lifetime plugin 'silent' \(sagellm-sample-plugins 0.0.1\) implements none of sagellm_predict_lifetime"):
+        runtime("silent")
+
+
+def test_misspelt_hook_is_rejected(sample_plugins):
+    with pytest.raises(ConfigError, match=r"is not a valid plugin: .*sagellm_predict_lifetme"):
+        runtime("misspelt")
+
+
+def test_runtime_state_is_clean_after_start(sample_plugins):
+    rt = runtime("fixed")
+    rt.check_invariants()
+    assert rt.pool_usage().num_free_blocks == 8

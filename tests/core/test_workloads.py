@@ -1,0 +1,123 @@
+import json
+
+import pytest
+
+from sagellm_core.config import WorkloadSettings
+from sagellm_core.errors import TraceError
+from sagellm_core.replay import workloads
+
+
+def write_mooncake(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
+    trace = write_mooncake(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [7, 8]},
+            {"timestamp": 1500, "input_length": 600, "output_length": 9, "hash_ids": [7, 9]},
+        ],
+    )
+    a, b = workloads.mooncake(trace)
+    assert a.num_prompt_tokens == 1000 and b.num_prompt_tokens == 600
+    assert (a.arrival_s, b.arrival_s) == (0.0, 1.5)
+    assert a.prompt_token_ids[:512] == b.prompt_token_ids[:512]  # same hash, same tokens
+    assert a.prompt_token_ids[512:600] != b.prompt_token_ids[512:600]
+    # 16-token blocks: the first 32 agree, the 33rd differs.
+    for i in range(32):
+        assert a.prompt_token_ids[i * 16:(i + 1) * 16] == b.prompt_token_ids[i * 16:(i + 1) * 16]
+    assert a.prompt_token_ids[512:528] != b.prompt_token_ids[512:528]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "t.jsonl:2: not a JSON object: Expecting property name enclosed in double quotes"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1}', "t.jsonl:2: missing key 'hash_ids'"),
+        ('{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}', "t.jsonl:2: input_length = 0: a positive integer"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "t.jsonl:2: hash_ids: a list of non-negative integers"),
+        ('{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: 1 hash_ids for input_length 1000; 512-token blocks need 2"),
+        ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: timestamp = 'x': milliseconds"),
+        ("[1, 2]", "t.jsonl:2: not a JSON object"),
+    ],
+)
+def test_broken_mooncake_line_is_one_line_error(tmp_path, line, message):
+    good = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}
+    trace = write_mooncake(tmp_path / "t.jsonl", [good, line])
+    with pytest.raises(TraceError) as err:
+        list(workloads.mooncake(trace))
+    assert str(err.value) == str(tmp_path / message)
+    assert "\n" not in str(err.value)
+
+
+def test_arrivals_must_not_go_backwards(tmp_path):
+    trace = write_mooncake(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 5000, "input_length": 10, "output_length": 1, "hash_ids": [0]},
+            {"timestamp": 1000, "input_length": 10, "output_length": 1, "hash_ids": [1]},
+        ],
+    )
+    settings = WorkloadSettings(source="mooncake", path=trace)
+    with pytest.raises(TraceError, match=r"request 2 \(mooncake-2\) arrives at 1.0s, before the previous one \(5.0s\)"):
+        list(workloads.load(settings))
+
+
+def test_azure_csv(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+    )
+    a, b = workloads.azure(str(path))
+    assert (a.num_prompt_tokens, a.output_tokens, b.output_tokens) == (374, 44, 109)
+    assert b.arrival_s == pytest.approx(4.314579, abs=1e-5)
+    assert not set(a.prompt_token_ids) & set(b.prompt_token_ids)  # lengths only: nothing shared
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("time,a,b\n", "a.csv:1: header"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,abc,4\n", "a.csv:2: invalid literal"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,3,4\n", "a.csv:2: time data 'yesterday'"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,3\n", "a.csv:2: expected 3 columns, got 2"),
+    ],
+)
+def test_broken_azure_line(tmp_path, content, message):
+    path = tmp_path / "a.csv"
+    path.write_text(content)
+    with pytest.raises(TraceError, match=message):
+        list(workloads.azure(str(path)))
+
+
+def test_generator_sessions_share_system_prompts_and_grow():
+    s = WorkloadSettings(tenants=2, sessions_per_tenant=3, turns=3, system_prompt_tokens=64, seed=1)
+    requests = list(workloads.generate(s))
+    assert len(requests) == 2 * 3 * 3 == workloads.count(s)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    by_session = {}
+    for r in requests:
+        by_session.setdefault(r.session_id, []).append(r)
+    for turns in by_session.values():
+        for prev, cur in zip(turns, turns[1:]):
+            # The next prompt extends the previous prompt and its reply.
+            history = prev.prompt_token_ids + prev.output_token_ids
+            assert cur.prompt_token_ids[: len(history)] == history
+            assert cur.num_prompt_tokens > len(history)
+    tenant0 = [r for r in requests if r.tenant == "tenant-0"]
+    assert len({r.prompt_token_ids[:64].tobytes() for r in tenant0}) == 1
+    first = {r.tenant: r.prompt_token_ids[:64].tobytes() for r in requests}
+    assert first["tenant-0"] != first["tenant-1"]
+
+
+def test_generator_is_seeded():
+    s = WorkloadSettings(seed=3, sessions_per_tenant=2)
+    a = [(r.request_id, r.arrival_s, r.prompt_token_ids.tobytes()) for r in workloads.generate(s)]
+    b = [(r.request_id, r.arrival_s, r.prompt_token_ids.tobytes()) for r in workloads.generate(s)]
+    c = [(r.request_id, r.arrival_s) for r in workloads.generate(WorkloadSettings(seed=4, sessions_per_tenant=2))]
+    assert a == b
+    assert [x[:2] for x in a] != c
