@@ -81,8 +81,10 @@ def sagellm_insert_prefix(
 ) -> PrefixInsert | None:
     """Cache the full blocks of ``token_ids`` (the request's prompt, or prompt
     and output), whose KV lives in ``block_ids`` (one id per full block, in
-    token order, the acquired prefix included). Adopted blocks stay locked for
-    ``request`` until :func:`sagellm_release_prefix`.
+    token order, the acquired prefix included). The request's whole path
+    stays locked for it until :func:`sagellm_release_prefix`. Pages already
+    cached under another block are reported in ``replaced``: the request
+    switches to the cached block and the runtime frees its own copy.
     """
 
 

@@ -352,12 +352,14 @@ class Runtime:
         if match.blocks:
             # Before any eviction, so the policy never picks a locked block.
             self._observe("sagellm_blocks_touched", blocks=match.blocks, now_s=self.now_s)
-        if need > free and not self._make_room(need):
-            released = self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
-            if released:
-                self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+        try:
+            ids = self._allocate(need, request) if need <= free or self._make_room(need) else None
+        except PluginError:
+            self._unlock_after_touch(request)
+            raise
+        if ids is None:
+            self._unlock_after_touch(request)
             return 0
-        ids = self._allocate(need, request)
         state.block_ids = [*match.block_ids, *ids]
         state.private_block_ids = set(ids)
         state.num_computed_tokens = cached
@@ -373,6 +375,11 @@ class Runtime:
         else:
             c.reprefill_tokens += state.num_tokens - cached
         return num_new
+
+    def _unlock_after_touch(self, request: Request) -> None:
+        released = self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
+        if released:
+            self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
 
     def grow(self, state: SequenceState, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of a running request."""
@@ -408,15 +415,25 @@ class Runtime:
         if not isinstance(result, PrefixInsert):
             raise self._bad("prefix_cache", "sagellm_insert_prefix", f"returned {result!r}, not a PrefixInsert")
         adopted = [b.block_id for b in result.adopted]
-        if not state.private_block_ids.issuperset(adopted) or not set(given).issuperset(result.duplicate_ids):
+        position = {block_id: i for i, block_id in enumerate(given)}
+        if not state.private_block_ids.issuperset(adopted) or any(
+            g not in position or g not in state.private_block_ids or b.block_id not in self._cached
+            for g, b in result.replaced
+        ):
             raise self._bad(
-                "prefix_cache", "sagellm_insert_prefix", f"adopted {adopted} of blocks {given} it was not given"
+                "prefix_cache", "sagellm_insert_prefix",
+                f"adopted {adopted} / replaced {[g for g, _ in result.replaced]} of blocks {given} it was not given",
             )
         stray = [b.block_id for b in result.locked if b.block_id not in self._cached]
         if stray:
             raise self._bad("prefix_cache", "sagellm_insert_prefix", f"locked blocks that are not cached: {stray[:8]}")
         state.private_block_ids.difference_update(adopted)
         self._cached.update(adopted)
+        if result.replaced:
+            for given_id, cached in result.replaced:
+                state.block_ids[position[given_id]] = cached.block_id
+                state.private_block_ids.discard(given_id)
+            self._free(g for g, _ in result.replaced)
         if result.locked:
             self._observe("sagellm_blocks_touched", blocks=result.locked, now_s=self.now_s)
         if result.adopted:

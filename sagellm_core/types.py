@@ -134,9 +134,11 @@ class PrefixInsert:
 
     #: Blocks the cache adopted (now shared, locked for the request).
     adopted: tuple[CachedBlock, ...] = ()
-    #: Blocks whose content the cache already held under another block id:
-    #: they stay private to the request and are freed when it finishes.
-    duplicate_ids: tuple[int, ...] = ()
+    #: ``(given block id, cached block)`` for pages whose content the cache
+    #: already held under another block: the request switches to the cached
+    #: block (its KV is the same) and the runtime frees the given one, as
+    #: SGLang does, so no page is held twice.
+    replaced: tuple[tuple[int, CachedBlock], ...] = ()
     #: Cached blocks that were evictable and are now locked for the request
     #: (its path runs through them); observed as touched.
     locked: tuple[CachedBlock, ...] = ()

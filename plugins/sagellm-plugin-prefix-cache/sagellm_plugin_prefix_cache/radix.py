@@ -154,8 +154,8 @@ class RadixPrefixCache:
     ) -> PrefixInsert:
         num_pages = len(block_ids)
         node, matched = self._walk(token_ids, num_pages, split=True)
-        duplicates = tuple(
-            given for given, held in zip(block_ids, matched) if given != held.block_id
+        replaced = tuple(
+            (given, held) for given, held in zip(block_ids, matched) if given != held.block_id
         )
         adopted: tuple[CachedBlock, ...] = ()
         page = len(matched)
@@ -184,7 +184,7 @@ class RadixPrefixCache:
             self._unlock(old)
         self._locked[request.request_id] = node
         locked = tuple(b for n in reversed(taken) if n is not node or not adopted for b in n.blocks)
-        return PrefixInsert(adopted, duplicates, locked)
+        return PrefixInsert(adopted, replaced, locked)
 
     @hookimpl
     def sagellm_release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
