@@ -120,6 +120,8 @@ class Runtime:
         # passes in reverse so they run in the order the config lists them.
         for sel in [*reversed(settings.passes), *settings.decisions()]:
             self._register(sel)
+        if "scheduler" in self.plugins:
+            self.plugins["scheduler"].reverse()  # listed in config order
         self.hook = self.pm.hook
         # Ground truth for invariants: blocks taken from the pool and not yet
         # returned; of these, the ones the prefix cache holds.

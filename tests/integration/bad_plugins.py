@@ -1,0 +1,79 @@
+"""First-party plugins made to break their contract, one way each."""
+
+from sagellm_plugin_eviction.lru import LRUEviction
+from sagellm_plugin_kv_pool.paged import PagedPool
+from sagellm_plugin_lifetime.stat import StatLifetime
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
+
+from sagellm_core import hookimpl
+from sagellm_core.types import BlockAllocation, EvictionDecision, LifetimePrediction, PrefixMatch
+
+
+class StrangerVictims(LRUEviction):
+    """Names a block that is not an evictable candidate."""
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision((10_000,))
+
+
+class GreedyVictims(LRUEviction):
+    """Returns more victims than asked for."""
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision(tuple(candidates)[: num_blocks + 1])
+
+
+class NotADecision(LRUEviction):
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return [1, 2, 3]
+
+
+class GenerousPool(PagedPool):
+    """Hands out one block more than asked."""
+
+    @hookimpl
+    def sagellm_allocate_blocks(self, num_blocks, request):
+        alloc = super().sagellm_allocate_blocks(num_blocks + 1, request)
+        return alloc if alloc.block_ids else super().sagellm_allocate_blocks(num_blocks, request)
+
+
+class ReusingPool(PagedPool):
+    """Hands out the same blocks again: blocks that are in use."""
+
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
+        self.first = None
+
+    @hookimpl
+    def sagellm_allocate_blocks(self, num_blocks, request):
+        if self.first is None:
+            self.first = super().sagellm_allocate_blocks(num_blocks, request)
+            return self.first
+        return BlockAllocation(self.first.block_ids[:num_blocks])
+
+
+class OverMatching(RadixPrefixCache):
+    """Claims the whole prompt is cached, blocks that are not."""
+
+    @hookimpl
+    def sagellm_acquire_prefix(self, request):
+        super().sagellm_acquire_prefix(request)
+        n = request.num_prompt_tokens // self.block_size
+        from sagellm_core.types import CachedBlock
+
+        return PrefixMatch(tuple(CachedBlock(900 + i, i, None) for i in range(n)))
+
+
+class CrashingLifetime(StatLifetime):
+    @hookimpl
+    def sagellm_predict_lifetime(self, request):
+        raise ZeroDivisionError("no data")
+
+
+class NegativeLifetime(StatLifetime):
+    @hookimpl
+    def sagellm_predict_lifetime(self, request):
+        return LifetimePrediction(-5.0, 0, 0, 1.0)

@@ -1,0 +1,36 @@
+from pathlib import Path
+
+import pytest
+
+from sagellm_core.testing import declare_plugins
+
+HERE = Path(__file__).parent
+PROJECT = HERE.parent.parent
+TRACES = PROJECT.parent / "shared" / "data" / "traces"
+
+
+@pytest.fixture
+def bad_plugins(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declare_plugins(
+        tmp_path,
+        {
+            "sagellm.eviction": {
+                "stranger": "bad_plugins:StrangerVictims",
+                "greedy": "bad_plugins:GreedyVictims",
+                "not-a-decision": "bad_plugins:NotADecision",
+            },
+            "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
+            "sagellm.prefix_cache": {"over-matching": "bad_plugins:OverMatching"},
+            "sagellm.lifetime": {"crashing": "bad_plugins:CrashingLifetime", "negative": "bad_plugins:NegativeLifetime"},
+        },
+        name="sagellm-bad-plugins",
+    )
+
+
+@pytest.fixture
+def traces():
+    if not (TRACES / "mooncake_conversation.jsonl").exists():
+        pytest.skip(f"the shared traces are not at {TRACES}")
+    return TRACES

@@ -1,0 +1,118 @@
+"""A plugin that returns nonsense gets a one-line error naming it, and the
+runtime's own state is unchanged."""
+
+import pytest
+
+from sagellm_core.errors import PluginError
+from sagellm_core.runtime import Runtime
+from sagellm_core.testing import settings_from_toml
+from sagellm_core.types import Request
+
+CONFIG = """
+[prefix_cache]
+plugin = "{cache}"
+block_size = 4
+[kv_pool]
+plugin = "{pool}"
+num_blocks = 6
+[eviction]
+plugin = "{eviction}"
+[lifetime]
+plugin = "{lifetime}"
+"""
+
+
+def runtime(cache="radix", pool="paged", eviction="lru", lifetime="stat"):
+    text = CONFIG.format(cache=cache, pool=pool, eviction=eviction, lifetime=lifetime)
+    return Runtime(settings_from_toml(text), hook_timing=False)
+
+
+def request(rid, tokens):
+    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=2)
+
+
+def fill_cache(rt):
+    """Cache 4 blocks (two finished requests), leaving 2 free."""
+    for rid, base in (("a", 0), ("b", 100)):
+        state = rt.arrive(request(rid, list(range(base, base + 9))))
+        assert rt.admit(state, 64) == 9
+        state.num_computed_tokens = 9
+        rt.finish(state)
+    assert len(rt.evictable()) == 4 and rt.pool_usage().num_free_blocks == 2
+
+
+def snapshot(rt):
+    return (set(rt._in_use), set(rt._cached), dict(rt._active), rt.pool_usage(), len(rt.evictable()))
+
+
+def admit_fails(rt, match):
+    state = rt.arrive(request("c", list(range(500, 517))))  # needs 5 blocks: must evict
+    before = snapshot(rt)
+    with pytest.raises(PluginError) as err:
+        rt.admit(state, 64)
+    message = str(err.value)
+    assert "\n" not in message
+    assert match in message, message
+    assert snapshot(rt) == before
+    assert state.block_ids == [] and state.num_computed_tokens == 0
+    rt.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "eviction, match",
+    [
+        ("stranger", "eviction plugin 'stranger' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned victims that are not evictable candidates: [10000]"),
+        ("greedy", "eviction plugin 'greedy' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned 4 victims, asked for at most 3"),
+        ("not-a-decision", "sagellm_select_victims returned [1, 2, 3], not an EvictionDecision"),
+    ],
+)
+def test_bad_victims(bad_plugins, eviction, match):
+    rt = runtime(eviction=eviction)
+    fill_cache(rt)
+    admit_fails(rt, match)
+
+
+def test_more_blocks_than_asked(bad_plugins):
+    rt = runtime(pool="generous")
+    state = rt.arrive(request("a", list(range(9))))
+    before = snapshot(rt)
+    with pytest.raises(PluginError, match=r"^kv_pool plugin 'generous' \(sagellm-bad-plugins 0.0.1\) sagellm_allocate_blocks returned 4 blocks, asked for 3"):
+        rt.admit(state, 64)
+    assert snapshot(rt)[:3] == before[:3]
+
+
+def test_allocation_from_blocks_in_use(bad_plugins):
+    rt = runtime(pool="reusing")
+    first = rt.arrive(request("a", list(range(9))))
+    assert rt.admit(first, 64) == 9
+    second = rt.arrive(request("b", list(range(100, 105))))
+    before = snapshot(rt)
+    with pytest.raises(PluginError, match=r"kv_pool plugin 'reusing' .* sagellm_allocate_blocks returned blocks already in use: \[0, 1\]"):
+        rt.admit(second, 64)
+    assert snapshot(rt)[:3] == before[:3]
+    assert second.block_ids == []
+
+
+def test_prefix_cache_claiming_uncached_blocks(bad_plugins):
+    rt = runtime(cache="over-matching")
+    state = rt.arrive(request("a", list(range(9))))
+    before = snapshot(rt)
+    with pytest.raises(PluginError, match=r"^prefix_cache plugin 'over-matching' .* sagellm_acquire_prefix matched blocks that are not cached: \(900, 901\)$"):
+        rt.admit(state, 64)
+    assert snapshot(rt) == before
+    rt.check_invariants()  # the lock the plugin took was rolled back
+
+
+def test_plugin_that_raises_is_named(bad_plugins):
+    rt = runtime(lifetime="crashing")
+    with pytest.raises(PluginError) as err:
+        rt.arrive(request("a", [1, 2, 3]))
+    assert str(err.value) == (
+        "lifetime plugin 'crashing' (sagellm-bad-plugins 0.0.1) raised in sagellm_predict_lifetime: ZeroDivisionError: no data"
+    )
+
+
+def test_nonsense_prediction_is_rejected(bad_plugins):
+    rt = runtime(lifetime="negative")
+    with pytest.raises(PluginError, match=r"lifetime plugin 'negative' .* sagellm_predict_lifetime returned LifetimePrediction\(output_tokens=-5.0"):
+        rt.arrive(request("a", [1, 2, 3]))
