@@ -207,20 +207,21 @@ class RadixPrefixCache:
         for block_id in block_ids:
             node = self._where.get(block_id)
             if node is None:
-                continue  # went with an ancestor victim
+                continue  # went with an ancestor named earlier in this call
             index = self._info[block_id].depth - node.start
+            gone = node.blocks[index:]
             stack = list(node.children.values())
             while stack:
                 sub = stack.pop()
                 stack.extend(sub.children.values())
-                removed.extend(sub.blocks)
+                gone.extend(sub.blocks)
             node.children = {}
-            removed.extend(node.blocks[index:])
             if index == 0:
                 del node.parent.children[node.keys[0]]
             del node.keys[index:], node.blocks[index:]
-        for block in removed:
-            del self._where[block.block_id], self._info[block.block_id]
+            for block in gone:
+                del self._where[block.block_id], self._info[block.block_id]
+            removed.extend(gone)
         self._num_evictable -= len(removed)
         return tuple(removed)
 

@@ -1,0 +1,42 @@
+import numpy as np
+from sagellm_plugin_kv_transport.local import LocalSettings, LocalTransport
+
+from sagellm_core import PluginContext
+from sagellm_core.types import TransferPlan
+
+CTX = PluginContext("local", block_size=16, num_blocks=8)
+
+
+def transport(host=4, bpb=32):
+    return LocalTransport(LocalSettings(host_blocks=host, bytes_per_block=bpb), CTX)
+
+
+def test_offload_and_load_back_moves_the_bytes():
+    t = transport()
+    device = t.tiers["device"]
+    device[:] = np.arange(8, dtype=np.uint8)[:, None] * 3 + 1
+    out = t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (5, 2), 16))
+    assert out.ok and out.num_blocks == 2 and out.num_bytes == 64 and len(out.dst_block_ids) == 2
+    device[[5, 2]] = 0
+    back = t.sagellm_transfer_blocks(plan=TransferPlan("host", "device", out.dst_block_ids, 16, dst_block_ids=(0, 7)))
+    assert back.ok
+    assert (device[0] == 5 * 3 + 1).all() and (device[7] == 2 * 3 + 1).all()
+
+
+def test_host_tier_reuses_oldest_slots_when_full():
+    t = transport(host=2)
+    first = t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (0, 1), 16)).dst_block_ids
+    second = t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (2,), 16)).dst_block_ids
+    assert second == (first[0],)
+
+
+def test_failures_are_results_not_exceptions():
+    t = transport()
+    for plan, error in [
+        (TransferPlan("device", "ssd", (0,), 16), "unknown tier 'ssd'"),
+        (TransferPlan("host", "device", (0,), 16), "needs dst_block_ids"),
+        (TransferPlan("device", "host", (99,), 16), "out of the tier's range"),
+        (TransferPlan("device", "host", tuple(range(8)), 16), "do not fit tier 'host'"),
+    ]:
+        result = t.sagellm_transfer_blocks(plan=plan)
+        assert not result.ok and error in result.error

@@ -1,0 +1,171 @@
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
+
+from sagellm_core import PluginContext
+from sagellm_core.types import Request
+
+BS = 4
+
+
+def make():
+    return RadixPrefixCache(None, PluginContext("radix", block_size=BS, num_blocks=1000))
+
+
+def req(rid, tokens):
+    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1)
+
+
+class Blocks:
+    def __init__(self):
+        self.next = 0
+
+    def take(self, n):
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def serve(cache, blocks, rid, tokens):
+    """Acquire, insert the full blocks, return the request."""
+    r = req(rid, tokens)
+    match = cache.sagellm_acquire_prefix(request=r)
+    n_full = len(tokens) // BS
+    ids = list(match.block_ids) + blocks.take(n_full - match.num_blocks)
+    cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids[: n_full * BS], block_ids=ids)
+    return r
+
+
+def test_match_reuses_inserted_blocks_and_leaves_one_token():
+    cache, blocks = make(), Blocks()
+    a = serve(cache, blocks, "a", list(range(12)))  # 3 blocks
+    released = cache.sagellm_release_prefix(request=a)
+    assert [b.block_id for b in released] == [0, 1, 2]  # chain order, root first
+    assert [b.depth for b in released] == [0, 1, 2] and released[1].parent_id == 0
+    # The same 12 tokens: a full hit would leave nothing to compute.
+    assert cache.sagellm_lookup_prefix(request=req("b", list(range(12)))).block_ids == (0, 1)
+    assert cache.sagellm_lookup_prefix(request=req("c", list(range(13)))).block_ids == (0, 1, 2)
+    assert cache.sagellm_lookup_prefix(request=req("d", [0, 1, 2, 3, 9, 9, 9, 9, 9])).block_ids == (0,)
+    assert cache.sagellm_lookup_prefix(request=req("e", [9] * 20)).block_ids == ()
+
+
+def test_divergence_splits_the_edge_and_locks_per_node():
+    cache, blocks = make(), Blocks()
+    a = serve(cache, blocks, "a", list(range(16)))  # blocks 0..3, one edge
+    b = serve(cache, blocks, "b", list(range(8)) + [99] * 8)  # shares 2 blocks
+    assert [cache.refcount(i) for i in range(4)] == [2, 2, 1, 1]
+    assert [cache.refcount(i) for i in (4, 5)] == [1, 1]
+    assert len(cache.sagellm_evictable_blocks()) == 0
+    released = cache.sagellm_release_prefix(request=a)
+    assert [x.block_id for x in released] == [2, 3]
+    assert set(cache.sagellm_evictable_blocks()) == {2, 3}
+    cache.sagellm_release_prefix(request=b)
+    assert len(cache.sagellm_evictable_blocks()) == 6
+
+
+def test_evicting_a_block_drops_its_descendants():
+    cache, blocks = make(), Blocks()
+    for rid, tokens in (("a", list(range(16))), ("b", list(range(8)) + [99] * 8)):
+        cache.sagellm_release_prefix(request=serve(cache, blocks, rid, tokens))
+    removed = cache.sagellm_remove_blocks(block_ids=[1])
+    assert sorted(b.block_id for b in removed) == [1, 2, 3, 4, 5]
+    assert len(cache) == 1 and len(cache.sagellm_evictable_blocks()) == 1
+    assert cache.sagellm_lookup_prefix(request=req("x", list(range(16)) + [0])).block_ids == (0,)
+
+
+def test_locked_blocks_cannot_be_removed():
+    cache, blocks = make(), Blocks()
+    serve(cache, blocks, "a", list(range(8)))
+    try:
+        cache.sagellm_remove_blocks(block_ids=[0])
+    except ValueError as exc:
+        assert "block 0 is not an evictable cached block" in str(exc)
+    else:
+        raise AssertionError("a locked block was removed")
+    assert len(cache) == 2
+
+
+def test_insert_of_cached_pages_reports_replacements_and_locks():
+    cache, blocks = make(), Blocks()
+    cache.sagellm_release_prefix(request=serve(cache, blocks, "a", list(range(8))))
+    # "b" computed the same two pages into its own blocks 50, 51 (it was
+    # admitted before "a" cached them), then one more page.
+    b = req("b", list(range(12)))
+    result = cache.sagellm_insert_prefix(request=b, token_ids=b.prompt_token_ids, block_ids=[50, 51, 52])
+    assert [(g, c.block_id) for g, c in result.replaced] == [(50, 0), (51, 1)]
+    assert [x.block_id for x in result.adopted] == [52]
+    assert [x.block_id for x in result.locked] == [0, 1]
+    assert [cache.refcount(i) for i in (0, 1, 52)] == [1, 1, 1]
+
+
+class TreeMachine(RuleBasedStateMachine):
+    """Random serve / release / evict against a plain model: which requests
+    hold which blocks, and which tokens each block holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache, self.blocks = make(), Blocks()
+        self.holding: dict[str, set[int]] = {}
+        self.content: dict[int, bytes] = {}
+        self.serial = 0
+
+    @rule(shared=st.integers(0, 24), tail=st.lists(st.integers(0, 3), max_size=10), base=st.integers(0, 2))
+    def serve(self, shared, tail, base):
+        tokens = [base * 100 + i for i in range(shared)] + tail
+        if not tokens:
+            return
+        self.serial += 1
+        rid = f"r{self.serial}"
+        r = req(rid, tokens)
+        match = self.cache.sagellm_acquire_prefix(request=r)
+        for i, block in enumerate(match.blocks):  # a match is the prompt's own pages
+            assert self.content[block.block_id] == r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes()
+        n_full = len(tokens) // BS
+        ids = list(match.block_ids) + self.blocks.take(n_full - match.num_blocks)
+        result = self.cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids[: n_full * BS], block_ids=ids)
+        for given, cached in result.replaced:
+            ids[ids.index(given)] = cached.block_id
+        for i, block_id in enumerate(ids):
+            self.content.setdefault(block_id, r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes())
+        self.holding[rid] = set(ids)
+
+    @precondition(lambda self: self.holding)
+    @rule(index=st.integers(0, 50))
+    def release(self, index):
+        rid = sorted(self.holding)[index % len(self.holding)]
+        del self.holding[rid]
+        for block in self.cache.sagellm_release_prefix(request=req(rid, [0])):
+            assert self.cache.refcount(block.block_id) == 0
+
+    @rule(count=st.integers(1, 4), data=st.data())
+    def evict(self, count, data):
+        evictable = sorted(self.cache.sagellm_evictable_blocks())
+        if not evictable:
+            return
+        victims = data.draw(st.lists(st.sampled_from(evictable), min_size=1, max_size=count, unique=True))
+        removed = self.cache.sagellm_remove_blocks(block_ids=victims)
+        assert set(victims) <= {b.block_id for b in removed}
+        for block in removed:
+            del self.content[block.block_id]
+
+    @invariant()
+    def refcounts_equal_holders(self):
+        holders = Counter(b for held in self.holding.values() for b in held)
+        for block_id in self.content:
+            assert self.cache.refcount(block_id) == holders[block_id]
+
+    @invariant()
+    def no_orphans_and_evictable_is_exact(self):
+        evictable = set(self.cache.sagellm_evictable_blocks())
+        assert len(evictable) == len(self.cache.sagellm_evictable_blocks())
+        assert evictable == {b for b in self.content if self.cache.refcount(b) == 0}
+        for block_id in self.content:
+            parent = self.cache._info[block_id].parent_id
+            assert parent is None or parent in self.content  # a block never outlives its parent
+
+
+TestTree = TreeMachine.TestCase
+TestTree.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
