@@ -6,8 +6,8 @@
     python dev.py sagellm ARGS    # any sagellm command
     python dev.py tox [ARGS]      # tox (per-plugin environments)
 
-The first call makes `.venv` and installs the core and every plugin under
-plugins/ (editable) with the test tools; later calls reuse it, and reinstall
+The first call makes `.venv` and installs the core, every plugin under
+plugins/ and the contrib packages (editable) with the test tools; later calls reuse it, and reinstall
 only when a pyproject.toml changed.
 """
 
@@ -27,7 +27,9 @@ STAMP = VENV / ".sagellm-installed"
 
 
 def projects() -> list[Path]:
-    return [ROOT, *sorted(p.parent for p in (ROOT / "plugins").glob("*/pyproject.toml"))]
+    """The core, every plugin under plugins/, and the contrib packages."""
+    found = [*(ROOT / "plugins").glob("*/pyproject.toml"), *(ROOT / "contrib").glob("*/pyproject.toml")]
+    return [ROOT, *sorted(p.parent for p in found)]
 
 
 def fingerprint() -> str:

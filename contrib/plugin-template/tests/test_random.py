@@ -1,0 +1,26 @@
+import hypothesis.strategies as st
+from hypothesis import given
+from sagellm_plugin_template import RandomEviction, RandomSettings
+
+from sagellm_core import PluginContext
+from sagellm_core.types import CachedBlock
+
+
+@given(st.lists(st.tuples(st.sampled_from("rte"), st.integers(0, 9)), max_size=50), st.integers(1, 5))
+def test_victims_are_distinct_evictable_blocks(ops, k):
+    policy = RandomEviction(RandomSettings(seed=1), PluginContext("random", 16, 10))
+    evictable = set()
+    for op, i in ops:
+        block = (CachedBlock(i, 0, None),)
+        if op == "r":
+            evictable.add(i)
+            policy.sagellm_blocks_released(blocks=block)
+        elif op == "t":
+            evictable.discard(i)
+            policy.sagellm_blocks_touched(blocks=block)
+        else:
+            evictable.discard(i)
+            policy.sagellm_blocks_evicted(blocks=block)
+        victims = policy.sagellm_select_victims(num_blocks=k, candidates=evictable).victim_ids
+        assert len(victims) == min(k, len(evictable)) == len(set(victims))
+        assert set(victims) <= evictable
