@@ -78,3 +78,13 @@ def test_hooks_reference_documents_every_hook(capsys):
     out = capsys.readouterr().out
     assert "## `sagellm_select_victims(num_blocks: 'int', candidates: 'EvictionCandidates')" in out
     assert out.count("*decision (firstresult)*") >= 12
+
+
+def test_committed_hook_reference_is_current(capsys):
+    """docs/hooks.md is `sagellm hooks` output; regenerate it when a hookspec changes."""
+    from pathlib import Path
+
+    main(["hooks"])
+    generated = capsys.readouterr().out
+    committed = (Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
+    assert committed == generated

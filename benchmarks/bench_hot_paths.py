@@ -1,0 +1,133 @@
+"""Hot-path latencies, each with a baseline run in the same process.
+
+    .venv/bin/python benchmarks/bench_hot_paths.py
+
+* pluggy's per-call cost: a hook call through the plugin manager (with and
+  without the HookTimer wrapper) against calling the same plugin method
+  directly;
+* prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
+  100,000 cached blocks, and the share of it spent building page keys;
+* choosing 64 victims among 100,000 evictable blocks: LRU and LFU.
+Prints p50 per call and the ratios.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pluggy
+from rich.console import Console
+from rich.table import Table
+from sagellm_plugin_eviction.lfu import LFUEviction
+from sagellm_plugin_eviction.lru import LRUEviction
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
+
+from sagellm_core import PluginContext, hookspecs
+from sagellm_core.timing import HookTimer
+from sagellm_core.types import CachedBlock, Request
+
+BS = 16
+NUM_BLOCKS = 100_000
+
+
+def p50_us(fn, repeat=2000, number=1):
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples) * 1e6
+
+
+def build_cache():
+    """100k cached blocks: 250 prompts of 6,400 tokens sharing a 1,024-token head."""
+    ctx = PluginContext("radix", BS, NUM_BLOCKS + 1000)
+    cache = RadixPrefixCache(None, ctx)
+    rng = random.Random(0)
+    head = [rng.randrange(32000) for _ in range(1024)]
+    next_block = 0
+    prompts = []
+    while next_block < NUM_BLOCKS - 400:
+        tokens = head + [rng.randrange(32000) for _ in range(6400 - 1024)]
+        r = Request(f"r{next_block}", tokens, 1)
+        match = cache.sagellm_acquire_prefix(request=r)
+        n = len(tokens) // BS
+        ids = list(match.block_ids) + list(range(next_block, next_block + n - match.num_blocks))
+        next_block += n - match.num_blocks
+        cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids, block_ids=ids)
+        cache.sagellm_release_prefix(request=r)
+        prompts.append(tokens)
+    return cache, prompts
+
+
+def main() -> None:
+    rows = []
+    cache, prompts = build_cache()
+    probe = Request("probe", prompts[7][:2000], 1)
+    match = cache.sagellm_lookup_prefix(request=probe)
+    assert match.num_blocks == 124, match.num_blocks  # (2000 - 1) // 16
+
+    direct = p50_us(lambda: cache.sagellm_lookup_prefix(request=probe))
+    keys = p50_us(lambda: [probe.prompt_token_ids[i * BS:(i + 1) * BS].tobytes() for i in range(124)])
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(cache)
+    hooked = p50_us(lambda: pm.hook.sagellm_lookup_prefix(request=probe))
+    pm.register(HookTimer())
+    timed = p50_us(lambda: pm.hook.sagellm_lookup_prefix(request=probe))
+    rows += [
+        ("prefix match, 2,000 tokens, 100k blocks: direct call", direct, 1.0),
+        ("  of which building 124 page keys", keys, keys / direct),
+        ("  through pluggy", hooked, hooked / direct),
+        ("  through pluggy + HookTimer", timed, timed / direct),
+    ]
+
+    ctx = PluginContext("p", BS, NUM_BLOCKS)
+    blocks = tuple(CachedBlock(i, i % 64, None) for i in range(NUM_BLOCKS))
+    results = {}
+    for name, cls in (("LRU", LRUEviction), ("LFU", LFUEviction)):
+        policy = cls(None, ctx)
+        if hasattr(policy, "sagellm_blocks_cached"):
+            policy.sagellm_blocks_cached(blocks=blocks)
+        for i in range(0, NUM_BLOCKS, 64):
+            policy.sagellm_blocks_released(blocks=blocks[i:i + 64])
+        results[name] = p50_us(lambda: policy.sagellm_select_victims(num_blocks=64, candidates=None), repeat=3000)
+    rows += [
+        ("select 64 victims of 100k evictable: LRU", results["LRU"], 1.0),
+        ("select 64 victims of 100k evictable: LFU", results["LFU"], results["LFU"] / results["LRU"]),
+    ]
+
+    empty = pluggy.PluginManager(hookspecs.PROJECT)
+    empty.add_hookspecs(hookspecs)
+
+    class Nothing:
+        @hookspecs.hookimpl
+        def sagellm_pool_usage(self):
+            return 1
+
+    plugin = Nothing()
+    empty.register(plugin)
+    bare_direct = p50_us(lambda: plugin.sagellm_pool_usage(), number=100)
+    bare_hook = p50_us(lambda: empty.hook.sagellm_pool_usage(), number=100)
+    empty.register(HookTimer())
+    bare_timed = p50_us(lambda: empty.hook.sagellm_pool_usage(), number=100)
+    rows += [
+        ("trivial hook: direct method call", bare_direct, 1.0),
+        ("trivial hook: through pluggy", bare_hook, bare_hook / bare_direct),
+        ("trivial hook: through pluggy + HookTimer", bare_timed, bare_timed / bare_direct),
+    ]
+
+    table = Table(title="sagellm hot paths (p50 per call)")
+    table.add_column("measurement")
+    table.add_column("p50 µs", justify="right")
+    table.add_column("ratio to the row's baseline", justify="right")
+    for name, us, ratio in rows:
+        table.add_row(name, f"{us:.2f}", f"{ratio:.2f}x")
+    Console(width=110).print(table)
+
+
+if __name__ == "__main__":
+    main()
