@@ -40,7 +40,9 @@ from sagellm_core.types import (
     Request,
     RequestOutcome,
     RequestStatus,
+    ScheduleIR,
     SequenceState,
+    StepResult,
     TransferPlan,
     TransferResult,
 )
@@ -460,6 +462,30 @@ class Runtime:
         self._active.pop(state.request_id, None)
         if released:
             self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+
+    def schedule(self, ir: ScheduleIR) -> None:
+        """Run the scheduling passes over ``ir``, in config order. A pass may
+        reorder the lists and lower the budgets, never drop, duplicate or
+        invent requests."""
+        before = {"waiting": {id(s) for s in ir.waiting}, "running": {id(s) for s in ir.running}}
+        sizes = {"waiting": len(ir.waiting), "running": len(ir.running)}
+        self._call("scheduler", "sagellm_schedule_pass", ir=ir)
+        for name in ("waiting", "running"):
+            after = getattr(ir, name)
+            if len(after) != sizes[name] or {id(s) for s in after} != before[name]:
+                raise self._bad(
+                    "scheduler", "sagellm_schedule_pass",
+                    f"changed the set of {name} requests ({sizes[name]} -> {len(after)}); passes may only reorder",
+                )
+        if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
+            raise self._bad("scheduler", "sagellm_schedule_pass", "left no token budget or sequence slots")
+
+    def step_done(self, result: StepResult) -> None:
+        self._observe("sagellm_step_done", result=result)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def preempt(self, state: SequenceState) -> None:
         self.release(state)

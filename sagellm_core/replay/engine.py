@@ -18,7 +18,6 @@ from typing import Callable, Iterator
 import attrs
 from attrs import field, frozen, validators
 
-from sagellm_core.errors import PluginError
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.runtime import Runtime, blocks_for
@@ -78,7 +77,7 @@ class Recorder:
             return
         c = rt.counters
         rate = c.hit_blocks / c.query_blocks if c.query_blocks else 0.0
-        self.timeline.append((now_s, rate, used_blocks, len(rt._cached)))
+        self.timeline.append((now_s, rate, used_blocks, rt.num_cached_blocks))
         if len(self.timeline) >= self.max_samples:
             self.timeline = self.timeline[::2]
             self._every *= 2
@@ -169,12 +168,12 @@ class ReplayEngine:
                 num_free_blocks=usage.num_free_blocks,
                 num_evictable_blocks=len(rt.evictable()),
             )
-            rt._call("scheduler", "sagellm_schedule_pass", ir=ir)
-            self._check_ir(rt, ir, waiting, running)
+            rt.schedule(ir)
             plan, running, waiting = self._pack(rt, ir)
             if not plan.chunks:
-                # Nothing runs and the head of the queue cannot be admitted
-                # even into an empty pool: it can never be served.
+                # Nothing runs and the head of the queue does not fit even an
+                # empty pool (its prompt and output need more blocks than
+                # there are): it can never be served.
                 head = waiting.pop(0)
                 rt.reject(head)
                 on_request()
@@ -203,23 +202,8 @@ class ReplayEngine:
             recorder.batched_tokens += plan.num_batched_tokens
             usage = rt.pool_usage()
             recorder.sample(rt, now, usage)
-            rt._observe(
-                "sagellm_step_done",
-                result=StepResult(plan, start, duration, len(running), len(waiting), usage),
-            )
+            rt.step_done(StepResult(plan, start, duration, len(running), len(waiting), usage))
         recorder.simulated_s = now
-
-    @staticmethod
-    def _check_ir(rt: Runtime, ir: ScheduleIR, waiting, running) -> None:
-        """A pass may reorder, never drop, duplicate or invent requests."""
-        for name, before, after in (("waiting", waiting, ir.waiting), ("running", running, ir.running)):
-            if len(after) != len(before) or {id(x) for x in after} != {id(x) for x in before}:
-                raise PluginError(
-                    f"{rt._who('scheduler')} sagellm_schedule_pass changed the set of {name}"
-                    f" requests ({len(before)} -> {len(after)}); passes may only reorder"
-                )
-        if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
-            raise PluginError(f"{rt._who('scheduler')} sagellm_schedule_pass left no budget")
 
     def _pack(self, rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list, list]:
         budget = ir.token_budget
@@ -252,8 +236,8 @@ class ReplayEngine:
             for state in ir.waiting:
                 if budget <= 0 or len(running) >= ir.max_num_seqs:
                     break
-                if blocks_for(state.request.num_prompt_tokens + 1, rt.block_size) > rt.num_blocks:
-                    break  # can never fit; rejected by the caller when nothing runs
+                if blocks_for(state.request.num_prompt_tokens + state.request.output_tokens, rt.block_size) > rt.num_blocks:
+                    break  # can never finish; rejected by the caller once nothing runs
                 n = rt.admit(state, budget)
                 if n == 0:
                     break

@@ -77,3 +77,15 @@ class NegativeLifetime(StatLifetime):
     @hookimpl
     def sagellm_predict_lifetime(self, request):
         return LifetimePrediction(-5.0, 0, 0, 1.0)
+
+
+class DroppingPass:
+    """Drops the last waiting request instead of reordering."""
+
+    def __init__(self, settings, context):
+        pass
+
+    @hookimpl
+    def sagellm_schedule_pass(self, ir):
+        if ir.waiting:
+            ir.waiting.pop()

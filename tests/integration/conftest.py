@@ -24,6 +24,7 @@ def bad_plugins(tmp_path, monkeypatch):
             "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
             "sagellm.prefix_cache": {"over-matching": "bad_plugins:OverMatching"},
             "sagellm.lifetime": {"crashing": "bad_plugins:CrashingLifetime", "negative": "bad_plugins:NegativeLifetime"},
+            "sagellm.scheduler_passes": {"dropping": "bad_plugins:DroppingPass"},
         },
         name="sagellm-bad-plugins",
     )

@@ -116,3 +116,12 @@ def test_nonsense_prediction_is_rejected(bad_plugins):
     rt = runtime(lifetime="negative")
     with pytest.raises(PluginError, match=r"lifetime plugin 'negative' .* sagellm_predict_lifetime returned LifetimePrediction\(output_tokens=-5.0"):
         rt.arrive(request("a", [1, 2, 3]))
+
+
+def test_pass_that_drops_a_request_is_named(bad_plugins):
+    from sagellm_core import session
+
+    text = CONFIG.format(cache="radix", pool="paged", eviction="lru", lifetime="stat")
+    text = text.replace("num_blocks = 6", "num_blocks = 600") + '[scheduler]\npasses = ["fcfs", "dropping"]\n'
+    with pytest.raises(PluginError, match=r"scheduler plugin 'fcfs' .* / scheduler plugin 'dropping' \(sagellm-bad-plugins 0.0.1\) sagellm_schedule_pass changed the set of waiting requests \(1 -> 0\); passes may only reorder"):
+        session.run(settings_from_toml(text))
