@@ -37,12 +37,14 @@ def cmd_replay(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    results = []
+    all_settings = []
     for path in args.config:
         settings = session.load_settings(path, args.trace)
         if args.max_requests:
             settings = session.config_mod.with_workload(settings, max_requests=args.max_requests)
-        results.append(session.run(settings, progress=not args.quiet))
+        all_settings.append(settings)
+    session.check_same_workload(all_settings)
+    results = [session.run(settings, progress=not args.quiet) for settings in all_settings]
     report.print_reports([r.report for r in results])
     _write_outputs(args, results)
     return 0

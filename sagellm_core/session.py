@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from importlib import resources
 from pathlib import Path
@@ -30,6 +31,22 @@ def load_settings(path: str | Path | None, trace: str | None = None) -> Settings
         source = "azure" if trace.endswith(".csv") else "mooncake"
         settings = config_mod.with_workload(settings, source=source, path=trace)
     return settings
+
+
+def check_same_workload(all_settings: list[Settings]) -> None:
+    """``compare`` puts runs side by side: they must replay one workload."""
+
+    def key(s: Settings):
+        w = s.workload
+        return attrs.evolve(w, path=os.path.realpath(w.path) if w.path else None)
+
+    first = all_settings[0]
+    for other in all_settings[1:]:
+        if key(other) != key(first):
+            raise ConfigError(
+                f"{other.path}: [workload] differs from {first.path}'s; compare replays one workload"
+                " (align the [workload] sections, or pass --trace)"
+            )
 
 
 @attrs.frozen

@@ -44,6 +44,16 @@ def test_compare_side_by_side(tmp_path, capsys):
     assert "lru" in table and "lfu" in table
 
 
+def test_compare_refuses_different_workloads(tmp_path, capsys):
+    a = tmp_path / "a.toml"
+    b = tmp_path / "b.toml"
+    base = '[kv_pool]\nplugin = "paged"\nnum_blocks = 300\n[workload]\nseed = {}\n'
+    a.write_text(base.format(1))
+    b.write_text(base.format(2))
+    assert main(["compare", "--config", str(a), "--config", str(b), "--quiet"]) == 2
+    assert f"{b}: [workload] differs from {a}'s; compare replays one workload" in capsys.readouterr().err
+
+
 def test_plugins_lists_every_first_party_plugin(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["plugins"]) == 0
