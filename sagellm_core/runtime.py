@@ -47,7 +47,7 @@ from sagellm_core.types import (
     TransferResult,
 )
 
-#: The hooks a plugin picked for a section must implement (at least one).
+#: The hooks a plugin picked for a section must implement, all of them.
 SECTION_HOOKS: dict[str, tuple[str, ...]] = {
     "prefix_cache": (
         "sagellm_lookup_prefix",
@@ -155,9 +155,9 @@ class Runtime:
             self.pm.check_pending()
         except (pluggy.PluginValidationError, ValueError) as exc:
             raise ConfigError(f"{sel.where}: {loaded} is not a valid plugin: {exc}") from exc
-        wanted = SECTION_HOOKS.get(sel.section, ())
-        if wanted and not any(hasattr(instance, h) for h in wanted):
-            raise ConfigError(f"{sel.where}: {loaded} implements none of {', '.join(wanted)}")
+        missing = [h for h in SECTION_HOOKS.get(sel.section, ()) if not hasattr(instance, h)]
+        if missing:
+            raise ConfigError(f"{sel.where}: {loaded} does not implement {', '.join(missing)}")
         self.plugins.setdefault(sel.section, []).append(loaded)
 
     def _who(self, section: str) -> str:

@@ -79,7 +79,7 @@ def test_plugin_without_parameters_rejects_any(sample_plugins):
 
 
 def test_plugin_implementing_none_of_its_hooks(sample_plugins):
-    with pytest.raises(ConfigError, match=r"lifetime plugin 'silent' \(sagellm-sample-plugins 0.0.1\) implements none of sagellm_predict_lifetime"):
+    with pytest.raises(ConfigError, match=r"lifetime plugin 'silent' \(sagellm-sample-plugins 0.0.1\) does not implement sagellm_predict_lifetime"):
         runtime("silent")
 
 
