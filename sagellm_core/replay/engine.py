@@ -147,7 +147,7 @@ class ReplayEngine:
         step = 0
         while True:
             while nxt is not None and nxt.arrival_s <= now:
-                rt.now_s = max(now, nxt.arrival_s)
+                rt.now_s = nxt.arrival_s
                 waiting.append(rt.arrive(nxt))
                 nxt = next(upcoming, None)
             if not waiting and not running:
