@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import ConfigError
 
 BLOCK_ENV = "SAGELLM_BLOCK_PLUGINS"
@@ -52,6 +53,9 @@ class PluginContext:
     block_size: int
     num_blocks: int
     seed: int = 0
+    #: The workload the run replays (the config's [workload]); an offline
+    #: oracle reads the future from it. ``None`` inside a live engine.
+    workload: WorkloadSettings | None = None
 
 
 @attrs.frozen

@@ -142,7 +142,9 @@ class Runtime:
     def _register(self, sel: Selection) -> None:
         cls, info = load_class(sel.section, sel.name, sel.where)
         settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
-        context = PluginContext(sel.name, self.block_size, self.num_blocks, self.settings.workload.seed)
+        context = PluginContext(
+            sel.name, self.block_size, self.num_blocks, self.settings.workload.seed, self.settings.workload
+        )
         try:
             instance = cls(settings, context)
         except SagellmError:

@@ -8,6 +8,7 @@ blocks of ``block_size`` tokens, ``*_tokens`` counts tokens, ``*_bytes`` bytes,
 from __future__ import annotations
 
 import enum
+import hashlib
 from array import array
 from typing import Iterator, Protocol, Sequence
 
@@ -98,6 +99,18 @@ class SequenceState:
         return self.num_output_tokens == 0 or self.num_computed_tokens < self.num_tokens - 1
 
 
+#: The chain key of "no parent": a first block's key chains from it.
+ROOT_KEY = 0
+
+
+def chain_key(parent_key: int, page: bytes) -> int:
+    """The content key of a block: a stable 64-bit hash of its parent's key
+    and its own tokens, so equal keys mean equal prefixes (vLLM's chained
+    block hashing, with BLAKE2b). Stable across processes, unlike ``hash``."""
+    digest = hashlib.blake2b(page, digest_size=8, key=parent_key.to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "little")
+
+
 @frozen(slots=True)
 class CachedBlock:
     """A block held by the prefix cache, as observation hooks report it."""
@@ -107,6 +120,8 @@ class CachedBlock:
     depth: int
     #: Block id of the chain's previous block; ``None`` at depth 0.
     parent_id: int | None
+    #: Content key (:func:`chain_key`): equal for equal token prefixes.
+    key: int = ROOT_KEY
     namespace: str = ""
 
 

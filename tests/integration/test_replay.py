@@ -112,3 +112,21 @@ def test_mooncake_with_16_token_blocks_in_timed_mode(traces):
     r = session.run(settings_from_toml(text)).report
     assert r["requests"] == 150 and r["block_size"] == 16
     assert r["block_hit_rate"] > 0
+
+
+def test_belady_reaches_the_infinite_cache_rate_at_10k_blocks(traces):
+    """The trace README: Belady reaches the infinite-cache figure (0.366)
+    already at 10,000 blocks. Infinite here: a pool that never evicts."""
+    belady = session.run(session.load_settings("contrib/configs/mooncake-belady.toml")).report
+    infinite = session.load_settings("contrib/configs/mooncake-lru.toml")
+    infinite = settings_from_toml(
+        '[engine]\nmode = "cache-only"\n[workload]\nsource = "mooncake"\n'
+        f'path = "{infinite.workload.path}"\n'
+        '[prefix_cache]\nplugin = "radix"\nblock_size = 512\n[kv_pool]\nplugin = "paged"\nnum_blocks = 300000\n'
+        '[eviction]\nplugin = "lru"\n'
+    )
+    unbounded = session.run(infinite).report
+    assert unbounded["evicted_blocks"] == 0
+    assert belady["evicted_blocks"] > 0
+    assert belady["hit_blocks"] == unbounded["hit_blocks"]
+    assert abs(belady["block_hit_rate"] - 0.366) < 0.001

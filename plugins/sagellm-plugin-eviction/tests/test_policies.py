@@ -1,3 +1,5 @@
+from array import array
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given
@@ -5,7 +7,7 @@ from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 
 from sagellm_core import PluginContext
-from sagellm_core.types import CachedBlock
+from sagellm_core.types import CachedBlock, Request
 
 CTX = PluginContext("p", block_size=16, num_blocks=100)
 
@@ -85,3 +87,49 @@ def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
         victims = policy.sagellm_select_victims(num_blocks=k, candidates=evictable).victim_ids
         assert len(victims) == min(k, len(evictable))
         assert len(set(victims)) == len(victims) and set(victims) <= evictable
+
+
+def test_belady_evicts_the_block_used_farthest_in_the_future(tmp_path):
+    import json
+
+    from sagellm_core.config import WorkloadSettings
+    from sagellm_core.types import ROOT_KEY, chain_key
+    from sagellm_plugin_eviction.belady import BeladyEviction
+
+    # Trace blocks of 4 tokens: A is used by requests 0, 2 and 3; B by 0 and 1; C never again.
+    rows = [
+        {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [1, 2, 9]},
+        {"timestamp": 2, "input_length": 5, "output_length": 1, "hash_ids": [1, 8]},
+        {"timestamp": 3, "input_length": 5, "output_length": 1, "hash_ids": [1, 7]},
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workload = WorkloadSettings(source="mooncake", path=str(trace), trace_block_tokens=4)
+    oracle = BeladyEviction(None, PluginContext("belady", 4, 10, workload=workload))
+
+    def key(*hashes):
+        k = ROOT_KEY
+        for h in hashes:
+            k = chain_key(k, array("q", range(h * 4, h * 4 + 4)).tobytes())
+        return k
+
+    a = CachedBlock(0, 0, None, key(1))
+    b = CachedBlock(1, 1, 0, key(1, 2))
+    oracle.sagellm_request_arrived(request=Request("mooncake-1", [0], 1))
+    oracle.sagellm_blocks_released(blocks=(a, b))
+    # After request 0: B is next used at 1, A at 1 as well; deeper B goes first.
+    assert oracle.sagellm_select_victims(num_blocks=1, candidates=None).victim_ids == (1,)
+    oracle.sagellm_request_arrived(request=Request("mooncake-2", [0], 1))
+    oracle.sagellm_blocks_touched(blocks=(a, b))
+    oracle.sagellm_blocks_released(blocks=(a, b))
+    # After request 1: B is never used again, A is used by request 2.
+    assert oracle.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids == (1, 0)
+    assert oracle.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids == (1, 0)  # no side effects
+
+
+def test_belady_needs_a_workload():
+    from sagellm_plugin_eviction.belady import BeladyEviction
+
+    with pytest.raises(ValueError, match="reads the future from the replayed workload"):
+        BeladyEviction(None, CTX)

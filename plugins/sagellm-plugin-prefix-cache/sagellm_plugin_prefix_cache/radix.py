@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import CachedBlock, PrefixInsert, PrefixMatch, Request
+from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch, Request, chain_key
 
 
 class _Node:
@@ -160,12 +160,14 @@ class RadixPrefixCache:
         adopted: tuple[CachedBlock, ...] = ()
         page = len(matched)
         if page < num_pages:
-            parent_id = matched[-1].block_id if matched else None
+            parent = matched[-1] if matched else None
+            parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, ROOT_KEY)
             keys, blocks = [], []
             for p in range(page, num_pages):
-                block = CachedBlock(block_ids[p], p, parent_id)
-                parent_id = block.block_id
-                keys.append(self._key(token_ids, p))
+                key = self._key(token_ids, p)
+                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key))
+                parent_id, parent_key = block.block_id, block.key
+                keys.append(key)
                 blocks.append(block)
             leaf = _Node(node, keys, blocks, page)
             node.children[keys[0]] = leaf

@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
 
 from sagellm_core import PluginContext
-from sagellm_core.types import Request
+from sagellm_core.types import ROOT_KEY, Request, chain_key
 
 BS = 4
 
@@ -163,8 +163,11 @@ class TreeMachine(RuleBasedStateMachine):
         assert len(evictable) == len(self.cache.sagellm_evictable_blocks())
         assert evictable == {b for b in self.content if self.cache.refcount(b) == 0}
         for block_id in self.content:
-            parent = self.cache._info[block_id].parent_id
+            info = self.cache._info[block_id]
+            parent = info.parent_id
             assert parent is None or parent in self.content  # a block never outlives its parent
+            parent_key = self.cache._info[parent].key if parent is not None else ROOT_KEY
+            assert info.key == chain_key(parent_key, self.content[block_id])  # content-chained key
 
 
 TestTree = TreeMachine.TestCase

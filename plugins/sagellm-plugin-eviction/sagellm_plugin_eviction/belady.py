@@ -1,0 +1,84 @@
+"""Belady's MIN as an offline oracle: evict the block whose next use is
+farthest in the future (never used again first, deepest first among equals).
+
+It reads the future from the run's workload (``context.workload``): for
+every full block of every prompt, the chained content key
+(:func:`sagellm_core.types.chain_key`) and the positions of the requests
+that use it. The prefix cache reports each cached block's key, so the next use
+of a block is a binary search. Requests are placed by arrival: exact in the
+replay's cache-only mode, an approximation in timed mode (requests wait).
+
+It is an upper bound to report beside online policies, not a policy to
+deploy: it needs the whole trace in advance, and memory for one key per
+distinct block of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections import defaultdict
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.replay import workloads
+from sagellm_core.types import ROOT_KEY, CachedBlock, EvictionDecision, Request, chain_key
+
+
+class BeladyEviction:
+    """``[eviction] plugin = "belady"``"""
+
+    def __init__(self, settings, context: PluginContext):
+        if context.workload is None:
+            raise ValueError("belady reads the future from the replayed workload; there is none here")
+        bs = context.block_size
+        self._uses: dict[int, list[int]] = defaultdict(list)
+        self._position: dict[str, int] = {}
+        for i, request in enumerate(workloads.load(context.workload)):
+            self._position[request.request_id] = i
+            tokens, key = request.prompt_token_ids, ROOT_KEY
+            for page in range(len(tokens) // bs):
+                key = chain_key(key, tokens[page * bs : (page + 1) * bs].tobytes())
+                self._uses[key].append(i)
+        self.now = -1
+        self._next: dict[int, float] = {}  # evictable block -> position of its next use
+        self._heap: list[tuple[float, int, int]] = []  # (-next use, -depth, block)
+
+    def _next_use(self, key: int) -> float:
+        uses = self._uses.get(key, ())
+        i = bisect.bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else math.inf
+
+    @hookimpl
+    def sagellm_request_arrived(self, request: Request) -> None:
+        self.now = max(self.now, self._position.get(request.request_id, self.now))
+
+    @hookimpl
+    def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
+        for block in blocks:
+            nxt = self._next_use(block.key)
+            self._next[block.block_id] = nxt
+            heapq.heappush(self._heap, (-nxt, -block.depth, block.block_id))
+
+    @hookimpl
+    def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...]) -> None:
+        for block in blocks:
+            self._next.pop(block.block_id, None)
+
+    @hookimpl
+    def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...]) -> None:
+        for block in blocks:
+            self._next.pop(block.block_id, None)
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks: int, candidates) -> EvictionDecision:
+        heap, live = self._heap, self._next
+        chosen, seen = [], set()
+        while heap and len(chosen) < num_blocks:
+            entry = heapq.heappop(heap)  # stale entries (hit or evicted since) are dropped
+            if live.get(entry[2]) == -entry[0] and entry[2] not in seen:
+                seen.add(entry[2])
+                chosen.append(entry)
+        for entry in chosen:  # choosing changes nothing; eviction is observed
+            heapq.heappush(heap, entry)
+        return EvictionDecision(tuple(entry[2] for entry in chosen))
