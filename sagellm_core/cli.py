@@ -25,10 +25,25 @@ def _write_outputs(args, results) -> None:
         report.plot(reports, [r.recorder.timeline for r in results], args.plot)
 
 
-def cmd_replay(args) -> int:
-    settings = session.load_settings(args.config, args.trace)
+def _single_overrides(args) -> dict:
+    overrides = {}
+    for text in args.set or ():
+        keys, values = session.config_mod.parse_override(text)
+        if len(values) != 1:
+            raise SagellmError(f"--set {text}: one value here; `sagellm sweep` takes several")
+        overrides[keys] = values[0]
+    return overrides
+
+
+def _settings(args, path, overrides):
+    settings = session.load_settings(path, args.trace, overrides)
     if args.max_requests:
         settings = session.config_mod.with_workload(settings, max_requests=args.max_requests)
+    return settings
+
+
+def cmd_replay(args) -> int:
+    settings = _settings(args, args.config, _single_overrides(args))
     result = session.run(settings, progress=not args.quiet)
     if not args.quiet:
         report.print_reports([result.report])
@@ -37,16 +52,40 @@ def cmd_replay(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    all_settings = []
-    for path in args.config:
-        settings = session.load_settings(path, args.trace)
-        if args.max_requests:
-            settings = session.config_mod.with_workload(settings, max_requests=args.max_requests)
-        all_settings.append(settings)
+    overrides = _single_overrides(args)
+    all_settings = [_settings(args, path, overrides) for path in args.config]
     session.check_same_workload(all_settings)
     results = [session.run(settings, progress=not args.quiet) for settings in all_settings]
     report.print_reports([r.report for r in results])
     _write_outputs(args, results)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    axes = [session.config_mod.parse_override(text) for text in args.set]
+    swept = [(keys, values) for keys, values in axes if len(values) > 1]
+    if len(swept) != 1:
+        raise SagellmError("sweep: give exactly one --set KEY=V1,V2,... with several values (the axis)")
+    (axis, values), fixed = swept[0], {keys: values[0] for keys, values in axes if len(values) == 1}
+    name = ".".join(axis)
+    runs = []
+    for path in args.config:
+        for value in values:
+            settings = _settings(args, path, {**fixed, axis: value})
+            label = f"{Path(path).stem} {name}={value}"
+            runs.append((Path(path).stem, value, session.run(settings, label=label, progress=not args.quiet)))
+    session.check_same_workload([r.runtime.settings for _, _, r in runs])
+    reports = [r.report for _, _, r in runs]
+    for (_, value, _), rep in zip(runs, reports):
+        rep["sweep"] = {"key": name, "value": value}
+    table = report.sweep_table(runs, name, values, args.figure)
+    Console().print(table)
+    if args.json:
+        report.write_json(reports, args.json)
+    if args.markdown:
+        Path(args.markdown).write_text(report.sweep_markdown(runs, name, values, args.figure))
+    if args.plot:
+        report.plot_sweep(runs, name, values, args.figure, args.plot)
     return 0
 
 
@@ -99,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def outputs(p):
+        p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                       help="override a config key (TOML value, or a bare word); repeatable")
         p.add_argument("--trace", help="replay this trace (.jsonl Mooncake, .csv Azure) instead of the config's workload")
         p.add_argument("--max-requests", type=int, help="replay only the first N requests")
         p.add_argument("--json", help="write the report as JSON here")
@@ -115,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", action="append", required=True, help="a config file (repeat)")
     outputs(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="replay configs across the values of one config key, e.g. the pool size")
+    p.add_argument("--config", action="append", required=True, help="a config file (repeat)")
+    p.add_argument("--figure", default="block_hit_rate", help="the report field to tabulate and plot")
+    outputs(p)
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
     p.set_defaults(func=cmd_plugins)

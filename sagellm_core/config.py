@@ -127,7 +127,31 @@ class _Table:
             raise ConfigError(f"{self.where}: unknown key {key!r}")
 
 
-def load(path: str | Path) -> Settings:
+def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
+    """``section.key=V1,V2`` (values in TOML syntax) -> (path, [values])."""
+    where = f"--set {text}"
+    if "=" not in text:
+        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
+    dotted, _, values = text.partition("=")
+    keys = tuple(k.strip() for k in dotted.split("."))
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
+    try:
+        parsed = tomllib.loads(f"v = [{values}]")["v"]
+    except tomllib.TOMLDecodeError:
+        try:  # bare words: plugin names
+            parsed = [v.strip() for v in values.split(",")]
+            tomllib.loads("v = [" + ", ".join(f'"{v}"' for v in parsed) + "]")
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: values must be TOML literals or bare words: {exc}") from None
+    if not parsed:
+        raise ConfigError(f"{where}: no value")
+    return keys, parsed
+
+
+def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) -> Settings:
+    """Load a config file; ``overrides`` set ``(section, ..., key)`` paths
+    first, as if the file said so (``--set`` on the command line)."""
     path = str(path)
     try:
         with open(path, "rb") as fh:
@@ -136,6 +160,13 @@ def load(path: str | Path) -> Settings:
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    for keys, value in (overrides or {}).items():
+        table = raw
+        for key in keys[:-1]:
+            table = table.setdefault(key, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: --set {'.'.join(keys)}: {key} is not a table")
+        table[keys[-1]] = value
     settings = parse(raw, path)
     trace = settings.workload.path
     if trace is not None and not Path(trace).is_absolute():

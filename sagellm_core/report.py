@@ -31,6 +31,15 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index (Σx)² / (n·Σx²): 1 when all equal, 1/n when one
+    value holds everything; ``None`` when undefined (no values, all zero)."""
+    square_sum = sum(x * x for x in values)
+    if not values or square_sum == 0:
+        return None
+    return sum(values) ** 2 / (len(values) * square_sum)
+
+
 def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str) -> dict[str, Any]:
     c = rt.counters
     outcomes = recorder.outcomes
@@ -57,6 +66,11 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "tokens_saved": c.hit_tokens,
         "prefill_tokens": c.prefill_tokens,
         "reprefill_tokens": c.reprefill_tokens,
+        "reprefill_rate": round(c.reprefill_tokens / (c.prefill_tokens + c.reprefill_tokens), 6)
+        if c.prefill_tokens + c.reprefill_tokens
+        else 0.0,
+        "tenant_block_hit_rates": {t: round(h / q, 6) for t, (q, h) in sorted(c.tenant_blocks.items()) if q},
+        "jain_fairness": _round(jain_index([h / q for q, h in c.tenant_blocks.values() if q])),
         "evicted_blocks": c.evicted_blocks,
         "preemptions": c.preemptions,
         "pool_utilisation_mean": round(recorder.used_block_sum / recorder.used_block_samples / rt.num_blocks, 4)
@@ -87,6 +101,10 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
     }
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
 # (key, label, format) of the figures shown in tables, in order.
 ROWS: list[tuple[str, str, str]] = [
     ("requests", "requests", "{:,}"),
@@ -96,6 +114,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("tokens_saved", "tokens saved", "{:,}"),
     ("prefill_tokens", "prefill tokens", "{:,}"),
     ("reprefill_tokens", "re-prefill tokens", "{:,}"),
+    ("reprefill_rate", "re-prefill rate", "{:.4f}"),
+    ("jain_fairness", "Jain's fairness (tenant hit rates)", "{:.4f}"),
     ("evicted_blocks", "evicted blocks", "{:,}"),
     ("preemptions", "preemptions", "{:,}"),
     ("pool_utilisation_mean", "pool utilisation (mean)", "{:.1%}"),
@@ -200,6 +220,56 @@ def plot(reports: Sequence[dict], timelines: Sequence[list], path: str | Path) -
     bottom.set_xlabel("time (s, simulated)")
     top.legend(fontsize="small")
     bottom.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _sweep_rows(runs, values, figure: str) -> tuple[list[str], list[list[str]]]:
+    labels = list(dict.fromkeys(label for label, _, _ in runs))
+    cell = {(label, value): _get(r.report, figure) for label, value, r in runs}
+    rows = []
+    for label in labels:
+        rows.append([label, *(_fmt(cell.get((label, v)), "{:.4f}" if isinstance(cell.get((label, v)), float) else "{}") for v in values)])
+    return labels, rows
+
+
+def sweep_table(runs, name: str, values, figure: str) -> Table:
+    table = Table(title=f"{figure} by {name}")
+    table.add_column("config")
+    for v in values:
+        table.add_column(str(v), justify="right")
+    for row in _sweep_rows(runs, values, figure)[1]:
+        table.add_row(*row)
+    return table
+
+
+def sweep_markdown(runs, name: str, values, figure: str) -> str:
+    lines = [f"| {figure} \\ {name} | " + " | ".join(str(v) for v in values) + " |", "|---|" + "---:|" * len(values)]
+    lines += ["| " + " | ".join(row) + " |" for row in _sweep_rows(runs, values, figure)[1]]
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(runs, name: str, values, figure: str, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    numeric = all(isinstance(v, (int, float)) for v in values)
+    for label in dict.fromkeys(label for label, _, _ in runs):
+        points = [(v, _get(r.report, figure)) for lab, v, r in runs if lab == label]
+        xs = [p[0] for p in points] if numeric else list(range(len(points)))
+        ax.plot(xs, [p[1] for p in points], marker="o", label=label)
+    if numeric and min(values) > 0 and max(values) / min(values) >= 10:
+        ax.set_xscale("log")
+    if not numeric:
+        ax.set_xticks(range(len(values)), [str(v) for v in values])
+    ax.set_xlabel(name)
+    ax.set_ylabel(figure)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

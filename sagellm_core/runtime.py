@@ -98,6 +98,8 @@ class Counters:
     transfer_s: float = 0.0
     lifetime_abs_error: float = 0.0
     lifetime_predictions: int = 0
+    #: tenant -> [query blocks, hit blocks], first admissions only.
+    tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -373,8 +375,12 @@ class Runtime:
         self._active[request.request_id] = state
         c = self.counters
         if state.num_preemptions == 0:
-            c.query_blocks += blocks_for(request.num_prompt_tokens, self.block_size)
+            query = blocks_for(request.num_prompt_tokens, self.block_size)
+            c.query_blocks += query
             c.hit_blocks += match.num_blocks
+            tenant = c.tenant_blocks.setdefault(request.tenant, [0, 0])
+            tenant[0] += query
+            tenant[1] += match.num_blocks
             c.query_tokens += request.num_prompt_tokens
             c.hit_tokens += cached
             c.prefill_tokens += state.num_tokens - cached

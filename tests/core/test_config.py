@@ -85,3 +85,32 @@ def test_trace_path_is_relative_to_the_config_file(tmp_path):
     cfg = tmp_path / "sub" / "c.toml"
     cfg.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 4\n[workload]\nsource = "azure"\npath = "../t.csv"\n')
     assert config.load(cfg).workload.path == str(tmp_path / "sub" / ".." / "t.csv")
+
+
+@pytest.mark.parametrize(
+    "text, keys, values",
+    [
+        ("kv_pool.num_blocks=2000,5000", ("kv_pool", "num_blocks"), [2000, 5000]),
+        ("eviction.plugin=lru,belady", ("eviction", "plugin"), ["lru", "belady"]),
+        ('engine.mode="timed"', ("engine", "mode"), ["timed"]),
+        ('scheduler.passes=["fcfs"]', ("scheduler", "passes"), [["fcfs"]]),
+        ("scheduler.prefix-aware.max_queue=4", ("scheduler", "prefix-aware", "max_queue"), [4]),
+    ],
+)
+def test_overrides_parse(text, keys, values):
+    assert config.parse_override(text) == (keys, values)
+
+
+@pytest.mark.parametrize("text", ["num_blocks=3", "kv_pool.num_blocks", "kv_pool..x=1", "a.b="])
+def test_bad_overrides(text):
+    with pytest.raises(ConfigError, match=r"^--set "):
+        config.parse_override(text)
+
+
+def test_overrides_apply_before_validation(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n')
+    assert config.load(path, {("kv_pool", "num_blocks"): 64}).num_blocks == 64
+    assert config.load(path, {("workload", "tenants"): 2}).workload.tenants == 2
+    with pytest.raises(ConfigError, match=r"c.toml: \[kv_pool\] num_blocks = 0: a positive number of blocks"):
+        config.load(path, {("kv_pool", "num_blocks"): 0})

@@ -98,3 +98,42 @@ def test_committed_hook_reference_is_current(capsys):
     generated = capsys.readouterr().out
     committed = (Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
     assert committed == generated
+
+
+def test_set_overrides_a_config_key(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["replay", *SMALL, "--set", "eviction.plugin=lfu", "--set", "kv_pool.num_blocks=512", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["plugins"]["eviction"] == "lfu" and report["num_blocks"] == 512
+    assert main(["replay", *SMALL, "--set", "kv_pool.num_blocks=1,2"]) == 2
+
+
+def test_sweep_over_pool_size(tmp_path, capsys):
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[engine]\nmode = "cache-only"\n[prefix_cache]\nplugin = "radix"\n'
+        '[kv_pool]\nplugin = "paged"\nnum_blocks = 100\n[eviction]\nplugin = "lru"\n'
+    )
+    out, md, png = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
+    args = ["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200,400,3000", "--set", "eviction.plugin=lfu",
+            "--max-requests", "60", "--quiet", "--json", str(out), "--markdown", str(md), "--plot", str(png)]
+    assert main(args) == 0
+    reports = json.loads(out.read_text())
+    assert [r["sweep"]["value"] for r in reports] == [200, 400, 3000]
+    assert all(r["plugins"]["eviction"] == "lfu" for r in reports)
+    rates = [r["block_hit_rate"] for r in reports]
+    assert rates[0] <= rates[1] <= rates[2] and rates[0] < rates[2]
+    assert md.read_text().splitlines()[0] == "| block_hit_rate \\ kv_pool.num_blocks | 200 | 400 | 3000 |"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200", "--quiet"]) == 2
+    assert "exactly one --set KEY=V1,V2,... with several values" in capsys.readouterr().err
+
+
+def test_tenant_fairness_in_the_report(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["replay", *SMALL, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rates = report["tenant_block_hit_rates"]
+    assert set(rates) <= {"tenant-0", "tenant-1", "tenant-2", "tenant-3"} and len(rates) >= 2
+    expected = sum(rates.values()) ** 2 / (len(rates) * sum(x * x for x in rates.values()))
+    assert report["jain_fairness"] == pytest.approx(expected, abs=1e-5)
