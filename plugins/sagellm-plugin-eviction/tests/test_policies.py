@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
+from sagellm_plugin_eviction.s3fifo import S3FIFOEviction, S3FIFOSettings
 
 from sagellm_core import PluginContext
 from sagellm_core.types import CachedBlock, Request
@@ -63,30 +64,44 @@ def test_lru_preempts_the_last_running_request():
     assert LRUEviction(None, CTX).sagellm_select_preemption(running=running).request_id == "r2"
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction])
+def s3fifo(settings, context):
+    return S3FIFOEviction(S3FIFOSettings(), context)
+
+
+@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo])
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
     policy = policy_cls(None, CTX)
+
+    def observe(hook, *blocks):
+        if hasattr(policy, hook):  # a policy implements the observations it needs
+            getattr(policy, hook)(blocks=blocks)
+
     cached, evictable = set(), set()
     for op, i in ops:
-        block = CachedBlock(i, 0, None)
+        block = CachedBlock(i, 0, None, key=i)
         if op == "c" and i not in cached:
             cached.add(i)
-            policy.sagellm_blocks_cached(blocks=(block,)) if hasattr(policy, "sagellm_blocks_cached") else None
+            observe("sagellm_blocks_cached", block)
         elif op == "r" and i in cached and i not in evictable:
             evictable.add(i)
-            policy.sagellm_blocks_released(blocks=(block,))
+            observe("sagellm_blocks_released", block)
         elif op == "t" and i in evictable:
             evictable.discard(i)
-            policy.sagellm_blocks_touched(blocks=(block,))
+            observe("sagellm_blocks_touched", block)
         elif op == "e" and i in evictable:
             evictable.discard(i)
             cached.discard(i)
-            policy.sagellm_blocks_evicted(blocks=(block,))
+            observe("sagellm_blocks_evicted", block)
         victims = policy.sagellm_select_victims(num_blocks=k, candidates=evictable).victim_ids
         assert len(victims) == min(k, len(evictable))
         assert len(set(victims)) == len(victims) and set(victims) <= evictable
+        if victims and op == "e":
+            # Evict what was chosen, as the runtime does.
+            observe("sagellm_blocks_evicted", *(CachedBlock(v, 0, None, key=v) for v in victims))
+            evictable.difference_update(victims)
+            cached.difference_update(victims)
 
 
 def test_belady_evicts_the_block_used_farthest_in_the_future(tmp_path):
@@ -133,3 +148,27 @@ def test_belady_needs_a_workload():
 
     with pytest.raises(ValueError, match="reads the future from the replayed workload"):
         BeladyEviction(None, CTX)
+
+
+def test_s3fifo_drops_one_hit_wonders_and_keeps_reused_blocks():
+    ctx = PluginContext("s3fifo", 16, 20)  # small queue: 2 blocks
+    policy = S3FIFOEviction(S3FIFOSettings(small_share=0.1), ctx)
+    hot = CachedBlock(0, 0, None, key=100)
+    policy.sagellm_blocks_cached(blocks=(hot,))
+    policy.sagellm_blocks_touched(blocks=(hot,))  # hit while in S
+    cold = tuple(CachedBlock(i, 0, None, key=100 + i) for i in range(1, 4))
+    policy.sagellm_blocks_cached(blocks=cold)
+    evictable = {0, 1, 2, 3}
+    victims = policy.sagellm_select_victims(num_blocks=2, candidates=evictable).victim_ids
+    assert 0 not in victims and len(victims) == 2  # the hit block was promoted to M
+    policy.sagellm_blocks_evicted(blocks=tuple(CachedBlock(v, 0, None, key=100 + v) for v in victims))
+    # A dropped block that comes back soon (its key is a ghost) starts in M.
+    back = CachedBlock(9, 0, None, key=100 + victims[0])
+    policy.sagellm_blocks_cached(blocks=(back,))
+    assert 9 in policy._main
+
+
+def test_s3fifo_chooses_block_zero():
+    policy = S3FIFOEviction(S3FIFOSettings(), CTX)
+    policy.sagellm_blocks_cached(blocks=(CachedBlock(0, 0, None),))
+    assert policy.sagellm_select_victims(num_blocks=1, candidates={0}).victim_ids == (0,)
