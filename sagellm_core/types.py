@@ -45,6 +45,9 @@ class Request:
     #: does), so that a finished request's output can be cached like a real
     #: engine caches it. ``None`` when unknown (Mooncake and Azure traces).
     output_token_ids: array | None = field(default=None, converter=as_token_array)
+    #: As vLLM's ``cache_salt``: requests share cached blocks only with
+    #: requests of the same salt (e.g. per user, against timing attacks).
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

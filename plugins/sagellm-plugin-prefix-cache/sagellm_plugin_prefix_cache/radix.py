@@ -8,6 +8,10 @@ A match that ends inside an edge splits it at that page boundary, so that
 locks are per node: ``lock_ref`` counts the requests whose locked path runs
 through the node (vLLM's ``ref_cnt``, SGLang's ``lock_ref``).
 
+Namespaces: each has its own tree, so requests share blocks only within one.
+A request's namespace is its ``cache_salt`` (as vLLM's), and with
+``isolate = "tenant"`` its tenant too. The namespace seeds the chain keys.
+
 A block is evictable when its node is unlocked. Evicting block ``b`` drops
 the pages of its edge from ``b`` on, and the whole subtree below: a block is
 worth nothing once its parent is gone.
@@ -16,6 +20,8 @@ worth nothing once its parent is gone.
 from __future__ import annotations
 
 from typing import Iterator, Sequence
+
+from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch, Request, chain_key
@@ -54,13 +60,21 @@ class _Evictable:
                 yield block_id
 
 
+@frozen
+class RadixSettings:
+    #: ``"none"``: all tenants share one tree; ``"tenant"``: one per tenant.
+    isolate: str = field(default="none", validator=validators.in_(("none", "tenant")))
+
+
 class RadixPrefixCache:
     """``[prefix_cache] plugin = "radix"``"""
 
-    def __init__(self, settings, context: PluginContext):
+    Settings = RadixSettings
+
+    def __init__(self, settings: RadixSettings | None, context: PluginContext):
         self.block_size = context.block_size
-        self.root = _Node(None, [], [], 0)
-        self.root.lock_ref = 1  # never evictable, never counted
+        self.isolate_tenants = settings is not None and settings.isolate == "tenant"
+        self._roots: dict[str, _Node] = {}
         self._where: dict[int, _Node] = {}
         self._info: dict[int, CachedBlock] = {}
         self._locked: dict[str, _Node] = {}
@@ -69,15 +83,33 @@ class RadixPrefixCache:
 
     # ------------------------------------------------------------ helpers --
 
+    def _namespace(self, request: Request) -> str:
+        parts = []
+        if self.isolate_tenants:
+            parts.append(f"tenant={request.tenant}")
+        if request.cache_salt is not None:
+            parts.append(f"salt={request.cache_salt}")
+        return ";".join(parts)
+
+    def _root(self, namespace: str) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node(None, [], [], 0)
+            root.lock_ref = 1  # never evictable, never counted
+        return root
+
+    def _root_key(self, namespace: str) -> int:
+        return chain_key(ROOT_KEY, namespace.encode()) if namespace else ROOT_KEY
+
     def _key(self, token_ids, page: int) -> bytes:
         bs = self.block_size
         return token_ids[page * bs : (page + 1) * bs].tobytes()
 
-    def _walk(self, token_ids, num_pages: int, split: bool) -> tuple[_Node, list[CachedBlock]]:
-        """Follow ``token_ids``' first ``num_pages`` pages down the tree.
+    def _walk(self, root: _Node, token_ids, num_pages: int, split: bool) -> tuple[_Node, list[CachedBlock]]:
+        """Follow ``token_ids``' first ``num_pages`` pages down from ``root``.
         Return the deepest node reached and the matched blocks. With ``split``
         a match ending inside an edge splits it, so the node ends the match."""
-        node, page, matched = self.root, 0, []
+        node, page, matched = root, 0, []
         while page < num_pages:
             child = node.children.get(self._key(token_ids, page))
             if child is None:
@@ -110,7 +142,7 @@ class RadixPrefixCache:
     def _lock(self, node: _Node) -> list[_Node]:
         """Lock the path from ``node`` up; return the nodes that were unlocked."""
         taken = []
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._num_evictable -= len(node.blocks)
                 taken.append(node)
@@ -120,7 +152,7 @@ class RadixPrefixCache:
 
     def _unlock(self, node: _Node) -> list[_Node]:
         freed = []
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._num_evictable += len(node.blocks)
@@ -136,14 +168,18 @@ class RadixPrefixCache:
 
     @hookimpl
     def sagellm_lookup_prefix(self, request: Request) -> PrefixMatch:
-        _, matched = self._walk(request.prompt_token_ids, self._limit(request), split=False)
+        root = self._roots.get(self._namespace(request))
+        if root is None:
+            return PrefixMatch()
+        _, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=False)
         return PrefixMatch(tuple(matched))
 
     @hookimpl
     def sagellm_acquire_prefix(self, request: Request) -> PrefixMatch:
         if request.request_id in self._locked:
             raise ValueError(f"request {request.request_id!r} already holds a prefix")
-        node, matched = self._walk(request.prompt_token_ids, self._limit(request), split=True)
+        root = self._root(self._namespace(request))
+        node, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=True)
         self._lock(node)
         self._locked[request.request_id] = node
         return PrefixMatch(tuple(matched))
@@ -153,7 +189,8 @@ class RadixPrefixCache:
         self, request: Request, token_ids: Sequence[int], block_ids: Sequence[int]
     ) -> PrefixInsert:
         num_pages = len(block_ids)
-        node, matched = self._walk(token_ids, num_pages, split=True)
+        namespace = self._namespace(request)
+        node, matched = self._walk(self._root(namespace), token_ids, num_pages, split=True)
         replaced = tuple(
             (given, held) for given, held in zip(block_ids, matched) if given != held.block_id
         )
@@ -161,11 +198,11 @@ class RadixPrefixCache:
         page = len(matched)
         if page < num_pages:
             parent = matched[-1] if matched else None
-            parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, ROOT_KEY)
+            parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, self._root_key(namespace))
             keys, blocks = [], []
             for p in range(page, num_pages):
                 key = self._key(token_ids, p)
-                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key))
+                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key), namespace)
                 parent_id, parent_key = block.block_id, block.key
                 keys.append(key)
                 blocks.append(block)

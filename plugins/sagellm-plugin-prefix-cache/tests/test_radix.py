@@ -3,10 +3,10 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
-from sagellm_core.types import ROOT_KEY, Request, chain_key
+from sagellm_core.types import Request, chain_key
 
 BS = 4
 
@@ -15,8 +15,8 @@ def make():
     return RadixPrefixCache(None, PluginContext("radix", block_size=BS, num_blocks=1000))
 
 
-def req(rid, tokens):
-    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1)
+def req(rid, tokens, tenant="default", salt=None):
+    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1, tenant=tenant, cache_salt=salt)
 
 
 class Blocks:
@@ -107,20 +107,29 @@ class TreeMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache, self.blocks = make(), Blocks()
+        self.cache = RadixPrefixCache(RadixSettings(isolate="tenant"), PluginContext("radix", BS, 1000))
+        self.blocks = Blocks()
         self.holding: dict[str, set[int]] = {}
         self.content: dict[int, bytes] = {}
         self.serial = 0
 
-    @rule(shared=st.integers(0, 24), tail=st.lists(st.integers(0, 3), max_size=10), base=st.integers(0, 2))
-    def serve(self, shared, tail, base):
+    @rule(
+        shared=st.integers(0, 24),
+        tail=st.lists(st.integers(0, 3), max_size=10),
+        base=st.integers(0, 2),
+        tenant=st.sampled_from(["a", "b"]),
+        salt=st.sampled_from([None, "x"]),
+    )
+    def serve(self, shared, tail, base, tenant, salt):
         tokens = [base * 100 + i for i in range(shared)] + tail
         if not tokens:
             return
         self.serial += 1
         rid = f"r{self.serial}"
-        r = req(rid, tokens)
+        r = req(rid, tokens, tenant, salt)
+        namespace = self.cache._namespace(r)
         match = self.cache.sagellm_acquire_prefix(request=r)
+        assert all(b.namespace == namespace for b in match.blocks)  # namespaces never cross
         for i, block in enumerate(match.blocks):  # a match is the prompt's own pages
             assert self.content[block.block_id] == r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes()
         n_full = len(tokens) // BS
@@ -166,9 +175,26 @@ class TreeMachine(RuleBasedStateMachine):
             info = self.cache._info[block_id]
             parent = info.parent_id
             assert parent is None or parent in self.content  # a block never outlives its parent
-            parent_key = self.cache._info[parent].key if parent is not None else ROOT_KEY
+            parent_key = self.cache._info[parent].key if parent is not None else self.cache._root_key(info.namespace)
             assert info.key == chain_key(parent_key, self.content[block_id])  # content-chained key
 
 
 TestTree = TreeMachine.TestCase
 TestTree.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_tenants_are_isolated_only_when_asked():
+    shared = RadixPrefixCache(RadixSettings(), PluginContext("radix", BS, 100))
+    isolated = RadixPrefixCache(RadixSettings(isolate="tenant"), PluginContext("radix", BS, 100))
+    for cache in (shared, isolated):
+        a = req("a", list(range(12)), tenant="t1")
+        cache.sagellm_acquire_prefix(request=a)
+        cache.sagellm_insert_prefix(request=a, token_ids=a.prompt_token_ids, block_ids=[0, 1, 2])
+        cache.sagellm_release_prefix(request=a)
+    other_tenant = req("b", list(range(13)), tenant="t2")
+    assert shared.sagellm_lookup_prefix(request=other_tenant).block_ids == (0, 1, 2)
+    assert isolated.sagellm_lookup_prefix(request=other_tenant).block_ids == ()
+    salted = req("c", list(range(13)), tenant="t1", salt="user-9")
+    assert shared.sagellm_lookup_prefix(request=salted).block_ids == ()  # a salt always separates
+    same = req("d", list(range(13)), tenant="t1")
+    assert isolated.sagellm_lookup_prefix(request=same).block_ids == (0, 1, 2)
