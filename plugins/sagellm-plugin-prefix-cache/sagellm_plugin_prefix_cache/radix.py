@@ -12,6 +12,12 @@ Namespaces: each has its own tree, so requests share blocks only within one.
 A request's namespace is its ``cache_salt`` (as vLLM's), and with
 ``isolate = "tenant"`` its tenant too. The namespace seeds the chain keys.
 
+KV events: with ``events = "FILE"`` every change is appended to FILE as a
+JSON line, as vLLM's KV events (``BlockStored`` / ``BlockRemoved``) let a
+router track which engine holds which prefix:
+``{"type": "stored", "namespace": ..., "parent": KEY|null, "keys": [...], "block_size": N}``
+and ``{"type": "removed", "keys": [...]}``, one line per hook call.
+
 A block is evictable when its node is unlocked. Evicting block ``b`` drops
 the pages of its edge from ``b`` on, and the whole subtree below: a block is
 worth nothing once its parent is gone.
@@ -19,6 +25,7 @@ worth nothing once its parent is gone.
 
 from __future__ import annotations
 
+import json
 from typing import Iterator, Sequence
 
 from attrs import field, frozen, validators
@@ -64,6 +71,8 @@ class _Evictable:
 class RadixSettings:
     #: ``"none"``: all tenants share one tree; ``"tenant"``: one per tenant.
     isolate: str = field(default="none", validator=validators.in_(("none", "tenant")))
+    #: Append KV events (blocks stored / removed) to this file, JSON lines.
+    events: str | None = field(default=None, validator=validators.optional(validators.instance_of(str)))
 
 
 class RadixPrefixCache:
@@ -74,6 +83,8 @@ class RadixPrefixCache:
     def __init__(self, settings: RadixSettings | None, context: PluginContext):
         self.block_size = context.block_size
         self.isolate_tenants = settings is not None and settings.isolate == "tenant"
+        events = settings.events if settings is not None else None
+        self._events = open(events, "a", encoding="utf-8", buffering=1) if events else None
         self._roots: dict[str, _Node] = {}
         self._where: dict[int, _Node] = {}
         self._info: dict[int, CachedBlock] = {}
@@ -213,6 +224,11 @@ class RadixPrefixCache:
                 self._info[block.block_id] = block
             self._num_evictable += len(blocks)
             node, adopted = leaf, tuple(blocks)
+            if self._events:
+                self._emit(
+                    type="stored", namespace=namespace, parent=parent.key if parent else None,
+                    keys=[b.key for b in blocks], block_size=self.block_size,
+                )
         # Move the request's lock down to the new end of its path. The old
         # path is a prefix of the new one, so no count falls to zero; blocks
         # of the path that were evictable (cached meanwhile by another
@@ -262,7 +278,12 @@ class RadixPrefixCache:
                 del self._where[block.block_id], self._info[block.block_id]
             removed.extend(gone)
         self._num_evictable -= len(removed)
+        if self._events and removed:
+            self._emit(type="removed", keys=[b.key for b in removed])
         return tuple(removed)
+
+    def _emit(self, **event) -> None:
+        self._events.write(json.dumps(event, separators=(",", ":")) + "\n")
 
     # ------------------------------------------------------------ queries --
 

@@ -198,3 +198,24 @@ def test_tenants_are_isolated_only_when_asked():
     assert shared.sagellm_lookup_prefix(request=salted).block_ids == ()  # a salt always separates
     same = req("d", list(range(13)), tenant="t1")
     assert isolated.sagellm_lookup_prefix(request=same).block_ids == (0, 1, 2)
+
+
+def test_kv_events_let_a_router_track_the_cache(tmp_path):
+    import json
+
+    events = tmp_path / "events.jsonl"
+    cache = RadixPrefixCache(RadixSettings(events=str(events)), PluginContext("radix", BS, 100))
+    blocks = Blocks()
+    cache.sagellm_release_prefix(request=serve(cache, blocks, "a", list(range(12))))
+    cache.sagellm_release_prefix(request=serve(cache, blocks, "b", list(range(8)) + [7] * 8))
+    key_of_block_1 = cache._info[1].key  # "b" shares blocks 0 and 1 with "a"
+    cache.sagellm_remove_blocks(block_ids=[1])
+    # A router replaying the events knows exactly which keys are cached.
+    held = set()
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["type"] for e in lines] == ["stored", "stored", "removed"]
+    for e in lines:
+        (held.update if e["type"] == "stored" else held.difference_update)(e["keys"])
+    assert held == {cache._info[b].key for b in cache._where}
+    assert lines[0]["parent"] is None and lines[1]["parent"] == key_of_block_1
+    assert len(lines[2]["keys"]) == 4  # block 1, the rest of a's chain, and b's two new blocks
