@@ -55,7 +55,8 @@ def cmd_compare(args) -> int:
     overrides = _single_overrides(args)
     all_settings = [_settings(args, path, overrides) for path in args.config]
     session.check_same_workload(all_settings)
-    results = [session.run(settings, progress=not args.quiet) for settings in all_settings]
+    # Keep reports, not runtimes: each holds a whole cache in memory.
+    results = [session.run(settings, progress=not args.quiet).without_runtime() for settings in all_settings]
     report.print_reports([r.report for r in results])
     _write_outputs(args, results)
     return 0
@@ -68,13 +69,13 @@ def cmd_sweep(args) -> int:
         raise SagellmError("sweep: give exactly one --set KEY=V1,V2,... with several values (the axis)")
     (axis, values), fixed = swept[0], {keys: values[0] for keys, values in axes if len(values) == 1}
     name = ".".join(axis)
+    plan = [(path, value, _settings(args, path, {**fixed, axis: value})) for path in args.config for value in values]
+    session.check_same_workload([settings for _, _, settings in plan])
     runs = []
-    for path in args.config:
-        for value in values:
-            settings = _settings(args, path, {**fixed, axis: value})
-            label = f"{Path(path).stem} {name}={value}"
-            runs.append((Path(path).stem, value, session.run(settings, label=label, progress=not args.quiet)))
-    session.check_same_workload([r.runtime.settings for _, _, r in runs])
+    for path, value, settings in plan:
+        label = f"{Path(path).stem} {name}={value}"
+        result = session.run(settings, label=label, progress=not args.quiet)
+        runs.append((Path(path).stem, value, result.without_runtime()))  # a whole cache each: drop it
     reports = [r.report for _, _, r in runs]
     for (_, value, _), rep in zip(runs, reports):
         rep["sweep"] = {"key": name, "value": value}

@@ -55,7 +55,12 @@ def check_same_workload(all_settings: list[Settings]) -> None:
 class RunResult:
     report: dict
     recorder: Recorder
-    runtime: Runtime
+    #: The runtime with its plugins' state (a whole cache): for tests and
+    #: tools that inspect it; dropped by commands that run many configs.
+    runtime: Runtime | None
+
+    def without_runtime(self) -> "RunResult":
+        return attrs.evolve(self, runtime=None)
 
 
 def build_engine(settings: Settings):
