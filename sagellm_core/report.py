@@ -42,10 +42,9 @@ def jain_index(values: Sequence[float]) -> float | None:
 
 def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str) -> dict[str, Any]:
     c = rt.counters
-    outcomes = recorder.outcomes
     sim = recorder.simulated_s
-    span = sim - min((o.arrival_s for o in outcomes), default=0.0)
-    output_tokens = sum(o.num_output_tokens for o in outcomes)
+    span = sim - (recorder.first_arrival_s if recorder.finished else 0.0)
+    output_tokens = recorder.output_tokens
     timed = mode == "timed"
     return {
         "label": label,
@@ -80,11 +79,11 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "pool_fragmentation_mean": round(recorder.fragmentation_sum / recorder.used_block_samples, 4)
         if recorder.used_block_samples
         else 0.0,
-        "ttft_s": _percentiles([o.ttft_s for o in outcomes]) if timed else None,
-        "tpot_s": _percentiles([t for o in outcomes if (t := o.tpot_s) is not None]) if timed else None,
-        "e2e_s": _percentiles([o.finish_s - o.arrival_s for o in outcomes]) if timed else None,
+        "ttft_s": _percentiles(recorder.ttft_s) if timed else None,
+        "tpot_s": _percentiles(recorder.tpot_s) if timed else None,
+        "e2e_s": _percentiles(recorder.e2e_s) if timed else None,
         "throughput_tokens_per_s": round(output_tokens / span, 2) if timed and span > 0 else None,
-        "throughput_requests_per_s": round(len(outcomes) / span, 4) if timed and span > 0 else None,
+        "throughput_requests_per_s": round(recorder.finished / span, 4) if timed and span > 0 else None,
         "steps": recorder.steps,
         "mean_batch_tokens": round(recorder.batched_tokens / recorder.steps, 1) if recorder.steps else None,
         "simulated_s": round(sim, 3),

@@ -13,6 +13,8 @@ workload in simulated time.
 
 from __future__ import annotations
 
+import math
+from array import array
 from typing import Callable, Iterator
 
 import attrs
@@ -49,10 +51,16 @@ class ReplaySettings:
 
 @attrs.define
 class Recorder:
-    """What the replay observed, beyond the runtime's counters: finished
-    requests and a timeline (sampled, at most ``max_samples`` points)."""
+    """What the replay observed, beyond the runtime's counters: per finished
+    request its latencies (numbers only: keeping the outcomes would keep every
+    prompt's tokens alive), and a timeline (at most ``max_samples`` points)."""
 
-    outcomes: list[RequestOutcome] = attrs.field(factory=list)
+    ttft_s: array = attrs.field(factory=lambda: array("d"))
+    tpot_s: array = attrs.field(factory=lambda: array("d"))
+    e2e_s: array = attrs.field(factory=lambda: array("d"))
+    finished: int = 0
+    output_tokens: int = 0
+    first_arrival_s: float = math.inf
     #: (time s, cumulative block hit rate, used blocks, cached blocks)
     timeline: list[tuple[float, float, int, int]] = attrs.field(factory=list)
     steps: int = 0
@@ -65,6 +73,15 @@ class Recorder:
     max_samples: int = 2000
     _every: int = 1
     _events: int = 0
+
+    def record(self, outcome: RequestOutcome) -> None:
+        self.finished += 1
+        self.output_tokens += outcome.num_output_tokens
+        self.first_arrival_s = min(self.first_arrival_s, outcome.arrival_s)
+        self.ttft_s.append(outcome.ttft_s)
+        self.e2e_s.append(outcome.finish_s - outcome.arrival_s)
+        if outcome.tpot_s is not None:
+            self.tpot_s.append(outcome.tpot_s)
 
     def sample(self, rt: Runtime, now_s: float, usage: PoolUsage) -> None:
         used_blocks = usage.num_used_blocks
@@ -131,7 +148,7 @@ class ReplayEngine:
             state.num_output_tokens = out
             state.finish_s = rt.now_s
             recorder.sample(rt, rt.now_s, rt.pool_usage())
-            recorder.outcomes.append(rt.finish(state))
+            recorder.record(rt.finish(state))
             on_request()
         recorder.simulated_s = rt.now_s
 
@@ -195,7 +212,7 @@ class ReplayEngine:
                 if state.num_output_tokens >= state.request.output_tokens:
                     state.finish_s = now
                     running.remove(state)
-                    recorder.outcomes.append(rt.finish(state))
+                    recorder.record(rt.finish(state))
                     on_request()
             step += 1
             recorder.steps = step
