@@ -70,7 +70,8 @@ def cmd_sweep(args) -> int:
     (axis, values), fixed = swept[0], {keys: values[0] for keys, values in axes if len(values) == 1}
     name = ".".join(axis)
     plan = [(path, value, _settings(args, path, {**fixed, axis: value})) for path in args.config for value in values]
-    session.check_same_workload([settings for _, _, settings in plan])
+    for value in values:  # configs side by side replay one workload (the axis may be a workload key)
+        session.check_same_workload([settings for _, v, settings in plan if v == value])
     runs = []
     for path, value, settings in plan:
         label = f"{Path(path).stem} {name}={value}"

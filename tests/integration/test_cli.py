@@ -127,6 +127,10 @@ def test_sweep_over_pool_size(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200", "--quiet"]) == 2
     assert "exactly one --set KEY=V1,V2,... with several values" in capsys.readouterr().err
+    # The axis may be a workload key: each value is its own workload.
+    assert main(["sweep", "--config", str(config), "--set", "workload.tenants=1,3", "--max-requests", "20", "--quiet",
+                 "--json", str(out)]) == 0
+    assert [r["sweep"]["value"] for r in json.loads(out.read_text())] == [1, 3]
 
 
 def test_tenant_fairness_in_the_report(tmp_path):
