@@ -263,8 +263,8 @@ def plot_sweep(runs, name: str, values, figure: str, path: str | Path) -> None:
         ax.plot(xs, [p[1] for p in points], marker="o", label=label)
     if numeric and min(values) > 0 and max(values) / min(values) >= 10:
         ax.set_xscale("log")
-    if not numeric:
-        ax.set_xticks(range(len(values)), [str(v) for v in values])
+        ax.minorticks_off()
+    ax.set_xticks(values if numeric else range(len(values)), [f"{v:,}" if numeric else str(v) for v in values])
     ax.set_xlabel(name)
     ax.set_ylabel(figure)
     ax.grid(alpha=0.3)
