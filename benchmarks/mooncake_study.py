@@ -11,7 +11,9 @@ replay's LRU figure (0.2149 at 10,000 blocks). It prints:
 1. LRU's block hit rate against capacity;
 2. the hit rate of an oracle that evicts blocks that are never used again
    first (then LRU): how much a perfect dead-block predictor is worth;
-3. the hazard of a conversation's next turn against the requests elapsed
+3. how far apart uses of a block are (in requests), by its number of
+   earlier uses, and how many distinct blocks are used only once;
+4. the hazard of a conversation's next turn against the requests elapsed
    since its last one, by turns so far: whether recency predicts reuse.
 
 Plain Python, no project imports: about 15 s.
@@ -82,6 +84,24 @@ def simulate(chains, next_use, total, capacity, dead_first=False):
     return hits / total
 
 
+def reuse_gaps(chains):
+    last, uses = {}, collections.Counter()
+    gaps = collections.defaultdict(list)
+    for i, chain in enumerate(chains):
+        for h in chain:
+            if h in last:
+                gaps[min(uses[h], 3)].append(i - last[h])
+            uses[h] += 1
+            last[h] = i
+    print("\nrequests between uses of a block, by its earlier uses")
+    print("earlier uses | reuses | p50 | p90")
+    for k, g in sorted(gaps.items()):
+        g.sort()
+        print(f"{k}{'+' if k == 3 else ''} | {len(g)} | {g[len(g) // 2]} | {g[int(len(g) * 0.9)]}")
+    once = sum(1 for n in uses.values() if n == 1)
+    print(f"distinct full blocks: {len(uses)}, used once: {once} ({once / len(uses):.0%})")
+
+
 def hazard(chains):
     turns = collections.defaultdict(list)
     for i, chain in enumerate(chains):
@@ -112,6 +132,7 @@ def main() -> None:
         lru = simulate(chains, next_use, total, capacity)
         oracle = simulate(chains, next_use, total, capacity, dead_first=True)
         print(f"{capacity} | {lru:.4f} | {oracle:.4f}", flush=True)
+    reuse_gaps(chains)
     hazard(chains)
 
 
