@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
-from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
 from sagellm_core.timing import HookTimer
@@ -45,7 +45,7 @@ def p50_us(fn, repeat=2000, number=1):
 def build_cache():
     """100k cached blocks: 250 prompts of 6,400 tokens sharing a 1,024-token head."""
     ctx = PluginContext("radix", BS, NUM_BLOCKS + 1000)
-    cache = RadixPrefixCache(None, ctx)
+    cache = RadixPrefixCache(RadixSettings(), ctx)
     rng = random.Random(0)
     head = [rng.randrange(32000) for _ in range(1024)]
     next_block = 0

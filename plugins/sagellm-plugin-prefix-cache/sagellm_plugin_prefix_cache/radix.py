@@ -80,11 +80,11 @@ class RadixPrefixCache:
 
     Settings = RadixSettings
 
-    def __init__(self, settings: RadixSettings | None, context: PluginContext):
+    def __init__(self, settings: RadixSettings, context: PluginContext):
         self.block_size = context.block_size
-        self.isolate_tenants = settings is not None and settings.isolate == "tenant"
-        events = settings.events if settings is not None else None
-        self._events = open(events, "a", encoding="utf-8", buffering=1) if events else None
+        self.isolate_tenants = settings.isolate == "tenant"
+        # Line-buffered: each event reaches the file (and a tailing router) whole.
+        self._events = open(settings.events, "a", encoding="utf-8", buffering=1) if settings.events else None
         self._roots: dict[str, _Node] = {}
         self._where: dict[int, _Node] = {}
         self._info: dict[int, CachedBlock] = {}

@@ -12,7 +12,7 @@ BS = 4
 
 
 def make():
-    return RadixPrefixCache(None, PluginContext("radix", block_size=BS, num_blocks=1000))
+    return RadixPrefixCache(RadixSettings(), PluginContext("radix", block_size=BS, num_blocks=1000))
 
 
 def req(rid, tokens, tenant="default", salt=None):
