@@ -33,9 +33,10 @@ from sagellm_core.errors import ConfigError
 
 BLOCK_ENV = "SAGELLM_BLOCK_PLUGINS"
 
-#: config section -> (entry point group, the first-party distribution for it)
+#: config section -> (entry point group, the first-party distribution for it;
+#: engines other than the embedded replay come with their adapters)
 GROUPS: dict[str, tuple[str, str]] = {
-    "engine": ("sagellm.engines", "sagellm-core"),
+    "engine": ("sagellm.engines", "sagellm-plugin-{name}"),
     "prefix_cache": ("sagellm.prefix_cache", "sagellm-plugin-prefix-cache"),
     "kv_pool": ("sagellm.kv_pool", "sagellm-plugin-kv-pool"),
     "eviction": ("sagellm.eviction", "sagellm-plugin-eviction"),
@@ -115,7 +116,7 @@ def load_class(section: str, name: str, where: str) -> tuple[type, PluginInfo]:
         names = ", ".join(sorted(available)) or "none"
         raise ConfigError(
             f"{where}: unknown {section} plugin {name!r}; installed: {names}"
-            f" (first-party {section} plugins: pip install {dist})"
+            f" (first-party {section} plugins: pip install {dist.format(name=name)})"
         )
     ep = available[name]
     try:
