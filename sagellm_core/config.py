@@ -48,6 +48,8 @@ class WorkloadSettings:
     #: Tokens per ``hash_ids`` entry of a Mooncake trace.
     trace_block_tokens: int = 512
     max_requests: int | None = None
+    #: Multiply arrival times by this: 2.0 replays a trace at half its load.
+    time_scale: float = 1.0
     seed: int = 0
     # The built-in generator: multi-tenant chat sessions.
     tenants: int = 4
@@ -262,6 +264,8 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         raise ConfigError(
             f"{path}: [workload] source = {workload.source!r}: accepted: {', '.join(WORKLOAD_SOURCES)}"
         )
+    if workload.time_scale <= 0:
+        raise ConfigError(f"{path}: [workload] time_scale = {workload.time_scale!r}: a positive number")
     if workload.source != "generator" and workload.path is None:
         raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
     report = _typed(table("report"), ReportSettings)

@@ -24,6 +24,8 @@ from datetime import datetime
 from itertools import islice
 from typing import Iterator
 
+import attrs
+
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import TraceError
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
@@ -44,7 +46,11 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
         requests = azure(settings.path, seed=settings.seed)
     else:
         requests = generate(settings)
-    return _in_order(islice(requests, settings.max_requests), settings.path or "generator")
+    requests = islice(requests, settings.max_requests)
+    if settings.time_scale != 1.0:
+        scale = settings.time_scale
+        requests = (attrs.evolve(r, arrival_s=r.arrival_s * scale) for r in requests)
+    return _in_order(requests, settings.path or "generator")
 
 
 def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:

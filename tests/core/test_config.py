@@ -114,3 +114,8 @@ def test_overrides_apply_before_validation(tmp_path):
     assert config.load(path, {("workload", "tenants"): 2}).workload.tenants == 2
     with pytest.raises(ConfigError, match=r"c.toml: \[kv_pool\] num_blocks = 0: a positive number of blocks"):
         config.load(path, {("kv_pool", "num_blocks"): 0})
+
+
+def test_time_scale_must_be_positive():
+    with pytest.raises(ConfigError, match=r"good.toml: \[workload\] time_scale = 0: a positive number"):
+        settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\ntime_scale = 0"), "good.toml")

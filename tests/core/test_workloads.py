@@ -121,3 +121,9 @@ def test_generator_is_seeded():
     c = [(r.request_id, r.arrival_s) for r in workloads.generate(WorkloadSettings(seed=4, sessions_per_tenant=2))]
     assert a == b
     assert [x[:2] for x in a] != c
+
+
+def test_time_scale_stretches_arrivals():
+    base = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2))]
+    slow = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2, time_scale=3.0))]
+    assert slow == pytest.approx([3.0 * a for a in base]) and max(base) > 0

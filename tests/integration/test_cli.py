@@ -124,6 +124,9 @@ def test_sweep_over_pool_size(tmp_path, capsys):
     rates = [r["block_hit_rate"] for r in reports]
     assert rates[0] <= rates[1] <= rates[2] and rates[0] < rates[2]
     assert md.read_text().splitlines()[0] == "| block_hit_rate \\ kv_pool.num_blocks | 200 | 400 | 3000 |"
+    assert main(args + ["--figure", "token_hit_rate", "--figure", "evicted_blocks"]) == 0
+    tables = md.read_text()
+    assert "| token_hit_rate \\ kv_pool.num_blocks |" in tables and "| evicted_blocks \\ kv_pool.num_blocks |" in tables
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200", "--quiet"]) == 2
     assert "exactly one --set KEY=V1,V2,... with several values" in capsys.readouterr().err
