@@ -94,7 +94,7 @@ def main() -> None:
             policy.sagellm_blocks_cached(blocks=blocks)
         for i in range(0, NUM_BLOCKS, 64):
             policy.sagellm_blocks_released(blocks=blocks[i:i + 64])
-        results[name] = p50_us(lambda: policy.sagellm_select_victims(num_blocks=64, candidates=None), repeat=3000)
+        results[name] = p50_us(lambda p=policy: p.sagellm_select_victims(num_blocks=64, candidates=None), repeat=3000)
     rows += [
         ("select 64 victims of 100k evictable: LRU", results["LRU"], 1.0),
         ("select 64 victims of 100k evictable: LFU", results["LFU"], results["LFU"] / results["LRU"]),

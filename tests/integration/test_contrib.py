@@ -4,7 +4,6 @@ into a fresh virtual environment, beside the core, and select it by config."""
 import json
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 

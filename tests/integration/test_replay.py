@@ -1,9 +1,6 @@
 """The replay engine end to end, with the first-party plugins."""
 
-import pytest
-
 from sagellm_core import session
-from sagellm_core.config import with_workload
 from sagellm_core.testing import settings_from_toml
 
 TIMED = """
@@ -102,7 +99,6 @@ def test_mooncake_lru_matches_the_known_figure(traces):
 
 
 def test_mooncake_with_16_token_blocks_in_timed_mode(traces):
-    settings = session.load_settings("contrib/configs/mooncake-lru.toml")
     text = (
         '[engine]\nmode = "timed"\n[workload]\nsource = "mooncake"\nmax_requests = 150\n'
         f'path = "{traces / "mooncake_conversation.jsonl"}"\n'

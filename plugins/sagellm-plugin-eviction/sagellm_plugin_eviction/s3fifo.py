@@ -79,55 +79,56 @@ class S3FIFOEviction:
             self._freq.pop(b, None)
             self._key.pop(b, None)
 
+    def _scan_small(self, candidates, seen: set[int], promote: list[int]):
+        """Victims from S, oldest first; blocks hit while in S are noted for
+        promotion to M instead."""
+        for b in self._small:
+            if b in seen or b not in candidates:
+                continue
+            if self._freq[b] > 0:
+                promote.append(b)
+                continue
+            yield b
+
+    def _scan_main(self, candidates, seen: set[int], requeue: list[int]):
+        """Victims from M, oldest first; a block with hits loses one and is
+        noted to go round again."""
+        for b in self._main:
+            if b in seen or b not in candidates:
+                continue
+            if self._freq[b] > 0:
+                self._freq[b] -= 1
+                requeue.append(b)
+                continue
+            yield b
+
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates) -> EvictionDecision:
         chosen: list[int] = []
         seen: set[int] = set()
-        freq = self._freq
-        small_size = len(self._small)
-        # One pass over each queue per round; moves are applied between
-        # rounds (an OrderedDict cannot change while it is iterated). Hit
-        # counts are at most 3, so a few rounds always settle.
+        # One scan of each queue per round; moves are applied between rounds
+        # (an OrderedDict cannot change while it is iterated). Hit counts are
+        # at most 3, so a few rounds always settle.
         for _ in range(_MAX_FREQ + 2):
             promote: list[int] = []
             requeue: list[int] = []
-            small, main = iter(self._small), iter(self._main)
-
-            def from_small() -> int | None:
-                nonlocal small_size
-                for b in small:
-                    if b in seen or b not in candidates:
-                        continue
-                    if freq[b] > 0:  # hit while in S: promote to M
-                        promote.append(b)
-                        small_size -= 1
-                        continue
-                    return b
-                return None
-
-            def from_main() -> int | None:
-                for b in main:
-                    if b in seen or b not in candidates:
-                        continue
-                    if freq[b] > 0:  # hit: one more round, one hit fewer
-                        freq[b] -= 1
-                        requeue.append(b)
-                        continue
-                    return b
-                return None
-
+            small = self._scan_small(candidates, seen, promote)
+            main = self._scan_main(candidates, seen, requeue)
             while len(chosen) < num_blocks:
-                picks = (from_small, from_main) if small_size >= self.small_cap else (from_main, from_small)
-                victim = picks[0]()
-                if victim is None:  # (block 0 is a valid victim: no `or`)
-                    victim = picks[1]()
+                small_first = len(self._small) - len(promote) >= self.small_cap
+                first, second = (small, main) if small_first else (main, small)
+                victim = next(first, None)
+                if victim is None:  # (block 0 is a valid victim: test with `is`)
+                    victim = next(second, None)
                 if victim is None:
                     break
                 chosen.append(victim)
                 seen.add(victim)
+            small.close()
+            main.close()
             for b in promote:
                 del self._small[b]
-                freq[b] = 0
+                self._freq[b] = 0
                 self._main[b] = None
             for b in requeue:
                 self._main.move_to_end(b)
