@@ -80,7 +80,6 @@ class LoadedPlugin:
 class Counters:
     """What the runtime itself counts; the report is built from these."""
 
-    requests_arrived: int = 0
     requests_finished: int = 0
     requests_rejected: int = 0
     query_blocks: int = 0
@@ -333,7 +332,6 @@ class Runtime:
             raise self._bad("lifetime", "sagellm_predict_lifetime", f"returned {prediction!r}")
         state = SequenceState(request=request, prediction=prediction)
         state.cached_tokens_hint = self.lookup(request).num_blocks * self.block_size
-        self.counters.requests_arrived += 1
         self._observe("sagellm_request_arrived", request=request, prediction=prediction)
         return state
 

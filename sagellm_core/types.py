@@ -12,7 +12,6 @@ import hashlib
 from array import array
 from typing import Iterator, Protocol, Sequence
 
-import attrs
 from attrs import define, field, frozen
 
 TOKEN_ARRAY_TYPECODE = "q"
@@ -83,7 +82,6 @@ class SequenceState:
     cached_tokens_hint: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
-    first_scheduled_s: float | None = None
     num_preemptions: int = 0
 
     @property
@@ -326,7 +324,3 @@ class RequestOutcome:
             return None
         return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
 
-
-def evolve(inst, **changes):
-    """``attrs.evolve``, re-exported so plugins need only this module."""
-    return attrs.evolve(inst, **changes)

@@ -258,8 +258,6 @@ class ReplayEngine:
                 n = rt.admit(state, budget)
                 if n == 0:
                     break
-                if state.first_scheduled_s is None:
-                    state.first_scheduled_s = ir.now_s
                 chunks[state.request_id] = ScheduledChunk(state.request_id, n, state.num_computed_tokens, True)
                 budget -= n
                 running.append(state)
