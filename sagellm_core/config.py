@@ -73,7 +73,7 @@ class ReportSettings:
 class Settings:
     path: str
     engine: Selection
-    kv_pool: Selection
+    kv_pool: Selection | None
     prefix_cache: Selection | None
     eviction: Selection | None
     lifetime: Selection | None
@@ -197,10 +197,10 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
     num_blocks = pool_t.take("num_blocks", None, _positive_int, "a positive number of blocks")
     if num_blocks is None:
         raise ConfigError(f"{pool_t.where}: missing key 'num_blocks' (the pool size, in blocks)")
+    # The plugin may be left out for an engine that allocates blocks itself
+    # (the runtime says so when the engine needs one).
     pool_name = pool_t.plugin()
-    if pool_name is None:
-        raise ConfigError(f"{pool_t.where}: missing key 'plugin'")
-    kv_pool = pool_t.selection(pool_name)
+    kv_pool = pool_t.selection(pool_name) if pool_name is not None else None
 
     prefix_t = table("prefix_cache")
     block_size = 16

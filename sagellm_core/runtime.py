@@ -17,7 +17,7 @@ runtime's own state (blocks in use, requests holding them) is unchanged.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import attrs
 import pluggy
@@ -31,6 +31,7 @@ from sagellm_core.types import (
     EMPTY_MATCH,
     BlockAllocation,
     CachedBlock,
+    EvictionCandidates,
     EvictionDecision,
     LifetimePrediction,
     PoolUsage,
@@ -106,8 +107,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Runtime:
-    def __init__(self, settings: Settings, *, hook_timing: bool | None = None):
+    """``engine_owns`` names the sections an engine adapter serves with the
+    engine's own machinery (vLLM's hash table and block pool, say): their
+    plugins are not loaded, and the block lifecycle below is the engine's."""
+
+    def __init__(
+        self, settings: Settings, *, hook_timing: bool | None = None, engine_owns: Collection[str] = ()
+    ):
         self.settings = settings
+        self.engine_owns = frozenset(engine_owns)
+        if settings.kv_pool is None and "kv_pool" not in self.engine_owns:
+            raise ConfigError(
+                f"{settings.path}: [kv_pool]: missing key 'plugin'"
+                f" (engine {settings.engine.name!r} allocates blocks through it)"
+            )
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks
         self.now_s = 0.0
@@ -122,7 +135,8 @@ class Runtime:
         # pluggy calls implementations last-registered first: register the
         # passes in reverse so they run in the order the config lists them.
         for sel in [*reversed(settings.passes), *settings.decisions()]:
-            self._register(sel)
+            if sel.section not in self.engine_owns:
+                self._register(sel)
         if "scheduler" in self.plugins:
             self.plugins["scheduler"].reverse()  # listed in config order
         self.hook = self.pm.hook
@@ -131,10 +145,12 @@ class Runtime:
         self._in_use: set[int] = set()
         self._cached: set[int] = set()
         self._active: dict[str, SequenceState] = {}
+        if "kv_pool" in self.engine_owns:
+            return
         usage = self.pool_usage()
         if usage.num_blocks != self.num_blocks or usage.num_free_blocks != self.num_blocks:
             raise PluginError(
-                f"{self._who('kv_pool')} reports {usage.num_free_blocks}/{usage.num_blocks} free"
+                f"{self.who('kv_pool')} reports {usage.num_free_blocks}/{usage.num_blocks} free"
                 f" blocks at start; the config asks for {self.num_blocks}"
             )
 
@@ -163,7 +179,7 @@ class Runtime:
             raise ConfigError(f"{sel.where}: {loaded} does not implement {', '.join(missing)}")
         self.plugins.setdefault(sel.section, []).append(loaded)
 
-    def _who(self, section: str) -> str:
+    def who(self, section: str) -> str:
         loaded = self.plugins.get(section)
         if not loaded:
             return f"no {section} plugin"
@@ -179,7 +195,7 @@ class Runtime:
             if id(owner) in by_instance:
                 culprit = by_instance[id(owner)]
             tb = tb.tb_next
-        return str(culprit) if culprit else self._who(section)
+        return str(culprit) if culprit else self.who(section)
 
     def _call(self, section: str, hook_name: str, **kwargs: Any) -> Any:
         try:
@@ -192,9 +208,9 @@ class Runtime:
             ) from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
-        return PluginError(f"{self._who(section)} {hook_name} {what}")
+        return PluginError(f"{self.who(section)} {hook_name} {what}")
 
-    def _observe(self, hook_name: str, **kwargs: Any) -> None:
+    def observe(self, hook_name: str, **kwargs: Any) -> None:
         self._call("observer", hook_name, **kwargs)
 
     # --------------------------------------------------------- decisions --
@@ -228,6 +244,28 @@ class Runtime:
         if len(set(ids)) != len(ids) or not self._cached.issuperset(ids):
             raise self._bad("prefix_cache", hook_name, f"matched blocks that are not cached: {ids}")
 
+    def select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> tuple[int, ...]:
+        """Ask the eviction policy for up to ``num_blocks`` of ``candidates``,
+        checked: distinct, no more than asked, every one a candidate."""
+        decision = self._call("eviction", "sagellm_select_victims", num_blocks=num_blocks, candidates=candidates)
+        if not isinstance(decision, EvictionDecision):
+            raise self._bad(
+                "eviction", "sagellm_select_victims", f"returned {decision!r}, not an EvictionDecision"
+            )
+        victims = decision.victim_ids
+        if len(victims) > num_blocks:
+            raise self._bad(
+                "eviction", "sagellm_select_victims", f"returned {len(victims)} victims, asked for at most {num_blocks}"
+            )
+        if len(set(victims)) != len(victims):
+            raise self._bad("eviction", "sagellm_select_victims", f"returned duplicate victims {victims}")
+        stray = [v for v in victims if v not in candidates]
+        if stray:
+            raise self._bad(
+                "eviction", "sagellm_select_victims", f"returned victims that are not evictable candidates: {stray[:8]}"
+            )
+        return victims
+
     def _make_room(self, num_blocks: int) -> bool:
         """Evict until ``num_blocks`` blocks are free; False if it cannot."""
         short = num_blocks - self.pool_usage().num_free_blocks
@@ -235,25 +273,7 @@ class Runtime:
             candidates = self.evictable()
             if len(candidates) == 0:
                 return False
-            decision = self._call(
-                "eviction", "sagellm_select_victims", num_blocks=short, candidates=candidates
-            )
-            if not isinstance(decision, EvictionDecision):
-                raise self._bad(
-                    "eviction", "sagellm_select_victims", f"returned {decision!r}, not an EvictionDecision"
-                )
-            victims = decision.victim_ids
-            if len(victims) > short:
-                raise self._bad(
-                    "eviction", "sagellm_select_victims", f"returned {len(victims)} victims, asked for at most {short}"
-                )
-            if len(set(victims)) != len(victims):
-                raise self._bad("eviction", "sagellm_select_victims", f"returned duplicate victims {victims}")
-            stray = [v for v in victims if v not in candidates]
-            if stray:
-                raise self._bad(
-                    "eviction", "sagellm_select_victims", f"returned victims that are not evictable candidates: {stray[:8]}"
-                )
+            victims = self.select_victims(short, candidates)
             if not victims:
                 return False
             short -= self._evict(victims)
@@ -267,14 +287,14 @@ class Runtime:
         if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
             raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
         if self.settings.offload_evicted:
-            self._transfer(TransferPlan("device", "host", tuple(ids), self.block_size))
+            self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size))
         self._free(ids)
         self._cached.difference_update(ids)
         self.counters.evicted_blocks += len(ids)
-        self._observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
+        self.observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
         return len(ids)
 
-    def _transfer(self, plan: TransferPlan) -> TransferResult | None:
+    def transfer(self, plan: TransferPlan) -> TransferResult | None:
         result = self._call("transport", "sagellm_transfer_blocks", plan=plan)
         if result is None:
             return None
@@ -322,7 +342,7 @@ class Runtime:
 
     # --------------------------------------------------------- lifecycle --
 
-    def arrive(self, request: Request) -> SequenceState:
+    def predict_lifetime(self, request: Request) -> LifetimePrediction | None:
         prediction = self._call("lifetime", "sagellm_predict_lifetime", request=request)
         if prediction is not None and not (
             isinstance(prediction, LifetimePrediction)
@@ -330,9 +350,13 @@ class Runtime:
             and prediction.output_tokens >= 0
         ):
             raise self._bad("lifetime", "sagellm_predict_lifetime", f"returned {prediction!r}")
+        return prediction
+
+    def arrive(self, request: Request) -> SequenceState:
+        prediction = self.predict_lifetime(request)
         state = SequenceState(request=request, prediction=prediction)
         state.cached_tokens_hint = self.lookup(request).num_blocks * self.block_size
-        self._observe("sagellm_request_arrived", request=request, prediction=prediction)
+        self.observe("sagellm_request_arrived", request=request, prediction=prediction)
         return state
 
     def admit(self, state: SequenceState, token_budget: int) -> int:
@@ -357,7 +381,7 @@ class Runtime:
             return 0
         if match.blocks:
             # Before any eviction, so the policy never picks a locked block.
-            self._observe("sagellm_blocks_touched", blocks=match.blocks, now_s=self.now_s)
+            self.observe("sagellm_blocks_touched", blocks=match.blocks, now_s=self.now_s)
         try:
             ids = self._allocate(need, request) if need <= free or self._make_room(need) else None
         except PluginError:
@@ -371,25 +395,32 @@ class Runtime:
         state.num_computed_tokens = cached
         state.status = RequestStatus.RUNNING
         self._active[request.request_id] = state
-        c = self.counters
+        self.count_admission(state, match.num_blocks)
+        return num_new
+
+    def count_admission(self, state: SequenceState, hit_blocks: int) -> None:
+        """Count a request admitted with ``hit_blocks`` of its prefix cached:
+        its first admission in the hit rates, a later one (after preemption)
+        as re-prefill."""
+        request, c = state.request, self.counters
+        cached = hit_blocks * self.block_size
         if state.num_preemptions == 0:
             query = blocks_for(request.num_prompt_tokens, self.block_size)
             c.query_blocks += query
-            c.hit_blocks += match.num_blocks
+            c.hit_blocks += hit_blocks
             tenant = c.tenant_blocks.setdefault(request.tenant, [0, 0])
             tenant[0] += query
-            tenant[1] += match.num_blocks
+            tenant[1] += hit_blocks
             c.query_tokens += request.num_prompt_tokens
             c.hit_tokens += cached
             c.prefill_tokens += state.num_tokens - cached
         else:
             c.reprefill_tokens += state.num_tokens - cached
-        return num_new
 
     def _unlock_after_touch(self, request: Request) -> None:
         released = self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
         if released:
-            self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+            self.observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
 
     def grow(self, state: SequenceState, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of a running request."""
@@ -445,9 +476,9 @@ class Runtime:
                 state.private_block_ids.discard(given_id)
             self._free(g for g, _ in result.replaced)
         if result.locked:
-            self._observe("sagellm_blocks_touched", blocks=result.locked, now_s=self.now_s)
+            self.observe("sagellm_blocks_touched", blocks=result.locked, now_s=self.now_s)
         if result.adopted:
-            self._observe("sagellm_blocks_cached", blocks=result.adopted, now_s=self.now_s)
+            self.observe("sagellm_blocks_cached", blocks=result.adopted, now_s=self.now_s)
 
     def select_preemption(self, running: Sequence[SequenceState], needed_by: SequenceState) -> SequenceState:
         decision = self._call("eviction", "sagellm_select_preemption", running=running, needed_by=needed_by)
@@ -467,7 +498,7 @@ class Runtime:
         state.private_block_ids = set()
         self._active.pop(state.request_id, None)
         if released:
-            self._observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
+            self.observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
 
     def schedule(self, ir: ScheduleIR) -> None:
         """Run the scheduling passes over ``ir``, in config order. A pass may
@@ -487,7 +518,7 @@ class Runtime:
             raise self._bad("scheduler", "sagellm_schedule_pass", "left no token budget or sequence slots")
 
     def step_done(self, result: StepResult) -> None:
-        self._observe("sagellm_step_done", result=result)
+        self.observe("sagellm_step_done", result=result)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -508,6 +539,11 @@ class Runtime:
     def finish(self, state: SequenceState) -> RequestOutcome:
         self.cache(state)
         self.release(state)
+        return self.conclude(state)
+
+    def conclude(self, state: SequenceState) -> RequestOutcome:
+        """Count and observe a finished request whose blocks are already
+        returned (by :meth:`finish`, or by an engine that owns its blocks)."""
         state.status = RequestStatus.FINISHED
         outcome = RequestOutcome(
             request=state.request,
@@ -524,7 +560,7 @@ class Runtime:
         if state.prediction is not None:
             c.lifetime_predictions += 1
             c.lifetime_abs_error += abs(state.prediction.output_tokens - state.num_output_tokens)
-        self._observe("sagellm_request_finished", outcome=outcome)
+        self.observe("sagellm_request_finished", outcome=outcome)
         return outcome
 
     # --------------------------------------------------------- invariants --

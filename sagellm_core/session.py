@@ -75,7 +75,9 @@ def build_engine(settings: Settings):
 
 def run(settings: Settings, *, label: str | None = None, progress: bool = False) -> RunResult:
     engine, engine_settings = build_engine(settings)
-    rt = Runtime(settings)
+    # An adapter around a real engine serves some sections with the engine's
+    # own machinery (``owns``, e.g. vLLM's prefix cache and block pool).
+    rt = Runtime(settings, engine_owns=getattr(engine, "owns", ()))
     requests = workloads.load(settings.workload)
     label = label or Path(settings.path).stem
     start = time.perf_counter()

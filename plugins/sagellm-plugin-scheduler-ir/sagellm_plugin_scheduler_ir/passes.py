@@ -47,11 +47,18 @@ class PrefixAwarePass:
 
 class PriorityPass:
     """``passes = ["priority"]``: lower ``priority`` value first (vLLM's
-    priority scheduling), arrival order among equals."""
+    priority scheduling), arrival order among equals. Running requests are
+    ordered the same way, so the default preemption rule (the tail of
+    ``running``) preempts the lowest priority, latest arrival first, as vLLM
+    does."""
 
     def __init__(self, settings, context: PluginContext):
         pass
 
     @hookimpl
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
-        ir.waiting.sort(key=lambda state: (state.request.priority, state.request.arrival_s))
+        def key(state):
+            return (state.request.priority, state.request.arrival_s)
+
+        ir.waiting.sort(key=key)
+        ir.running.sort(key=key)

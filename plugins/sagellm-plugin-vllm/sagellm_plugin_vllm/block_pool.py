@@ -1,0 +1,243 @@
+"""vLLM's block pool with sagellm choosing the victims.
+
+vLLM keeps every free block in one queue, ``FreeKVCacheBlockQueue``: blocks
+without a hash at the head (reused first), cached ones behind them in LRU
+order, and it evicts whatever the head is. Here the queue stays (its O(1)
+``remove``/``append_n``/``prepend_n``), uncached blocks are still reused
+first, but when a cached block must go the sagellm eviction policy names it.
+
+The policy keeps its own order from the observation hooks; the pool subclass
+reports them: ``cache_full_blocks`` -> ``blocks_cached``, ``touch`` ->
+``blocks_touched``, ``free_blocks`` (last reference gone) ->
+``blocks_released``, and an eviction -> ``blocks_evicted``. Blocks are
+described as the radix prefix cache describes them (:class:`CachedBlock`:
+depth, parent, a chained content key, the ``cache_salt`` as namespace), so a
+policy behaves the same in vLLM as in ``sagellm replay``. The key is vLLM's
+own block hash (64 bits of it): equal keys mean equal prefixes, as with
+sagellm's BLAKE2b keys, but the two are not the same numbers, so the Belady
+oracle, which computes sagellm keys from the workload, does not run inside
+vLLM.
+
+As in sagellm's runtime, evicting a block also evicts its free cached
+descendants, which no lookup can reach once it is gone (vLLM would leave them
+to age out).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from sagellm_core.errors import PluginError
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import CachedBlock
+
+from sagellm_plugin_vllm.compat import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, VllmRequest
+
+
+class BlockObserver:
+    """What sagellm knows of vLLM's cached blocks: one :class:`CachedBlock`
+    per hashed block, the parent/child links between them, and the evictable
+    set (hashed, no reference) handed to the victim-selection hook."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.cached: dict[int, CachedBlock] = {}
+        self.children: dict[int, set[int]] = {}
+        self.evictable: set[int] = set()
+        self._evicted: list[CachedBlock] = []
+
+    def _now(self) -> float:
+        return self.runtime.now_s
+
+    def on_cached(self, request: VllmRequest, blocks: Sequence[KVCacheBlock], start: int, stop: int) -> None:
+        namespace = request.cache_salt or ""
+        new: list[CachedBlock] = []
+        for depth in range(start, stop):
+            block = blocks[depth]
+            if block.is_null or block.block_hash is None or block.block_id in self.cached:
+                continue
+            parent = self.cached.get(blocks[depth - 1].block_id) if depth else None
+            if depth and parent is None:
+                continue  # its parent was never reported (cached before sagellm attached)
+            cached = CachedBlock(
+                block.block_id,
+                depth,
+                parent.block_id if parent else None,
+                # vLLM's chained hash (tokens, parent, cache_salt, LoRA) is the
+                # content key; its first 8 bytes as sagellm's 64-bit key.
+                int.from_bytes(block.block_hash[:8], "little"),
+                namespace,
+            )
+            self.cached[block.block_id] = cached
+            if parent is not None:
+                self.children.setdefault(parent.block_id, set()).add(block.block_id)
+            new.append(cached)
+        if new:
+            self.runtime.observe("sagellm_blocks_cached", blocks=tuple(new), now_s=self._now())
+
+    def on_touched(self, blocks: Sequence[KVCacheBlock]) -> None:
+        hit = tuple(self.cached[b.block_id] for b in blocks if b.block_id in self.cached)
+        if hit:
+            self.evictable.difference_update(b.block_id for b in hit)
+            self.runtime.observe("sagellm_blocks_touched", blocks=hit, now_s=self._now())
+
+    def on_freed(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        # vLLM frees a request's blocks tail first; sagellm reports a chain
+        # root first, as the radix cache releases it.
+        released = [
+            self.cached[b.block_id] for b in ordered_blocks if b.ref_cnt == 0 and b.block_id in self.cached
+        ]
+        if released:
+            released.reverse()
+            self.evictable.update(b.block_id for b in released)
+            self.runtime.observe("sagellm_blocks_released", blocks=tuple(released), now_s=self._now())
+
+    def on_evicted(self, block: KVCacheBlock) -> None:
+        """Forget an evicted block; reported by :meth:`flush_evicted`, once
+        per allocation rather than once per block."""
+        cached = self.cached.pop(block.block_id, None)
+        if cached is None:
+            return
+        self.evictable.discard(block.block_id)
+        if cached.parent_id is not None:
+            siblings = self.children.get(cached.parent_id)
+            if siblings is not None:
+                siblings.discard(block.block_id)
+        self.children.pop(block.block_id, None)
+        self._evicted.append(cached)
+
+    def flush_evicted(self) -> None:
+        if self._evicted:
+            evicted, self._evicted = tuple(self._evicted), []
+            self.runtime.counters.evicted_blocks += len(evicted)
+            self.runtime.observe("sagellm_blocks_evicted", blocks=evicted, now_s=self._now())
+
+    def choose_victims(self, num_blocks: int) -> list[int]:
+        """Up to ``num_blocks`` victims from the policy (checked by the
+        runtime), each followed by its free cached descendants."""
+        victims = self.runtime.select_victims(num_blocks, self.evictable)
+        if not victims:
+            raise PluginError(
+                f"{self.runtime.who('eviction')} sagellm_select_victims chose no victim among"
+                f" {len(self.evictable)} evictable blocks while vLLM needs {num_blocks}"
+            )
+        chosen: list[int] = []
+        seen: set[int] = set()
+        for victim in victims:
+            stack = [victim]
+            while stack:
+                block_id = stack.pop()
+                if block_id in seen or block_id not in self.evictable:
+                    continue
+                seen.add(block_id)
+                chosen.append(block_id)
+                stack.extend(self.children.get(block_id, ()))
+        return chosen
+
+
+class SagellmFreeBlockQueue(FreeKVCacheBlockQueue):
+    """``FreeKVCacheBlockQueue`` whose cached victims sagellm picks."""
+
+    def __init__(self, blocks: list[KVCacheBlock], pool: "SagellmBlockPool"):
+        super().__init__(blocks)
+        self.pool = pool
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        assert self.num_free_blocks >= n
+        observer = self.pool.sagellm
+        evictable = observer.evictable
+        out: list[KVCacheBlock] = []
+        while len(out) < n:
+            head = self.fake_free_list_head.next_free_block
+            if head.block_id not in evictable or not evictable:
+                out.extend(super().popleft_n(1))  # uncached: reused first, as in vLLM
+                continue
+            blocks = self.pool.blocks
+            for block_id in observer.choose_victims(n - len(out)):
+                block = blocks[block_id]
+                self.remove(block)
+                if len(out) < n:
+                    out.append(block)
+                else:
+                    # A descendant beyond the need: evicted now, kept free.
+                    self.pool._maybe_evict_cached_block(block)
+                    self.prepend_n([block])
+        return out
+
+    def popleft(self) -> KVCacheBlock:
+        return self.popleft_n(1)[0]
+
+
+class SagellmBlockPool(BlockPool):
+    """vLLM's ``BlockPool``, reporting to sagellm and letting it choose
+    victims. Built directly (the runtime from ``sagellm_runtime`` or
+    ``$SAGELLM_CONFIG``), or made from a pool vLLM built (:func:`attach`)."""
+
+    sagellm: BlockObserver
+
+    def __init__(self, *args, sagellm_runtime: Runtime | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if sagellm_runtime is None:
+            from sagellm_plugin_vllm.live import load_runtime
+
+            sagellm_runtime = load_runtime(self.num_gpu_blocks - 1, self.hash_block_size)
+        self._adopt(sagellm_runtime)
+
+    def _adopt(self, runtime: Runtime) -> None:
+        free = self.free_block_queue.get_all_free_blocks()
+        if len(free) != self.num_gpu_blocks - 1:
+            raise PluginError("sagellm-plugin-vllm: attach before the first allocation (blocks are in use)")
+        self.sagellm = BlockObserver(runtime)
+        for block in free:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = SagellmFreeBlockQueue(free, self)
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
+        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+        if self.enable_caching:
+            self.sagellm.on_cached(request, blocks, num_cached_blocks, num_full_blocks)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        super().touch(blocks)
+        self.sagellm.on_touched(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        ordered = list(ordered_blocks)
+        super().free_blocks(ordered)
+        self.sagellm.on_freed(ordered)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        blocks = super().get_new_blocks(num_blocks)
+        self.sagellm.flush_evicted()
+        return blocks
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        self.sagellm.flush_evicted()
+
+    def reset_prefix_cache(self) -> bool:
+        reset = super().reset_prefix_cache()
+        if reset:  # every hash is gone: every cached block is evicted
+            for block_id in list(self.sagellm.cached):
+                self.sagellm.on_evicted(self.blocks[block_id])
+            self.sagellm.flush_evicted()
+        return reset
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        evicted = super()._maybe_evict_cached_block(block)
+        if evicted:
+            self.sagellm.on_evicted(block)
+        return evicted
+
+
+def attach(pool: BlockPool, runtime: Runtime) -> SagellmBlockPool:
+    """Make the scheduler's freshly built pool a :class:`SagellmBlockPool`
+    reporting to ``runtime``. Only before the first allocation."""
+    if not isinstance(pool, SagellmBlockPool):
+        if type(pool) is not BlockPool:
+            raise PluginError(
+                f"sagellm-plugin-vllm: cannot attach to a {type(pool).__name__}, only to vLLM's BlockPool"
+            )
+        pool.__class__ = SagellmBlockPool
+    pool._adopt(runtime)
+    return pool

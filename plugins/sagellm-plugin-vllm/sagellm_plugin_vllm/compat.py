@@ -1,0 +1,105 @@
+"""Every vLLM name the adapter touches, in one place, behind a version check.
+
+The adapter plugs into vLLM through these points only:
+
+* ``Scheduler`` / ``AsyncScheduler`` (``vllm.v1.core.sched``): subclassed;
+  selected with ``--scheduler-cls``. The subclass reorders ``waiting`` (an
+  ``FCFSRequestQueue``) once per step, and chooses the preemption victim
+  through vLLM's general preemption branch (``SchedulingPolicy.PRIORITY``,
+  which takes ``max(running, key=(priority, arrival_time))`` and restores the
+  budget of a victim already scheduled this step).
+* ``KVCacheManager.allocate_slots``: a failed allocation for a running request
+  is the moment vLLM preempts; the adapter asks the victim-selection hook
+  there.
+* ``BlockPool`` (``vllm.v1.core.block_pool``): the scheduler's pool becomes a
+  subclass that reports caching, hits, frees and evictions to sagellm, and
+  its ``free_block_queue`` a ``FreeKVCacheBlockQueue`` subclass whose victims
+  sagellm chooses.
+
+``SUPPORTED`` is the range this module was tested against; outside it the
+adapter refuses to start rather than misbehave.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from sagellm_core.errors import ConfigError
+
+SUPPORTED = ((0, 33, 0), (0, 34, 0))  # [low, high)
+INSTALL_HINT = "see plugins/sagellm-plugin-vllm/README.md, 'Installing vLLM'"
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def check_version() -> str:
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise ConfigError(f"engine 'vllm': vLLM is not installed ({INSTALL_HINT})") from None
+    low, high = SUPPORTED
+    if not low <= _version_tuple(version) < high:
+        fmt = ".".join
+        raise ConfigError(
+            f"engine 'vllm': vLLM {version} is outside the tested range"
+            f" >={fmt(map(str, low))},<{fmt(map(str, high))} of sagellm-plugin-vllm"
+        )
+    return version
+
+
+VLLM_VERSION = check_version()
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request as VllmRequest  # noqa: E402
+from vllm.v1.request import RequestStatus as VllmRequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+__all__ = [
+    "VLLM_VERSION",
+    "AsyncScheduler",
+    "BlockPool",
+    "CacheConfig",
+    "FCFSRequestQueue",
+    "FreeKVCacheBlockQueue",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "ModelConfig",
+    "ModelRunnerOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulingPolicy",
+    "StructuredOutputManager",
+    "VllmConfig",
+    "VllmRequest",
+    "VllmRequestStatus",
+    "get_request_block_hasher",
+    "init_none_hash",
+    "register_all_kvcache_specs",
+    "sha256",
+    "torch",
+]

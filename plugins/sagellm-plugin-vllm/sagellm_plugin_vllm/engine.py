@@ -1,0 +1,208 @@
+"""``[engine] name = "vllm"``: replay a workload through vLLM's real v1
+scheduler, KV-cache manager and block pool, on the CPU, with no model.
+
+The scheduler is vLLM's own (``scheduler = "stock"``) or the sagellm one
+(``scheduler = "sagellm"``, the default: sagellm's plugins decide). vLLM is
+built from a ``VllmConfig`` whose model is a folder holding only a small
+``config.json`` (no weights, no tokenizer), as vLLM's own scheduler tests do;
+each step's ``ModelRunnerOutput`` is made up (one sampled token per request
+that finished its prompt chunk).
+
+``mode = "cache-only"``: each request alone, in arrival order, prompt only
+(``max_tokens = 1``: the sampled token is never computed, so only prompt
+blocks are cached), as ``sagellm replay``'s cache-only mode serves a trace
+without output token ids. Hit counts are vLLM's: the tokens a
+request had computed when it was first scheduled, in blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+from attrs import field, frozen, validators
+
+from sagellm_core.registry import PluginContext
+from sagellm_core.replay.engine import Recorder
+from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.types import PoolUsage, Request, RequestOutcome, SequenceState
+
+SCHEDULERS = ("sagellm", "stock")
+#: A token id for made-up samples (never part of a cached block here).
+SAMPLED_TOKEN = 7
+
+
+@frozen
+class VllmEngineSettings:
+    mode: str = field(default="cache-only", validator=validators.in_(("cache-only",)))
+    scheduler: str = field(default="sagellm", validator=validators.in_(SCHEDULERS))
+    max_num_batched_tokens: int = field(default=8192, validator=[validators.instance_of(int), validators.gt(0)])
+    max_num_seqs: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
+    #: Longest prompt vLLM accepts; longer requests are rejected, as the
+    #: replay rejects requests that cannot fit the pool.
+    max_model_len: int = field(default=262144, validator=[validators.instance_of(int), validators.gt(0)])
+
+
+def model_dir(max_model_len: int) -> str:
+    """A model folder vLLM can configure from without weights or a hub."""
+    folder = Path(tempfile.mkdtemp(prefix="sagellm-vllm-model-"))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 1,
+                "vocab_size": 1 << 20,
+                "max_position_embeddings": max_model_len,
+            }
+        )
+    )
+    return str(folder)
+
+
+def build_scheduler(
+    scheduler: str,
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    runtime: Runtime | None = None,
+    on_finished: Callable[[RequestOutcome], None] | None = None,
+):
+    """vLLM's scheduler (or sagellm's subclass) over a pool of ``num_blocks``
+    usable blocks (vLLM's null block comes on top)."""
+    from sagellm_plugin_vllm import compat as v
+    from sagellm_plugin_vllm.scheduler import SagellmScheduler
+
+    model_config = v.ModelConfig(
+        model=model_dir(max_model_len), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=max_model_len
+    )
+    scheduler_config = v.SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
+    cache_config = v.CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    vllm_config = v.VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks + 1
+    kv_cache_config = v.KVCacheConfig(
+        num_blocks=num_blocks + 1,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            v.KVCacheGroupSpec(
+                ["layer"], v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
+            )
+        ],
+    )
+    v.register_all_kvcache_specs(vllm_config)
+    kwargs = dict(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=v.StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )
+    if scheduler == "stock":
+        return v.Scheduler(**kwargs)
+    return SagellmScheduler(**kwargs, sagellm_runtime=runtime, on_finished=on_finished)
+
+
+def made_up_output(scheduler, scheduler_output):
+    """One sampled token for each request that finished its prompt (chunk
+    boundaries sample nothing), as the model runner would report."""
+    from sagellm_plugin_vllm import compat as v
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [SAMPLED_TOKEN] for rid in req_ids]
+    return v.ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+class VllmEngine:
+    """The engine entry point ``vllm`` (``sagellm.engines``)."""
+
+    Settings = VllmEngineSettings
+    #: vLLM's hash table and block pool serve these sections.
+    owns = ("prefix_cache", "kv_pool")
+
+    def __init__(self, settings: VllmEngineSettings, context: PluginContext):
+        from sagellm_plugin_vllm import compat  # fails here, with the install hint, without vLLM
+
+        self.settings = settings
+        self.vllm_version = compat.VLLM_VERSION
+
+    def run(
+        self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None
+    ) -> Recorder:
+        from sagellm_plugin_vllm import compat as v
+
+        s = self.settings
+        recorder = Recorder()
+        scheduler = build_scheduler(
+            s.scheduler,
+            block_size=rt.block_size,
+            num_blocks=rt.num_blocks,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            max_model_len=s.max_model_len,
+            runtime=rt,
+            # The sagellm scheduler concludes the requests it serves itself.
+            on_finished=recorder.record,
+        )
+        v.init_none_hash(v.sha256)
+        hasher = v.get_request_block_hasher(rt.block_size, v.sha256)
+        pool = scheduler.kv_cache_manager.block_pool
+        for request in requests:
+            rt.now_s = request.arrival_s
+            state = SequenceState(request=request)
+            too_long = request.num_prompt_tokens >= s.max_model_len
+            if too_long or blocks_for(request.num_prompt_tokens, rt.block_size) > rt.num_blocks:
+                rt.reject(state)
+                on_request()
+                continue
+            vreq = v.VllmRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids.tolist(),
+                sampling_params=v.SamplingParams(max_tokens=1, ignore_eos=True),
+                pooling_params=None,
+                arrival_time=request.arrival_s,
+                block_hasher=hasher,
+                cache_salt=request.cache_salt,
+                priority=request.priority,
+            )
+            scheduler.add_request(vreq)
+            admitted = False
+            while scheduler.has_unfinished_requests():
+                out = scheduler.schedule()
+                if not admitted and out.num_scheduled_tokens:
+                    admitted = True
+                    # schedule() already advanced num_computed_tokens by the
+                    # tokens it scheduled: the rest is the prefix-cache hit.
+                    hit_tokens = vreq.num_computed_tokens - out.num_scheduled_tokens[vreq.request_id]
+                    rt.count_admission(state, hit_tokens // rt.block_size)
+                scheduler.update_from_output(out, made_up_output(scheduler, out))
+            recorder.sample(rt, rt.now_s, PoolUsage(rt.num_blocks, pool.get_num_free_blocks()))
+            if s.scheduler == "stock":
+                state.num_output_tokens = 1
+                recorder.record(rt.conclude(state))
+            on_request()
+        recorder.simulated_s = rt.now_s
+        self.prefix_cache_stats = scheduler.kv_cache_manager.make_prefix_cache_stats()
+        return recorder

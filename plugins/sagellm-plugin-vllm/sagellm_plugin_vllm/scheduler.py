@@ -1,0 +1,195 @@
+"""vLLM's v1 scheduler with sagellm deciding.
+
+``SagellmScheduler`` (and ``SagellmAsyncScheduler``, for vLLM's default async
+scheduling) is vLLM's own scheduler; what it adds:
+
+* each step, before vLLM schedules, the sagellm scheduling passes reorder
+  ``waiting`` (admission order) and ``running`` (budget order), and may lower
+  the step's token budget and sequence slots;
+* when memory runs out for a running request, the victim-selection hook
+  (``sagellm_select_preemption``) chooses which running request vLLM preempts;
+* which free cached block vLLM evicts is chosen by ``sagellm_select_victims``
+  (:mod:`sagellm_plugin_vllm.block_pool`);
+* every request gets a lifetime prediction at arrival, which passes and
+  policies read from its :class:`SequenceState`; arrivals and finishes are
+  observed as in ``sagellm replay``.
+
+vLLM's own hash table, block pool and allocation stay: sagellm's
+``[prefix_cache]`` and ``[kv_pool]`` sections do not apply inside vLLM.
+
+Live serving (``vllm serve --scheduler-cls
+sagellm_plugin_vllm.SagellmScheduler``) reads the sagellm config named by
+``--additional-config '{"sagellm_config": "FILE"}'`` or the ``SAGELLM_CONFIG``
+environment variable; a harness may pass a built ``Runtime`` instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+
+from sagellm_plugin_vllm.block_pool import attach
+from sagellm_plugin_vllm.live import load_runtime
+from sagellm_plugin_vllm.compat import (
+    AsyncScheduler,
+    FCFSRequestQueue,
+    Scheduler,
+    SchedulingPolicy,
+    VllmRequest,
+    VllmRequestStatus,
+)
+
+def sagellm_request(request: VllmRequest) -> Request:
+    return Request(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids or (),
+        output_tokens=request.max_tokens,
+        arrival_s=request.arrival_time,
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )
+
+
+class SagellmDecisions:
+    """The decisions, mixed into vLLM's ``Scheduler`` or ``AsyncScheduler``."""
+
+    def __init__(
+        self,
+        *args,
+        sagellm_runtime: Runtime | None = None,
+        on_finished: Callable[[RequestOutcome], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self._on_finished = on_finished
+        harness = sagellm_runtime is not None
+        pool = self.kv_cache_manager.block_pool
+        # The null block is not a KV block anyone can use.
+        num_blocks = len(pool.blocks) - 1
+        if sagellm_runtime is None:
+            path = (self.vllm_config.additional_config or {}).get("sagellm_config")
+            sagellm_runtime = load_runtime(num_blocks, self.block_size, path)
+        self.sagellm = sagellm_runtime
+        #: In a live engine, sagellm's clock is wall time; a harness that
+        #: passes its runtime keeps its own (simulated) clock.
+        self._wall_clock = not harness
+        attach(pool, self.sagellm)
+        self.sagellm_states: dict[str, SequenceState] = {}
+        # The sagellm passes order admissions, so waiting is a plain FIFO.
+        self.waiting = FCFSRequestQueue(self.waiting)
+        # vLLM's general preemption branch: the victim may be any running
+        # request (an already-scheduled one gets its budget back). It takes
+        # max(running, key=(priority, arrival_time)); the adapter marks the
+        # hook's choice with the highest priority for that one decision.
+        self.policy = SchedulingPolicy.PRIORITY
+        self._vllm_allocate_slots = self.kv_cache_manager.allocate_slots
+        self.kv_cache_manager.allocate_slots = self._allocate_slots
+        self._marked: dict[str, tuple[VllmRequest, int]] = {}
+        self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        self._step = 0
+
+    # ------------------------------------------------------------ requests --
+
+    def add_request(self, request: VllmRequest) -> None:
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if not is_new:
+            return
+        if self._wall_clock:
+            self.sagellm.now_s = time.time()
+        req = sagellm_request(request)
+        prediction = self.sagellm.predict_lifetime(req)
+        state = SequenceState(request=req, prediction=prediction)
+        _, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
+        state.cached_tokens_hint = num_hit_tokens
+        self.sagellm_states[request.request_id] = state
+        self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction)
+
+    def _free_request(self, request: VllmRequest, *args, **kwargs):
+        result = super()._free_request(request, *args, **kwargs)
+        state = self.sagellm_states.pop(request.request_id, None)
+        if state is not None:
+            now = time.time() if self._wall_clock else self.sagellm.now_s
+            state.num_output_tokens = request.num_output_tokens
+            state.num_preemptions = request.num_preemptions
+            if state.first_token_s is None:
+                state.first_token_s = now
+            state.finish_s = now
+            outcome = self.sagellm.conclude(state)
+            if self._on_finished is not None:
+                self._on_finished(outcome)
+        return result
+
+    def _state(self, request: VllmRequest, status: RequestStatus) -> SequenceState:
+        state = self.sagellm_states[request.request_id]
+        state.num_computed_tokens = request.num_computed_tokens
+        state.num_output_tokens = request.num_output_tokens
+        state.num_preemptions = request.num_preemptions
+        state.status = status
+        return state
+
+    # ------------------------------------------------------------ schedule --
+
+    def schedule(self, *args, **kwargs):
+        if self._wall_clock:
+            self.sagellm.now_s = time.time()
+        self._run_passes()
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            for request, priority in self._marked.values():
+                request.priority = priority
+            self._marked.clear()
+            self.max_num_scheduled_tokens, self.max_num_running_reqs = self._limits
+
+    def _run_passes(self) -> None:
+        if not self.waiting and not self.running:
+            return
+        waiting = [self._state(r, RequestStatus.WAITING) for r in self.waiting]
+        running = [self._state(r, RequestStatus.RUNNING) for r in self.running]
+        pool = self.kv_cache_manager.block_pool
+        ir = ScheduleIR(
+            now_s=self.sagellm.now_s,
+            step=self._step,
+            waiting=list(waiting),
+            running=list(running),
+            token_budget=self.max_num_scheduled_tokens,
+            max_num_seqs=self.max_num_running_reqs,
+            block_size=self.block_size,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_evictable_blocks=len(pool.sagellm.evictable),
+        )
+        self._step += 1
+        self.sagellm.schedule(ir)
+        requests = self.requests
+        if any(a is not b for a, b in zip(ir.waiting, waiting)):
+            self.waiting.clear()
+            self.waiting.extend(requests[s.request_id] for s in ir.waiting)
+        if any(a is not b for a, b in zip(ir.running, running)):
+            self.running[:] = [requests[s.request_id] for s in ir.running]
+        self.max_num_scheduled_tokens = min(ir.token_budget, self._limits[0])
+        self.max_num_running_reqs = min(ir.max_num_seqs, self._limits[1])
+
+    def _allocate_slots(self, request: VllmRequest, *args, **kwargs):
+        blocks = self._vllm_allocate_slots(request, *args, **kwargs)
+        if blocks is None and request.status == VllmRequestStatus.RUNNING and self.running:
+            # vLLM preempts next: make the hook's choice the one it takes.
+            running = [self._state(r, RequestStatus.RUNNING) for r in self.running]
+            needed_by = self.sagellm_states[request.request_id]
+            victim = self.sagellm.select_preemption(running, needed_by).request_id
+            for r in self.running:
+                self._marked.setdefault(r.request_id, (r, r.priority))
+                r.priority = 1 if r.request_id == victim else 0
+        return blocks
+
+
+class SagellmScheduler(SagellmDecisions, Scheduler):
+    """``--scheduler-cls sagellm_plugin_vllm.SagellmScheduler``"""
+
+
+class SagellmAsyncScheduler(SagellmDecisions, AsyncScheduler):
+    """``--scheduler-cls sagellm_plugin_vllm.SagellmAsyncScheduler`` (with
+    vLLM's async scheduling, its default)."""
