@@ -504,15 +504,18 @@ class Runtime:
         """Run the scheduling passes over ``ir``, in config order. A pass may
         reorder the lists and lower the budgets, never drop, duplicate or
         invent requests."""
-        before = {"waiting": {id(s) for s in ir.waiting}, "running": {id(s) for s in ir.running}}
-        sizes = {"waiting": len(ir.waiting), "running": len(ir.running)}
+        before = {"waiting": list(ir.waiting), "running": list(ir.running)}
         self._call("scheduler", "sagellm_schedule_pass", ir=ir)
-        for name in ("waiting", "running"):
-            after = getattr(ir, name)
-            if len(after) != sizes[name] or {id(s) for s in after} != before[name]:
+        for name, was in before.items():
+            now = getattr(ir, name)
+            # SequenceState compares by identity, so == is a C-speed check
+            # that nothing moved; only a reordered list needs the set check.
+            if now == was:
+                continue
+            if len(now) != len(was) or {id(s) for s in now} != {id(s) for s in was}:
                 raise self._bad(
                     "scheduler", "sagellm_schedule_pass",
-                    f"changed the set of {name} requests ({sizes[name]} -> {len(after)}); passes may only reorder",
+                    f"changed the set of {name} requests ({len(was)} -> {len(now)}); passes may only reorder",
                 )
         if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
             raise self._bad("scheduler", "sagellm_schedule_pass", "left no token budget or sequence slots")

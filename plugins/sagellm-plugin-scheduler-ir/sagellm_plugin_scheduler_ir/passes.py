@@ -4,10 +4,16 @@ a later pass's key wins and earlier passes break its ties)."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import ScheduleIR
+
+
+_arrival = attrgetter("request.arrival_s")
+_priority_arrival = attrgetter("request.priority", "request.arrival_s")
 
 
 class FCFSPass:
@@ -19,7 +25,7 @@ class FCFSPass:
 
     @hookimpl
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
-        ir.waiting.sort(key=lambda state: state.request.arrival_s)
+        ir.waiting.sort(key=_arrival)
 
 
 @frozen
@@ -57,8 +63,5 @@ class PriorityPass:
 
     @hookimpl
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
-        def key(state):
-            return (state.request.priority, state.request.arrival_s)
-
-        ir.waiting.sort(key=key)
-        ir.running.sort(key=key)
+        ir.waiting.sort(key=_priority_arrival)
+        ir.running.sort(key=_priority_arrival)

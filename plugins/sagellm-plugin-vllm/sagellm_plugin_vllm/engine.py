@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from attrs import field, frozen, validators
+from attrs import define, field, frozen, validators
 
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
@@ -135,6 +135,18 @@ def made_up_output(scheduler, scheduler_output):
     )
 
 
+@define
+class PrefixTotals:
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    def record_from(self, stats) -> None:
+        self.requests += stats.requests
+        self.queries += stats.queries
+        self.hits += stats.hits
+
+
 class VllmEngine:
     """The engine entry point ``vllm`` (``sagellm.engines``)."""
 
@@ -169,6 +181,9 @@ class VllmEngine:
         v.init_none_hash(v.sha256)
         hasher = v.get_request_block_hasher(rt.block_size, v.sha256)
         pool = scheduler.kv_cache_manager.block_pool
+        #: vLLM's own prefix-cache counters over the run (it hands them out
+        #: per step, with its scheduler stats).
+        self.prefix_cache_stats = PrefixTotals()
         for request in requests:
             rt.now_s = request.arrival_s
             state = SequenceState(request=request)
@@ -197,12 +212,15 @@ class VllmEngine:
                     # tokens it scheduled: the rest is the prefix-cache hit.
                     hit_tokens = vreq.num_computed_tokens - out.num_scheduled_tokens[vreq.request_id]
                     rt.count_admission(state, hit_tokens // rt.block_size)
-                scheduler.update_from_output(out, made_up_output(scheduler, out))
+                outputs = scheduler.update_from_output(out, made_up_output(scheduler, out))
+                for client in outputs.values():
+                    stats = client.scheduler_stats
+                    if stats is not None and stats.prefix_cache_stats is not None:
+                        self.prefix_cache_stats.record_from(stats.prefix_cache_stats)
             recorder.sample(rt, rt.now_s, PoolUsage(rt.num_blocks, pool.get_num_free_blocks()))
             if s.scheduler == "stock":
                 state.num_output_tokens = 1
                 recorder.record(rt.conclude(state))
             on_request()
         recorder.simulated_s = rt.now_s
-        self.prefix_cache_stats = scheduler.kv_cache_manager.make_prefix_cache_stats()
         return recorder

@@ -86,7 +86,6 @@ class SagellmDecisions:
         # hook's choice with the highest priority for that one decision.
         self.policy = SchedulingPolicy.PRIORITY
         self._vllm_allocate_slots = self.kv_cache_manager.allocate_slots
-        self.kv_cache_manager.allocate_slots = self._allocate_slots
         self._marked: dict[str, tuple[VllmRequest, int]] = {}
         self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
         self._step = 0
@@ -123,13 +122,22 @@ class SagellmDecisions:
                 self._on_finished(outcome)
         return result
 
-    def _state(self, request: VllmRequest, status: RequestStatus) -> SequenceState:
+    def _running_state(self, request: VllmRequest) -> SequenceState:
+        state = self.sagellm_states[request.request_id]
+        state.num_computed_tokens = request.num_computed_tokens
+        state.num_output_tokens = request.num_output_tokens
+        state.status = RequestStatus.RUNNING
+        return state
+
+    def _preempt_request(self, request: VllmRequest, *args, **kwargs):
+        # A waiting request's state changes only here (and at arrival), so
+        # only running states are refreshed each step.
+        super()._preempt_request(request, *args, **kwargs)
         state = self.sagellm_states[request.request_id]
         state.num_computed_tokens = request.num_computed_tokens
         state.num_output_tokens = request.num_output_tokens
         state.num_preemptions = request.num_preemptions
-        state.status = status
-        return state
+        state.status = RequestStatus.WAITING
 
     # ------------------------------------------------------------ schedule --
 
@@ -137,9 +145,22 @@ class SagellmDecisions:
         if self._wall_clock:
             self.sagellm.now_s = time.time()
         self._run_passes()
+        # Allocation can fail (and vLLM preempt) only if the free blocks
+        # cannot cover the step's worst case: every scheduled token and
+        # lookahead slot in a new block, plus a partial block per sequence.
+        # Only then is allocate_slots watched, sparing the common step a
+        # Python frame per request.
+        manager = self.kv_cache_manager
+        worst = -(-(self.max_num_scheduled_tokens + self.max_num_running_reqs * self.num_lookahead_tokens)
+                  // self.block_size) + self.max_num_running_reqs
+        watch = manager.block_pool.get_num_free_blocks() <= worst
+        if watch:
+            manager.allocate_slots = self._allocate_slots
         try:
             return super().schedule(*args, **kwargs)
         finally:
+            if watch:
+                del manager.allocate_slots  # back to the class's method
             for request, priority in self._marked.values():
                 request.priority = priority
             self._marked.clear()
@@ -148,8 +169,9 @@ class SagellmDecisions:
     def _run_passes(self) -> None:
         if not self.waiting and not self.running:
             return
-        waiting = [self._state(r, RequestStatus.WAITING) for r in self.waiting]
-        running = [self._state(r, RequestStatus.RUNNING) for r in self.running]
+        states = self.sagellm_states
+        waiting = [states[r.request_id] for r in self.waiting]
+        running = [self._running_state(r) for r in self.running]
         pool = self.kv_cache_manager.block_pool
         ir = ScheduleIR(
             now_s=self.sagellm.now_s,
@@ -165,10 +187,11 @@ class SagellmDecisions:
         self._step += 1
         self.sagellm.schedule(ir)
         requests = self.requests
-        if any(a is not b for a, b in zip(ir.waiting, waiting)):
+        # SequenceState compares by identity: == is a C-speed "unchanged".
+        if ir.waiting != waiting:
             self.waiting.clear()
             self.waiting.extend(requests[s.request_id] for s in ir.waiting)
-        if any(a is not b for a, b in zip(ir.running, running)):
+        if ir.running != running:
             self.running[:] = [requests[s.request_id] for s in ir.running]
         self.max_num_scheduled_tokens = min(ir.token_budget, self._limits[0])
         self.max_num_running_reqs = min(ir.max_num_seqs, self._limits[1])
@@ -177,7 +200,7 @@ class SagellmDecisions:
         blocks = self._vllm_allocate_slots(request, *args, **kwargs)
         if blocks is None and request.status == VllmRequestStatus.RUNNING and self.running:
             # vLLM preempts next: make the hook's choice the one it takes.
-            running = [self._state(r, RequestStatus.RUNNING) for r in self.running]
+            running = [self._running_state(r) for r in self.running]
             needed_by = self.sagellm_states[request.request_id]
             victim = self.sagellm.select_preemption(running, needed_by).request_id
             for r in self.running:

@@ -1,0 +1,18 @@
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+HERE = Path(__file__).resolve().parent
+TRACES = HERE.parents[2].parent / "shared" / "data" / "traces"
+
+
+@pytest.fixture
+def mooncake():
+    path = TRACES / "mooncake_conversation.jsonl"
+    if not path.exists():
+        pytest.skip(f"the shared traces are not at {TRACES}")
+    return path
