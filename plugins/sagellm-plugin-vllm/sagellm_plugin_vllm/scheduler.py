@@ -85,7 +85,6 @@ class SagellmDecisions:
         # max(running, key=(priority, arrival_time)); the adapter marks the
         # hook's choice with the highest priority for that one decision.
         self.policy = SchedulingPolicy.PRIORITY
-        self._vllm_allocate_slots = self.kv_cache_manager.allocate_slots
         self._marked: dict[str, tuple[VllmRequest, int]] = {}
         self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
         self._step = 0
@@ -173,6 +172,7 @@ class SagellmDecisions:
         waiting = [states[r.request_id] for r in self.waiting]
         running = [self._running_state(r) for r in self.running]
         pool = self.kv_cache_manager.block_pool
+        observer = getattr(pool, "sagellm", None)  # None if a caller swapped in its own manager
         ir = ScheduleIR(
             now_s=self.sagellm.now_s,
             step=self._step,
@@ -182,7 +182,7 @@ class SagellmDecisions:
             max_num_seqs=self.max_num_running_reqs,
             block_size=self.block_size,
             num_free_blocks=pool.get_num_free_blocks(),
-            num_evictable_blocks=len(pool.sagellm.evictable),
+            num_evictable_blocks=len(observer.evictable) if observer is not None else 0,
         )
         self._step += 1
         self.sagellm.schedule(ir)
@@ -197,7 +197,8 @@ class SagellmDecisions:
         self.max_num_running_reqs = min(ir.max_num_seqs, self._limits[1])
 
     def _allocate_slots(self, request: VllmRequest, *args, **kwargs):
-        blocks = self._vllm_allocate_slots(request, *args, **kwargs)
+        manager = self.kv_cache_manager  # the current one: callers may replace it
+        blocks = type(manager).allocate_slots(manager, request, *args, **kwargs)
         if blocks is None and request.status == VllmRequestStatus.RUNNING and self.running:
             # vLLM preempts next: make the hook's choice the one it takes.
             running = [self._running_state(r) for r in self.running]
