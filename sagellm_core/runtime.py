@@ -96,6 +96,9 @@ class Counters:
     transferred_blocks: int = 0
     transferred_bytes: int = 0
     transfer_s: float = 0.0
+    #: Blocks found on the host tier after the device-cache hit (loaded back
+    #: by an engine's KV connector instead of recomputed), first admissions.
+    host_hit_blocks: int = 0
     lifetime_abs_error: float = 0.0
     lifetime_predictions: int = 0
     #: tenant -> [query blocks, hit blocks], first admissions only.

@@ -11,6 +11,8 @@ The adapter plugs into vLLM through these points only:
 * ``KVCacheManager.allocate_slots``: a failed allocation for a running request
   is the moment vLLM preempts; the adapter asks the victim-selection hook
   there.
+* ``KVConnectorBase_V1``: ``SagellmConnector``, a host tier placed by the
+  transport hook, registered with ``KVConnectorFactory``.
 * ``BlockPool`` (``vllm.v1.core.block_pool``): the scheduler's pool becomes a
   subclass that reports caching, hits, frees and evictions to sagellm, and
   its ``free_block_queue`` a ``FreeKVCacheBlockQueue`` subclass whose victims
@@ -56,7 +58,13 @@ def check_version() -> str:
 VLLM_VERSION = check_version()
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
@@ -71,7 +79,8 @@ from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.request import RequestStatus as VllmRequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -81,6 +90,13 @@ __all__ = [
     "AsyncScheduler",
     "BlockPool",
     "CacheConfig",
+    "CacheHitSource",
+    "KVConnectorBase_V1",
+    "KVConnectorFactory",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVTransferConfig",
     "FCFSRequestQueue",
     "FreeKVCacheBlockQueue",
     "FullAttentionSpec",

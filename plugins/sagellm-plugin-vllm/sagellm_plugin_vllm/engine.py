@@ -11,8 +11,10 @@ that finished its prompt chunk).
 ``mode = "cache-only"``: each request alone, in arrival order, prompt only
 (``max_tokens = 1``: the sampled token is never computed, so only prompt
 blocks are cached), as ``sagellm replay``'s cache-only mode serves a trace
-without output token ids. Hit counts are vLLM's: the tokens a
-request had computed when it was first scheduled, in blocks.
+without output token ids. Hit counts are vLLM's: its split of a
+request's cached tokens when first scheduled (``prefill_stats``), device
+prefix-cache hits as ``block_hit_rate``, host-tier hits loaded back by
+``SagellmConnector`` (``host_blocks > 0``) as ``host_hit_rate``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class VllmEngineSettings:
     #: Longest prompt vLLM accepts; longer requests are rejected, as the
     #: replay rejects requests that cannot fit the pool.
     max_model_len: int = field(default=262144, validator=[validators.instance_of(int), validators.gt(0)])
+    #: Host-tier blocks for ``SagellmConnector`` (0: no connector). Needs a
+    #: ``[transport]`` whose host tier is this size (``local``'s host_blocks).
+    host_blocks: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
 
 
 def model_dir(max_model_len: int) -> str:
@@ -76,6 +81,7 @@ def build_scheduler(
     max_model_len: int,
     runtime: Runtime | None = None,
     on_finished: Callable[[RequestOutcome], None] | None = None,
+    host_blocks: int | None = None,
 ):
     """vLLM's scheduler (or sagellm's subclass) over a pool of ``num_blocks``
     usable blocks (vLLM's null block comes on top)."""
@@ -94,7 +100,20 @@ def build_scheduler(
         async_scheduling=False,
     )
     cache_config = v.CacheConfig(block_size=block_size, enable_prefix_caching=True)
-    vllm_config = v.VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config)
+    kv_transfer_config = None
+    if host_blocks is not None:  # sagellm's host tier as vLLM's KV connector
+        kv_transfer_config = v.KVTransferConfig(
+            kv_connector="SagellmConnector",
+            kv_connector_module_path="sagellm_plugin_vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"host_blocks": host_blocks},
+        )
+    vllm_config = v.VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+    )
     vllm_config.cache_config.num_gpu_blocks = num_blocks + 1
     kv_cache_config = v.KVCacheConfig(
         num_blocks=num_blocks + 1,
@@ -118,7 +137,7 @@ def build_scheduler(
     return SagellmScheduler(**kwargs, sagellm_runtime=runtime, on_finished=on_finished)
 
 
-def made_up_output(scheduler, scheduler_output):
+def made_up_output(scheduler, scheduler_output, kv_connector_output=None):
     """One sampled token for each request that finished its prompt (chunk
     boundaries sample nothing), as the model runner would report."""
     from sagellm_plugin_vllm import compat as v
@@ -132,6 +151,7 @@ def made_up_output(scheduler, scheduler_output):
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        kv_connector_output=kv_connector_output,
     )
 
 
@@ -177,7 +197,15 @@ class VllmEngine:
             runtime=rt,
             # The sagellm scheduler concludes the requests it serves itself.
             on_finished=recorder.record,
+            host_blocks=s.host_blocks or None,
         )
+        worker = None
+        if s.host_blocks:
+            from sagellm_plugin_vllm.connector import SagellmConnector
+
+            # The worker side of the connector, without KV tensors (the
+            # transport's tiers hold stand-in bytes): it acknowledges saves.
+            worker = SagellmConnector(scheduler.vllm_config, v.KVConnectorRole.WORKER, scheduler.kv_cache_config)
         v.init_none_hash(v.sha256)
         hasher = v.get_request_block_hasher(rt.block_size, v.sha256)
         pool = scheduler.kv_cache_manager.block_pool
@@ -204,15 +232,23 @@ class VllmEngine:
             )
             scheduler.add_request(vreq)
             admitted = False
-            while scheduler.has_unfinished_requests():
+            # With the connector, a finished request's blocks stay held until
+            # the worker has saved them: one more (empty) step delivers that.
+            while scheduler.has_unfinished_requests() or (worker is not None and scheduler.connector.has_pending_saves):
                 out = scheduler.schedule()
                 if not admitted and out.num_scheduled_tokens:
                     admitted = True
-                    # schedule() already advanced num_computed_tokens by the
-                    # tokens it scheduled: the rest is the prefix-cache hit.
-                    hit_tokens = vreq.num_computed_tokens - out.num_scheduled_tokens[vreq.request_id]
-                    rt.count_admission(state, hit_tokens // rt.block_size)
-                outputs = scheduler.update_from_output(out, made_up_output(scheduler, out))
+                    prefill = vreq.prefill_stats  # vLLM's split of the hit, until outputs take it
+                    rt.count_admission(state, prefill.num_local_cached_tokens // rt.block_size)
+                    rt.counters.host_hit_blocks += prefill.num_external_cached_tokens // rt.block_size
+                connector_output = None
+                if worker is not None:
+                    worker.bind_connector_metadata(out.kv_connector_metadata)
+                    worker.start_load_kv(None)
+                    sent, _ = worker.get_finished(set())
+                    worker.clear_connector_metadata()
+                    connector_output = v.KVConnectorOutput(finished_sending=sent or set())
+                outputs = scheduler.update_from_output(out, made_up_output(scheduler, out, connector_output))
                 for client in outputs.values():
                     stats = client.scheduler_stats
                     if stats is not None and stats.prefix_cache_stats is not None:

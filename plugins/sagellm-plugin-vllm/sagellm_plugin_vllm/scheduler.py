@@ -10,6 +10,9 @@ scheduling) is vLLM's own scheduler; what it adds:
   (``sagellm_select_preemption``) chooses which running request vLLM preempts;
 * which free cached block vLLM evicts is chosen by ``sagellm_select_victims``
   (:mod:`sagellm_plugin_vllm.block_pool`);
+* with ``SagellmConnector`` as vLLM's KV connector, the transport hook
+  places offloaded blocks on the host tier and loads them back
+  (:mod:`sagellm_plugin_vllm.connector`);
 * every request gets a lifetime prediction at arrival, which passes and
   policies read from its :class:`SequenceState`; arrivals and finishes are
   observed as in ``sagellm replay``.
@@ -32,6 +35,7 @@ from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from sagellm_plugin_vllm.block_pool import attach
+from sagellm_plugin_vllm.connector import SagellmConnector
 from sagellm_plugin_vllm.live import load_runtime
 from sagellm_plugin_vllm.compat import (
     AsyncScheduler,
@@ -77,6 +81,8 @@ class SagellmDecisions:
         #: passes its runtime keeps its own (simulated) clock.
         self._wall_clock = not harness
         attach(pool, self.sagellm)
+        if isinstance(self.connector, SagellmConnector):
+            self.connector.bind_runtime(self.sagellm)  # one runtime, one transport
         self.sagellm_states: dict[str, SequenceState] = {}
         # The sagellm passes order admissions, so waiting is a plain FIFO.
         self.waiting = FCFSRequestQueue(self.waiting)

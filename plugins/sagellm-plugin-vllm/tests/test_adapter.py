@@ -185,3 +185,14 @@ def test_vllms_test_suite_passes_with_sagellm_classes(tmp_path):
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sagellm substituted:  4" in result.stdout
+
+
+def test_replay_through_vllm_with_the_host_tier(mooncake):
+    """The connector in the replay driver: blocks evicted from a small device
+    pool come back from the host tier, counted apart from device hits."""
+    text = mooncake_config(mooncake, "vllm", "lru", n=200, blocks=3000).replace(
+        "max_num_batched_tokens = 262144\n", "max_num_batched_tokens = 262144\nhost_blocks = 60000\n"
+    ) + '[transport]\nplugin = "local"\nhost_blocks = 60000\nbytes_per_block = 16\n'
+    report = session.run(settings_from_toml(text)).report
+    assert report["host_hit_blocks"] > 0 and report["transfers"]["failures"] == 0
+    assert report["transfers"]["blocks"] >= report["host_hit_blocks"]
