@@ -147,21 +147,25 @@ class SagellmFreeBlockQueue(FreeKVCacheBlockQueue):
         observer = self.pool.sagellm
         evictable = observer.evictable
         out: list[KVCacheBlock] = []
-        while len(out) < n:
-            head = self.fake_free_list_head.next_free_block
-            if head.block_id not in evictable or not evictable:
-                out.extend(super().popleft_n(1))  # uncached: reused first, as in vLLM
-                continue
-            blocks = self.pool.blocks
-            for block_id in observer.choose_victims(n - len(out)):
-                block = blocks[block_id]
-                self.remove(block)
-                if len(out) < n:
-                    out.append(block)
-                else:
-                    # A descendant beyond the need: evicted now, kept free.
-                    self.pool._maybe_evict_cached_block(block)
-                    self.prepend_n([block])
+        try:
+            while len(out) < n:
+                head = self.fake_free_list_head.next_free_block
+                if head.block_id not in evictable or not evictable:
+                    out.extend(super().popleft_n(1))  # uncached: reused first, as in vLLM
+                    continue
+                blocks = self.pool.blocks
+                for block_id in observer.choose_victims(n - len(out)):
+                    block = blocks[block_id]
+                    self.remove(block)
+                    if len(out) < n:
+                        out.append(block)
+                    else:
+                        # A descendant beyond the need: evicted now, kept free.
+                        self.pool._maybe_evict_cached_block(block)
+                        self.prepend_n([block])
+        except BaseException:
+            self.prepend_n(out)  # a policy failed: every block taken goes back
+            raise
         return out
 
     def popleft(self) -> KVCacheBlock:

@@ -35,8 +35,6 @@ from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from sagellm_plugin_vllm.block_pool import attach
-from sagellm_plugin_vllm.connector import SagellmConnector
-from sagellm_plugin_vllm.live import load_runtime
 from sagellm_plugin_vllm.compat import (
     AsyncScheduler,
     FCFSRequestQueue,
@@ -45,6 +43,9 @@ from sagellm_plugin_vllm.compat import (
     VllmRequest,
     VllmRequestStatus,
 )
+from sagellm_plugin_vllm.connector import SagellmConnector
+from sagellm_plugin_vllm.live import load_runtime
+
 
 def sagellm_request(request: VllmRequest) -> Request:
     return Request(
@@ -132,6 +133,8 @@ class SagellmDecisions:
         state.num_computed_tokens = request.num_computed_tokens
         state.num_output_tokens = request.num_output_tokens
         state.status = RequestStatus.RUNNING
+        if state.first_token_s is None and state.num_output_tokens:
+            state.first_token_s = self.sagellm.now_s  # by the step after it, at the latest
         return state
 
     def _preempt_request(self, request: VllmRequest, *args, **kwargs):

@@ -157,8 +157,12 @@ def test_a_victim_that_is_not_evictable_is_named(test_policies):
     scheduler.add_request(first)
     drive(scheduler, 10)  # leaves 6 cached blocks, 2 free
     scheduler.add_request(second)
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     with pytest.raises(PluginError, match="eviction plugin 'stranger'.*not evictable candidates"):
         drive(scheduler, 10)
+    # No block was lost: the two free blocks taken before the bad answer are back.
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    assert len(scheduler.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()) == free
 
 
 def test_engine_without_vllm_config_error_names_the_fix(monkeypatch):

@@ -1,0 +1,76 @@
+"""Property: whatever the requests and the policy, vLLM's pool with sagellm
+choosing victims stays consistent: no block lost or doubly free, the
+evictable set is exactly vLLM's free cached blocks, reference counts match
+the requests holding the blocks."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sagellm_core.runtime import Runtime
+from sagellm_core.testing import settings_from_toml
+
+from sagellm_plugin_vllm import compat as v
+from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
+from sagellm_plugin_vllm.live import ENGINE_OWNS
+
+BS = 4
+POOL = 24
+
+# Prompts drawn from a few shared prefixes, so blocks are hit, shared and evicted.
+prompts = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(1, 6)),  # prefix, length, output tokens
+    min_size=1,
+    max_size=12,
+)
+
+
+def check(scheduler) -> None:
+    pool = scheduler.kv_cache_manager.block_pool
+    queue = pool.free_block_queue.get_all_free_blocks()
+    ids = [b.block_id for b in queue]
+    assert len(ids) == len(set(ids)) == pool.get_num_free_blocks(), "a block is lost or doubly free"
+    assert all(b.ref_cnt == 0 and not b.is_null for b in queue)
+    free_cached = {b.block_id for b in queue if b.block_hash is not None}
+    assert pool.sagellm.evictable == free_cached
+    assert set(pool.sagellm.cached) == {b.block_id for b in pool.blocks if b.block_hash is not None}
+    holders: dict[int, int] = {}
+    manager = scheduler.kv_cache_manager
+    for req_id in scheduler.requests:
+        for block_id in manager.get_block_ids(req_id)[0]:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} refcount"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=prompts, policy=st.sampled_from(["lru", "lfu", "s3fifo"]), seqs=st.integers(1, 4))
+def test_pool_stays_consistent(requests, policy, seqs):
+    rt = Runtime(
+        settings_from_toml(f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'),
+        engine_owns=ENGINE_OWNS,
+    )
+    scheduler = build_scheduler(
+        "sagellm", block_size=BS, num_blocks=POOL, max_num_batched_tokens=64, max_num_seqs=seqs,
+        max_model_len=256, runtime=rt,
+    )
+    v.init_none_hash(v.sha256)
+    hasher = v.get_request_block_hasher(BS, v.sha256)
+    for i, (prefix, length, out) in enumerate(requests):
+        tokens = [1000 * (prefix + 1) + t for t in range(length)]
+        scheduler.add_request(
+            v.VllmRequest(
+                request_id=f"r{i}", prompt_token_ids=tokens,
+                sampling_params=v.SamplingParams(max_tokens=out, ignore_eos=True),
+                pooling_params=None, arrival_time=float(i), block_hasher=hasher,
+            )
+        )
+    for _ in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        check(scheduler)
+        scheduler.update_from_output(out, made_up_output(scheduler, out))
+        check(scheduler)
+    assert not scheduler.has_unfinished_requests()
