@@ -20,7 +20,11 @@ vLLM.
 
 As in sagellm's runtime, evicting a block also evicts its free cached
 descendants, which no lookup can reach once it is gone (vLLM would leave them
-to age out).
+to age out). And as in the radix cache, a block is cached once: vLLM caches a
+second copy when a request recomputes a block that is already cached (a
+block-aligned prompt whose last block must be computed again); here the copy
+stays private to its request (uncached, and reused first once freed) and the
+request holds the cached original instead, until it frees its blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class BlockObserver:
         self.children: dict[int, set[int]] = {}
         self.evictable: set[int] = set()
         self._evicted: list[CachedBlock] = []
+        #: duplicate block id -> the cached original its request holds instead
+        self.original_of: dict[int, int] = {}
 
     def _now(self) -> float:
         return self.runtime.now_s
@@ -54,9 +60,18 @@ class BlockObserver:
         new: list[CachedBlock] = []
         for depth in range(start, stop):
             block = blocks[depth]
-            if block.is_null or block.block_hash is None or block.block_id in self.cached:
+            if (
+                block.is_null
+                or block.block_hash is None
+                or block.block_id in self.cached
+                or block.block_id in self.original_of  # a private copy
+            ):
                 continue
-            parent = self.cached.get(blocks[depth - 1].block_id) if depth else None
+            if depth:
+                before = blocks[depth - 1].block_id
+                parent = self.cached.get(self.original_of.get(before, before))  # a copy stands for its original
+            else:
+                parent = None
             if depth and parent is None:
                 continue  # its parent was never reported (cached before sagellm attached)
             cached = CachedBlock(
@@ -198,8 +213,20 @@ class SagellmBlockPool(BlockPool):
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-        if self.enable_caching:
-            self.sagellm.on_cached(request, blocks, num_cached_blocks, num_full_blocks)
+        if not self.enable_caching:
+            return
+        for block in blocks[num_cached_blocks:num_full_blocks]:
+            if block.is_null or block.block_hash is None:
+                continue
+            original = self.cached_block_hash_to_block.get_one_block(block.block_hash)
+            if original is not None and original is not block and original.block_id in self.sagellm.cached:
+                # A recomputed copy of a cached block: sagellm does not cache
+                # it, and the request holds the original (as the radix
+                # cache's insert does). vLLM keeps the copy's hash while the
+                # request runs (lookups find the original first).
+                self.sagellm.original_of[block.block_id] = original.block_id
+                self.touch([original])
+        self.sagellm.on_cached(request, blocks, num_cached_blocks, num_full_blocks)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().touch(blocks)
@@ -207,6 +234,18 @@ class SagellmBlockPool(BlockPool):
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         ordered = list(ordered_blocks)
+        original_of = self.sagellm.original_of
+        if original_of:
+            # A private copy goes back uncached (reused first); the cached
+            # original it stood for is released in its place in the chain.
+            with_originals = []
+            for block in ordered:
+                with_originals.append(block)
+                original_id = original_of.pop(block.block_id, None)
+                if original_id is not None:
+                    self._remove_cached_block_hashes(block)  # so it is reused first
+                    with_originals.append(self.blocks[original_id])
+            ordered = with_originals
         super().free_blocks(ordered)
         self.sagellm.on_freed(ordered)
 

@@ -32,14 +32,20 @@ def check(scheduler) -> None:
     ids = [b.block_id for b in queue]
     assert len(ids) == len(set(ids)) == pool.get_num_free_blocks(), "a block is lost or doubly free"
     assert all(b.ref_cnt == 0 and not b.is_null for b in queue)
-    free_cached = {b.block_id for b in queue if b.block_hash is not None}
+    free_cached = {b.block_id for b in queue if b.block_hash is not None}  # (a copy is never free)
     assert pool.sagellm.evictable == free_cached
-    assert set(pool.sagellm.cached) == {b.block_id for b in pool.blocks if b.block_hash is not None}
+    copies = pool.sagellm.original_of
+    assert set(pool.sagellm.cached) == {b.block_id for b in pool.blocks if b.block_hash is not None} - set(copies)
     holders: dict[int, int] = {}
     manager = scheduler.kv_cache_manager
     for req_id in scheduler.requests:
         for block_id in manager.get_block_ids(req_id)[0]:
             holders[block_id] = holders.get(block_id, 0) + 1
+    # A request that recomputed a cached block keeps its copy private and
+    # holds the cached original instead (sagellm caches a block once).
+    for copy_id, original_id in copies.items():
+        assert copy_id in holders and original_id in pool.sagellm.cached
+        holders[original_id] = holders.get(original_id, 0) + 1
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} refcount"
 
