@@ -362,10 +362,12 @@ class Runtime:
         self.observe("sagellm_request_arrived", request=request, prediction=prediction)
         return state
 
-    def admit(self, state: SequenceState, token_budget: int) -> int:
+    def admit(self, state: SequenceState, token_budget: int, reserve_tokens: int = 0) -> int:
         """Match and lock ``state``'s prefix and allocate blocks for up to
-        ``token_budget`` new tokens. Return the tokens scheduled, or 0 (nothing
-        changed) when memory does not allow it."""
+        ``token_budget`` new tokens, and ``reserve_tokens`` more (room for
+        decoding that an engine takes at admission, as LMDeploy's prefill
+        does). Return the tokens scheduled, or 0 (nothing changed) when
+        memory does not allow it."""
         request = state.request
         match = self._call("prefix_cache", "sagellm_acquire_prefix", request=request) or EMPTY_MATCH
         try:
@@ -375,7 +377,7 @@ class Runtime:
             raise
         cached = match.num_blocks * self.block_size
         num_new = min(state.num_tokens - cached, token_budget)
-        need = blocks_for(cached + num_new, self.block_size) - match.num_blocks
+        need = blocks_for(cached + num_new + reserve_tokens, self.block_size) - match.num_blocks
         free = self.pool_usage().num_free_blocks
         if num_new <= 0 or need > free + len(self.evictable()):
             # Roll back the lock only: the policy has not been told of it, so

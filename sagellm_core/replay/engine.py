@@ -47,6 +47,9 @@ class ReplaySettings:
     flops_efficiency: float = field(default=0.6, validator=[validators.gt(0), validators.le(1)])
     bandwidth_efficiency: float = field(default=0.8, validator=[validators.gt(0), validators.le(1)])
     step_overhead_s: float = field(default=0.002, validator=validators.ge(0))
+    #: cache-only: blocks for this many tokens beyond the prompt are taken at
+    #: admission, as LMDeploy's prefill reserves 16 tokens of decode room.
+    prealloc_tokens: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
 
 
 @attrs.define
@@ -134,7 +137,7 @@ class ReplayEngine:
         for request in requests:
             rt.now_s = request.arrival_s
             state = rt.arrive(request)
-            if not rt.admit(state, state.num_tokens):
+            if not rt.admit(state, state.num_tokens, self.settings.prealloc_tokens):
                 rt.reject(state)
                 on_request()
                 continue

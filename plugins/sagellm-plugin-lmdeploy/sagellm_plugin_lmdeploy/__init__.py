@@ -1,0 +1,1 @@
+"""sagellm inside LMDeploy (see README.md). Importing this package does not import LMDeploy."""

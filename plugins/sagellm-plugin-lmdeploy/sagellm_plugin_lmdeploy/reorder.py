@@ -1,0 +1,66 @@
+"""The waiting-prefill order from sagellm's scheduling passes.
+
+LMDeploy builds a ``_PrefillReorderer`` every prefill turn and asks it for
+the order in which to try the waiting sequences. ``SagellmPrefillReorderer``
+keeps LMDeploy's one rule that protects resources (sequences whose remote KV
+has already been loaded go first: they hold blocks) and hands the rest, in
+arrival order, to the pass pipeline. Each sequence gets a
+:class:`SequenceState` the first time it waits (with a lifetime prediction
+and the trie's cached-token count as the hint), kept while it lives.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from sagellm_core.types import Request, RequestStatus, ScheduleIR, SequenceState
+
+from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
+
+
+class SagellmPrefillReorderer(_PrefillReorderer):
+    _states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def reorder(self, waiting, turn_policy):
+        trie = self.prefill_scheduler.block_trie
+        observer = getattr(trie, "sagellm", None)
+        if observer is None:  # a stock trie: LMDeploy's own order
+            return super().reorder(waiting, turn_policy)
+        runtime = observer.runtime
+        load = self.prefill_scheduler.load_coordinator
+        ready = [seq for seq in waiting if load.is_remote_ready(seq)]
+        rest = sorted((seq for seq in waiting if not load.is_remote_ready(seq)), key=lambda seq: seq.arrive_time)
+        if len(rest) < 2:
+            return ready + rest
+        states = [self._state(seq, runtime, trie) for seq in rest]
+        by_state = {id(state): seq for state, seq in zip(states, rest)}
+        ir = ScheduleIR(
+            now_s=runtime.now_s,
+            step=0,
+            waiting=list(states),
+            running=[],
+            token_budget=self.prefill_scheduler.cache_config.max_prefill_token_num,
+            max_num_seqs=self.prefill_scheduler.scheduler_config.max_batches,
+            block_size=trie.block_size,
+            num_free_blocks=trie.allocator.get_num_free_blocks(),
+            num_evictable_blocks=len(observer.evictable),
+        )
+        runtime.schedule(ir)
+        return ready + [by_state[id(state)] for state in ir.waiting]
+
+    def _state(self, seq, runtime, trie) -> SequenceState:
+        state = self._states.get(seq)
+        if state is None:
+            request = Request(
+                request_id=f"{seq.session_id}/{seq.seq_id}",
+                prompt_token_ids=seq.all_ids,
+                output_tokens=seq.sampling_param.max_new_tokens,
+                arrival_s=seq.arrive_time,
+            )
+            prediction = runtime.predict_lifetime(request)
+            state = self._states[seq] = SequenceState(request=request, prediction=prediction)
+            state.cached_tokens_hint = trie._find_deepest_block_match_step(seq, trie._get_or_create_root(seq.adapter_name))
+            runtime.observe("sagellm_request_arrived", request=request, prediction=prediction)
+        state.num_computed_tokens = seq.num_history_ids
+        state.status = RequestStatus.WAITING
+        return state

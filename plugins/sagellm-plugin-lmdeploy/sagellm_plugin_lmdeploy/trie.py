@@ -1,0 +1,183 @@
+"""LMDeploy's prefix-cache trie with sagellm choosing what to evict.
+
+``SagellmBlockTrie`` is LMDeploy's ``BlockTrie``: its matching, block
+identity, de-duplication and reference counts stay. What changes:
+
+* the observation hooks see what the trie does: a match touches the blocks
+  it reuses, ``allocate`` caches new full blocks (or touches the cached one
+  a duplicate was folded into), and a free that leaves a block referenced by
+  the trie alone releases it;
+* ``evict`` frees the blocks sagellm's eviction policy names (with their
+  cached descendants, which no lookup reaches once their parent is gone)
+  instead of LMDeploy's least-recently-accessed leaves.
+
+Blocks are described as the radix prefix cache describes them
+(:class:`CachedBlock`: depth, parent, the chained BLAKE2b content key over
+the block's token ids, the adapter as namespace), so a policy sees the same
+stream in LMDeploy as in ``sagellm replay``, and the Belady oracle's keys
+match.
+"""
+
+from __future__ import annotations
+
+from sagellm_core.errors import PluginError
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import ROOT_KEY, CachedBlock, chain_key
+
+from sagellm_plugin_lmdeploy.compat import BlockTrie, numpy
+
+
+class TrieObserver:
+    """What sagellm knows of the trie: a :class:`CachedBlock` and the node
+    per cached block, and the evictable set (referenced by the trie alone)."""
+
+    def __init__(self, runtime: Runtime, block_size: int):
+        self.runtime = runtime
+        self.block_size = block_size
+        self.cached: dict[int, CachedBlock] = {}
+        self.nodes: dict[int, object] = {}
+        self.evictable: set[int] = set()
+
+    def _observe(self, hook: str, blocks: list[CachedBlock]) -> None:
+        if blocks:
+            self.runtime.observe(hook, blocks=tuple(blocks), now_s=self.runtime.now_s)
+
+    def _describe(self, node) -> CachedBlock:
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            up = self.cached[parent.block_id]
+            parent_id, parent_key = up.block_id, up.key
+        else:
+            namespace = node.adapter_name or ""
+            parent_id = None
+            parent_key = chain_key(ROOT_KEY, namespace.encode()) if namespace else ROOT_KEY
+        tokens = numpy.asarray(node.token_ids, dtype=numpy.int64)
+        return CachedBlock(
+            node.block_id,
+            node.prefix_len // self.block_size - 1,
+            parent_id,
+            chain_key(parent_key, tokens.tobytes()),
+            node.adapter_name or "",
+        )
+
+    def path(self, node, stop) -> list:
+        """Nodes from ``stop`` (exclusive) down to ``node``, root side first."""
+        out = []
+        while node is not None and node is not stop and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def on_matched(self, nodes: list) -> None:
+        hit = [self.cached[n.block_id] for n in nodes if n.block_id in self.cached]
+        self.evictable.difference_update(b.block_id for b in hit)
+        self._observe("sagellm_blocks_touched", hit)
+
+    def on_allocated(self, nodes: list) -> None:
+        new, folded = [], []
+        for node in nodes:
+            known = self.cached.get(node.block_id)
+            if known is None:
+                known = self.cached[node.block_id] = self._describe(node)
+                self.nodes[node.block_id] = node
+                new.append(known)
+            elif node.block_id in self.evictable:
+                folded.append(known)  # a duplicate folded into this cached block
+        self.evictable.difference_update(b.block_id for b in folded)
+        self._observe("sagellm_blocks_touched", folded)
+        self._observe("sagellm_blocks_cached", new)
+
+    def on_freed(self, block_ids, ref_counts) -> None:
+        released = [
+            self.cached[b]
+            for b, refs in zip(block_ids.tolist(), ref_counts.tolist())
+            if refs == 1 and b in self.cached and b not in self.evictable
+        ]
+        self.evictable.update(b.block_id for b in released)
+        self._observe("sagellm_blocks_released", released)
+
+    def forget(self, block_id: int) -> CachedBlock:
+        self.evictable.discard(block_id)
+        self.nodes.pop(block_id)
+        return self.cached.pop(block_id)
+
+
+class SagellmBlockTrie(BlockTrie):
+    """``BlockTrie`` reporting to sagellm; sagellm's policy picks victims."""
+
+    #: Set by :func:`sagellm_plugin_lmdeploy.install.installed` (a harness's
+    #: runtime), else built from ``$SAGELLM_CONFIG`` for each trie.
+    runtime: Runtime | None = None
+
+    def __init__(self, *, allocator, block_size: int, enabled: bool, **kwargs):
+        super().__init__(allocator=allocator, block_size=block_size, enabled=enabled, **kwargs)
+        runtime = type(self).runtime
+        if runtime is None:
+            from sagellm_plugin_lmdeploy.install import load_runtime
+
+            runtime = load_runtime(allocator.get_num_free_blocks(), block_size)
+        self.sagellm = TrieObserver(runtime, block_size)
+        # Every free goes through the allocator LMDeploy shares between the
+        # block manager and the trie: watch it for blocks left to the trie.
+        self._allocator_free = allocator.free
+        allocator.free = self._free
+
+    def _free(self, blocks) -> None:
+        blocks = numpy.asarray(blocks)
+        self._allocator_free(blocks)
+        if len(blocks):
+            self.sagellm.on_freed(blocks, self.allocator.get_ref_count(blocks))
+
+    def _match_block_prefix(self, seq) -> None:
+        start = seq.prefix_cache.trie_cursor
+        super()._match_block_prefix(seq)
+        self.sagellm.on_matched(self.sagellm.path(seq.prefix_cache.trie_cursor, start))
+
+    def allocate(self, seq) -> None:
+        start = seq.prefix_cache.trie_cursor
+        super().allocate(seq)
+        if self.enabled:
+            self.sagellm.on_allocated(self.sagellm.path(seq.prefix_cache.trie_cursor, start))
+
+    def evict(self, max_num_blocks: int) -> int:
+        if not self.enabled:
+            return 0
+        evicted = self._state_checkpoints.evict_frozen_checkpoints(max_num_blocks)
+        observer = self.sagellm
+        leaves = self._kv_lifecycle.leaves
+        removed: list[CachedBlock] = []
+        while evicted + len(removed) < max_num_blocks and observer.evictable:
+            victims = observer.runtime.select_victims(max_num_blocks - evicted - len(removed), observer.evictable)
+            if not victims:
+                break  # the policy keeps the rest; the caller makes do with fewer
+            for victim in victims:
+                if victim not in observer.evictable:
+                    continue  # went with an ancestor chosen before it
+                node = observer.nodes[victim]
+                for gone in self._subtree_leaves_first(node):
+                    if self._state_checkpoints.is_pinned(gone):
+                        raise PluginError(
+                            f"{observer.runtime.who('eviction')} chose block {gone.block_id}, pinned by an SSM checkpoint"
+                        )
+                    self._state_checkpoints.release_checkpoint(gone)
+                    gone.detach_leaf()
+                    leaves.discard(gone)
+                    removed.append(observer.forget(gone.block_id))
+                parent = node.parent
+                if parent is not None and parent.parent is not None and not parent.children:
+                    leaves.add(parent)
+        if removed:
+            self._allocator_free(numpy.array([b.block_id for b in removed]))
+            observer.runtime.counters.evicted_blocks += len(removed)
+            observer._observe("sagellm_blocks_evicted", removed)
+        return evicted + len(removed)
+
+    def _subtree_leaves_first(self, node) -> list:
+        order, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            order.append(current)
+            stack.extend(current.children.values())
+        order.reverse()  # every node after all of its descendants
+        return order
