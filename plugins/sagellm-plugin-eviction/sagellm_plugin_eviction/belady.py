@@ -73,12 +73,12 @@ class BeladyEviction:
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates) -> EvictionDecision:
         heap, live = self._heap, self._next
-        chosen, seen = [], set()
+        chosen, passed, seen = [], [], set()
         while heap and len(chosen) < num_blocks:
             entry = heapq.heappop(heap)  # stale entries (hit or evicted since) are dropped
             if live.get(entry[2]) == -entry[0] and entry[2] not in seen:
                 seen.add(entry[2])
-                chosen.append(entry)
-        for entry in chosen:  # choosing changes nothing; eviction is observed
+                (chosen if entry[2] in candidates else passed).append(entry)
+        for entry in chosen + passed:  # choosing changes nothing; eviction is observed
             heapq.heappush(heap, entry)
         return EvictionDecision(tuple(entry[2] for entry in chosen))

@@ -53,13 +53,14 @@ class LFUEviction:
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         heap, live = self._heap, self._entry
-        chosen = []
+        chosen, passed = [], []
         while heap and len(chosen) < num_blocks:
             entry = heapq.heappop(heap)
             if live.get(entry[3]) is entry:
-                chosen.append(entry)
+                # A live entry the engine does not offer now is passed over.
+                (chosen if entry[3] in candidates else passed).append(entry)
         # Choosing changes nothing: the entries go back and are dropped when
         # the eviction is observed.
-        for entry in chosen:
+        for entry in chosen + passed:
             heapq.heappush(heap, entry)
         return EvictionDecision(tuple(entry[3] for entry in chosen))

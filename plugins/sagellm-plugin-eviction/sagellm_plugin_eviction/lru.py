@@ -42,7 +42,9 @@ class LRUEviction:
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
-        return EvictionDecision(tuple(islice(self._queue, num_blocks)))
+        # The queue is exactly the cache's evictable blocks; an engine may
+        # offer fewer (blocks it cannot free now), so skip what is not offered.
+        return EvictionDecision(tuple(islice((b for b in self._queue if b in candidates), num_blocks)))
 
     @hookimpl
     def sagellm_select_preemption(self, running: Sequence[SequenceState]) -> PreemptionDecision:

@@ -20,7 +20,6 @@ match.
 
 from __future__ import annotations
 
-from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, CachedBlock, chain_key
 
@@ -69,20 +68,22 @@ class TrieObserver:
         out.reverse()
         return out
 
-    def on_matched(self, nodes: list) -> None:
-        hit = [self.cached[n.block_id] for n in nodes if n.block_id in self.cached]
+    def on_matched(self, nodes: list, ref_counts) -> None:
+        hit = [self.cached[n.block_id] for n, refs in zip(nodes, ref_counts) if refs > 1 and n.block_id in self.cached]
         self.evictable.difference_update(b.block_id for b in hit)
         self._observe("sagellm_blocks_touched", hit)
 
-    def on_allocated(self, nodes: list) -> None:
+    def on_allocated(self, nodes: list, ref_counts) -> None:
         new, folded = [], []
-        for node in nodes:
+        for node, refs in zip(nodes, ref_counts):
             known = self.cached.get(node.block_id)
             if known is None:
                 known = self.cached[node.block_id] = self._describe(node)
                 self.nodes[node.block_id] = node
                 new.append(known)
-            elif node.block_id in self.evictable:
+                if refs == 1:  # traversed, not taken (LMDeploy's recompute overlap)
+                    self.evictable.add(node.block_id)
+            elif refs > 1 and node.block_id in self.evictable:
                 folded.append(known)  # a duplicate folded into this cached block
         self.evictable.difference_update(b.block_id for b in folded)
         self._observe("sagellm_blocks_touched", folded)
@@ -129,16 +130,23 @@ class SagellmBlockTrie(BlockTrie):
         if len(blocks):
             self.sagellm.on_freed(blocks, self.allocator.get_ref_count(blocks))
 
+    def _refs(self, nodes: list):
+        if not nodes:
+            return []
+        return self.allocator.get_ref_count(numpy.array([n.block_id for n in nodes])).tolist()
+
     def _match_block_prefix(self, seq) -> None:
         start = seq.prefix_cache.trie_cursor
         super()._match_block_prefix(seq)
-        self.sagellm.on_matched(self.sagellm.path(seq.prefix_cache.trie_cursor, start))
+        nodes = self.sagellm.path(seq.prefix_cache.trie_cursor, start)
+        self.sagellm.on_matched(nodes, self._refs(nodes))
 
     def allocate(self, seq) -> None:
         start = seq.prefix_cache.trie_cursor
         super().allocate(seq)
         if self.enabled:
-            self.sagellm.on_allocated(self.sagellm.path(seq.prefix_cache.trie_cursor, start))
+            nodes = self.sagellm.path(seq.prefix_cache.trie_cursor, start)
+            self.sagellm.on_allocated(nodes, self._refs(nodes))
 
     def evict(self, max_num_blocks: int) -> int:
         if not self.enabled:
@@ -147,24 +155,26 @@ class SagellmBlockTrie(BlockTrie):
         observer = self.sagellm
         leaves = self._kv_lifecycle.leaves
         removed: list[CachedBlock] = []
-        while evicted + len(removed) < max_num_blocks and observer.evictable:
-            victims = observer.runtime.select_victims(max_num_blocks - evicted - len(removed), observer.evictable)
-            if not victims:
+        pinned: set[int] = set()
+        while evicted + len(removed) < max_num_blocks and len(observer.evictable) > len(pinned):
+            candidates = observer.evictable - pinned if pinned else observer.evictable
+            victims = observer.runtime.select_victims(max_num_blocks - evicted - len(removed), candidates)
+            if not victims or all(v in pinned for v in victims):
                 break  # the policy keeps the rest; the caller makes do with fewer
             for victim in victims:
                 if victim not in observer.evictable:
                     continue  # went with an ancestor chosen before it
                 node = observer.nodes[victim]
-                for gone in self._subtree_leaves_first(node):
-                    if self._state_checkpoints.is_pinned(gone):
-                        raise PluginError(
-                            f"{observer.runtime.who('eviction')} chose block {gone.block_id}, pinned by an SSM checkpoint"
-                        )
+                subtree = self._subtree_leaves_first(node)
+                if any(self._state_checkpoints.is_pinned(n) for n in subtree):
+                    pinned.add(victim)  # an SSM checkpoint copy is reading it: not now
+                    continue
+                parent = node.parent
+                for gone in subtree:
                     self._state_checkpoints.release_checkpoint(gone)
                     gone.detach_leaf()
                     leaves.discard(gone)
                     removed.append(observer.forget(gone.block_id))
-                parent = node.parent
                 if parent is not None and parent.parent is not None and not parent.children:
                     leaves.add(parent)
         if removed:

@@ -1,0 +1,72 @@
+"""Run LMDeploy's own paging tests twice: with LMDeploy's classes, then with
+sagellm's installed (``sagellm_substitute.py``), and check that the adapter
+fails nothing that stock LMDeploy passes.
+
+    python plugins/sagellm-plugin-lmdeploy/tests/lmdeploy_suite/run.py --tests DIR
+
+``DIR`` is ``tests/pytorch/paging`` of an LMDeploy source checkout: LMDeploy
+ships no tests in its wheels and no sdist on PyPI. Tests that fail with the
+stock wheel too are listed with LMDeploy's error, the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_suite(tests: Path, substitute: bool, report: Path) -> tuple[int, dict[str, str]]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    args = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    args += ["--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(tests)]
+    if substitute:
+        args += ["-p", "sagellm_substitute"]
+    subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    failed, total = {}, 0
+    for case in ET.parse(report).iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        total += 1
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            name = f"{case.get('classname', '')}::{case.get('name')}"
+            message = (problem.get("message") or "").strip().splitlines()
+            failed[name] = message[0][:160] if message else problem.tag
+    return total, failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", type=Path, required=True, help="tests/pytorch/paging of an LMDeploy checkout")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        total, stock = run_suite(args.tests, False, Path(tmp) / "stock.xml")
+        total_ours, ours = run_suite(args.tests, True, Path(tmp) / "sagellm.xml")
+    print(f"LMDeploy paging tests from {args.tests}")
+    print(f"  stock LMDeploy:      {total - len(stock)} passed, {len(stock)} failed")
+    print(f"  sagellm installed:   {total_ours - len(ours)} passed, {len(ours)} failed")
+    print("Failing with stock LMDeploy too (the reason is LMDeploy's own error):")
+    for name, reason in sorted(stock.items()):
+        print(f"  {name}: {reason}")
+    regressions = sorted(set(ours) - set(stock))
+    if regressions or total_ours != total:
+        print("FAILED with sagellm's classes only:")
+        for name in regressions:
+            print(f"  {name}: {ours[name]}")
+        return 1
+    print("No test fails with sagellm's classes that passes with LMDeploy's.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
