@@ -111,6 +111,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("requests", "requests", "{:,}"),
     ("rejected", "rejected", "{:,}"),
     ("block_hit_rate", "block hit rate", "{:.4f}"),
+    ("hit_blocks", "hit blocks", "{:,}"),
+    ("query_blocks", "query blocks", "{:,}"),
     ("token_hit_rate", "token hit rate", "{:.4f}"),
     ("host_hit_rate", "host-tier hit rate", "{:.4f}"),
     ("tokens_saved", "tokens saved", "{:,}"),

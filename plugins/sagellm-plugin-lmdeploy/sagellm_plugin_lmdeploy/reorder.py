@@ -19,7 +19,9 @@ from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
 
 
 class SagellmPrefillReorderer(_PrefillReorderer):
-    _states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    #: id(sequence) -> its state, dropped when LMDeploy drops the sequence
+    #: (sequences are unhashable dataclasses: no WeakKeyDictionary).
+    _states: dict[int, SequenceState] = {}
 
     def reorder(self, waiting, turn_policy):
         trie = self.prefill_scheduler.block_trie
@@ -49,7 +51,7 @@ class SagellmPrefillReorderer(_PrefillReorderer):
         return ready + [by_state[id(state)] for state in ir.waiting]
 
     def _state(self, seq, runtime, trie) -> SequenceState:
-        state = self._states.get(seq)
+        state = self._states.get(id(seq))
         if state is None:
             request = Request(
                 request_id=f"{seq.session_id}/{seq.seq_id}",
@@ -58,7 +60,8 @@ class SagellmPrefillReorderer(_PrefillReorderer):
                 arrival_s=seq.arrive_time,
             )
             prediction = runtime.predict_lifetime(request)
-            state = self._states[seq] = SequenceState(request=request, prediction=prediction)
+            state = self._states[id(seq)] = SequenceState(request=request, prediction=prediction)
+            weakref.finalize(seq, self._states.pop, id(seq), None)
             state.cached_tokens_hint = trie._find_deepest_block_match_step(seq, trie._get_or_create_root(seq.adapter_name))
             runtime.observe("sagellm_request_arrived", request=request, prediction=prediction)
         state.num_computed_tokens = seq.num_history_ids
