@@ -97,8 +97,8 @@ def test_runtime_state_is_clean_after_start(sample_plugins):
 def test_unknown_engine_names_its_adapter_distribution():
     from sagellm_core.session import build_engine
 
-    settings = settings_from_toml('[engine]\nname = "lmdeploy"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml")
+    settings = settings_from_toml('[engine]\nname = "sglang"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml")
     with pytest.raises(ConfigError) as err:
         build_engine(settings)
-    assert str(err.value).startswith("cfg.toml: [engine]: unknown engine plugin 'lmdeploy'; installed: replay")
-    assert str(err.value).endswith("(first-party engine plugins: pip install sagellm-plugin-lmdeploy)")
+    assert str(err.value).startswith("cfg.toml: [engine]: unknown engine plugin 'sglang'; installed: ")
+    assert str(err.value).endswith("(first-party engine plugins: pip install sagellm-plugin-sglang)")

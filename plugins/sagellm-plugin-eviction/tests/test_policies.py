@@ -13,6 +13,16 @@ from sagellm_core.types import CachedBlock, Request
 CTX = PluginContext("p", block_size=16, num_blocks=100)
 
 
+class EveryBlock:
+    """Candidates that offer every block the policy knows as evictable."""
+
+    def __contains__(self, block_id: object) -> bool:
+        return True
+
+
+EVERY_BLOCK = EveryBlock()
+
+
 def chain(first, n, start_depth=0, parent=None):
     blocks = []
     for i in range(n):
@@ -26,20 +36,20 @@ def test_lru_evicts_least_recently_released_leaf_first():
     a, b = chain(0, 3), chain(10, 2)
     lru.sagellm_blocks_released(blocks=a)
     lru.sagellm_blocks_released(blocks=b)
-    assert lru.sagellm_select_victims(num_blocks=4, candidates=None).victim_ids == (2, 1, 0, 11)
+    assert lru.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (2, 1, 0, 11)
     lru.sagellm_blocks_touched(blocks=a[:2])  # a hit on blocks 0 and 1
-    assert lru.sagellm_select_victims(num_blocks=9, candidates=None).victim_ids == (2, 11, 10)
+    assert lru.sagellm_select_victims(num_blocks=9, candidates=EVERY_BLOCK).victim_ids == (2, 11, 10)
     lru.sagellm_blocks_released(blocks=a[:2])
     lru.sagellm_blocks_evicted(blocks=(a[2],))
-    assert lru.sagellm_select_victims(num_blocks=9, candidates=None).victim_ids == (11, 10, 1, 0)
+    assert lru.sagellm_select_victims(num_blocks=9, candidates=EVERY_BLOCK).victim_ids == (11, 10, 1, 0)
 
 
 def test_selection_does_not_change_the_policy():
     for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX)):
         policy.sagellm_blocks_cached(blocks=chain(0, 3)) if hasattr(policy, "sagellm_blocks_cached") else None
         policy.sagellm_blocks_released(blocks=chain(0, 3))
-        first = policy.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids
-        assert policy.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids == first
+        first = policy.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids
+        assert policy.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == first
 
 
 def test_lfu_keeps_frequently_hit_blocks():
@@ -52,9 +62,9 @@ def test_lfu_keeps_frequently_hit_blocks():
         lfu.sagellm_blocks_touched(blocks=hot)
         lfu.sagellm_blocks_released(blocks=hot)
     # Cold blocks go first, leaf before parent; hot ones last.
-    assert lfu.sagellm_select_victims(num_blocks=4, candidates=None).victim_ids == (11, 10, 1, 0)
+    assert lfu.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (11, 10, 1, 0)
     lfu.sagellm_blocks_evicted(blocks=cold)
-    assert lfu.sagellm_select_victims(num_blocks=4, candidates=None).victim_ids == (1, 0)
+    assert lfu.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (1, 0)
 
 
 def test_lru_preempts_the_last_running_request():
@@ -134,13 +144,13 @@ def test_belady_evicts_the_block_used_farthest_in_the_future(tmp_path):
     oracle.sagellm_request_arrived(request=Request("mooncake-1", [0], 1))
     oracle.sagellm_blocks_released(blocks=(a, b))
     # After request 0: B is next used at 1, A at 1 as well; deeper B goes first.
-    assert oracle.sagellm_select_victims(num_blocks=1, candidates=None).victim_ids == (1,)
+    assert oracle.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (1,)
     oracle.sagellm_request_arrived(request=Request("mooncake-2", [0], 1))
     oracle.sagellm_blocks_touched(blocks=(a, b))
     oracle.sagellm_blocks_released(blocks=(a, b))
     # After request 1: B is never used again, A is used by request 2.
-    assert oracle.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids == (1, 0)
-    assert oracle.sagellm_select_victims(num_blocks=2, candidates=None).victim_ids == (1, 0)  # no side effects
+    assert oracle.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
+    assert oracle.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)  # no side effects
 
 
 def test_belady_needs_a_workload():
@@ -172,3 +182,16 @@ def test_s3fifo_chooses_block_zero():
     policy = S3FIFOEviction(S3FIFOSettings(), CTX)
     policy.sagellm_blocks_cached(blocks=(CachedBlock(0, 0, None),))
     assert policy.sagellm_select_victims(num_blocks=1, candidates={0}).victim_ids == (0,)
+
+
+def test_policies_choose_only_among_the_blocks_offered():
+    """An engine may offer fewer blocks than a policy tracks (LMDeploy's
+    pinned checkpoint blocks): the choice skips the others."""
+    for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX)):
+        if hasattr(policy, "sagellm_blocks_cached"):
+            policy.sagellm_blocks_cached(blocks=chain(0, 3))
+        policy.sagellm_blocks_released(blocks=chain(0, 3))
+        everything = policy.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids
+        assert len(everything) == 3
+        offered = set(everything[1:])
+        assert policy.sagellm_select_victims(num_blocks=3, candidates=offered).victim_ids == everything[1:]
