@@ -505,18 +505,21 @@ class Runtime:
         if released:
             self.observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
 
-    def schedule(self, ir: ScheduleIR) -> None:
+    def schedule(self, ir: ScheduleIR) -> frozenset[str]:
         """Run the scheduling passes over ``ir``, in config order. A pass may
         reorder the lists and lower the budgets, never drop, duplicate or
-        invent requests."""
+        invent requests. Returns the names of the lists the passes reordered
+        (``"waiting"``, ``"running"``), so an engine copies back only those."""
         before = {"waiting": list(ir.waiting), "running": list(ir.running)}
         self._call("scheduler", "sagellm_schedule_pass", ir=ir)
+        moved = set()
         for name, was in before.items():
             now = getattr(ir, name)
             # SequenceState compares by identity, so == is a C-speed check
             # that nothing moved; only a reordered list needs the set check.
             if now == was:
                 continue
+            moved.add(name)
             if len(now) != len(was) or {id(s) for s in now} != {id(s) for s in was}:
                 raise self._bad(
                     "scheduler", "sagellm_schedule_pass",
@@ -524,6 +527,7 @@ class Runtime:
                 )
         if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
             raise self._bad("scheduler", "sagellm_schedule_pass", "left no token budget or sequence slots")
+        return frozenset(moved)
 
     def step_done(self, result: StepResult) -> None:
         self.observe("sagellm_step_done", result=result)

@@ -215,10 +215,11 @@ class SagellmBlockPool(BlockPool):
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
         if not self.enable_caching:
             return
+        get_one_block = self.cached_block_hash_to_block.get_one_block
         for block in blocks[num_cached_blocks:num_full_blocks]:
             if block.is_null or block.block_hash is None:
                 continue
-            original = self.cached_block_hash_to_block.get_one_block(block.block_hash)
+            original = get_one_block(block.block_hash)
             if original is not None and original is not block and original.block_id in self.sagellm.cached:
                 # A recomputed copy of a cached block: sagellm does not cache
                 # it, and the request holds the original (as the radix

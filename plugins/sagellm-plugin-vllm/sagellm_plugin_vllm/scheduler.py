@@ -29,6 +29,7 @@ environment variable; a harness may pass a built ``Runtime`` instead.
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from typing import Callable
 
 from sagellm_core.runtime import Runtime
@@ -45,6 +46,10 @@ from sagellm_plugin_vllm.compat import (
 )
 from sagellm_plugin_vllm.connector import SagellmConnector
 from sagellm_plugin_vllm.live import load_runtime
+
+
+#: vLLM request -> its SequenceState (set at add_request).
+_sagellm_state = attrgetter("sagellm_state")
 
 
 def sagellm_request(request: VllmRequest) -> Request:
@@ -111,6 +116,9 @@ class SagellmDecisions:
         _, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
         state.cached_tokens_hint = num_hit_tokens
         self.sagellm_states[request.request_id] = state
+        # Also on the request itself: each step maps all waiting requests to
+        # their states, and an attribute read through map() is C-speed.
+        request.sagellm_state = state
         self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):
@@ -177,16 +185,22 @@ class SagellmDecisions:
     def _run_passes(self) -> None:
         if not self.waiting and not self.running:
             return
-        states = self.sagellm_states
-        waiting = [states[r.request_id] for r in self.waiting]
-        running = [self._running_state(r) for r in self.running]
+        waiting = list(map(_sagellm_state, self.waiting))
+        running = list(map(_sagellm_state, self.running))
+        now = self.sagellm.now_s
+        for request, state in zip(self.running, running):  # only running states change step to step
+            state.num_computed_tokens = request.num_computed_tokens
+            state.num_output_tokens = num_output = request.num_output_tokens
+            state.status = RequestStatus.RUNNING
+            if num_output and state.first_token_s is None:
+                state.first_token_s = now
         pool = self.kv_cache_manager.block_pool
         observer = getattr(pool, "sagellm", None)  # None if a caller swapped in its own manager
         ir = ScheduleIR(
-            now_s=self.sagellm.now_s,
+            now_s=now,
             step=self._step,
-            waiting=list(waiting),
-            running=list(running),
+            waiting=waiting,
+            running=running,
             token_budget=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs,
             block_size=self.block_size,
@@ -194,14 +208,12 @@ class SagellmDecisions:
             num_evictable_blocks=len(observer.evictable) if observer is not None else 0,
         )
         self._step += 1
-        self.sagellm.schedule(ir)
-        requests = self.requests
-        # SequenceState compares by identity: == is a C-speed "unchanged".
-        if ir.waiting != waiting:
+        moved = self.sagellm.schedule(ir)
+        if "waiting" in moved:
             self.waiting.clear()
-            self.waiting.extend(requests[s.request_id] for s in ir.waiting)
-        if ir.running != running:
-            self.running[:] = [requests[s.request_id] for s in ir.running]
+            self.waiting.extend(self.requests[s.request_id] for s in ir.waiting)
+        if "running" in moved:
+            self.running[:] = [self.requests[s.request_id] for s in ir.running]
         self.max_num_scheduled_tokens = min(ir.token_budget, self._limits[0])
         self.max_num_running_reqs = min(ir.max_num_seqs, self._limits[1])
 
