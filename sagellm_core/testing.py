@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import tomllib
@@ -36,3 +37,21 @@ def declare_plugins(folder: Path, entry_points: dict[str, dict[str, str]], name:
 def settings_from_toml(text: str, path: str = "<test>") -> Settings:
     """Parse config text as if it were a file at ``path``."""
     return config_mod.parse(tomllib.loads(text), path)
+
+
+def junit_results(report: Path, name=lambda case: f"{case.get('classname', '')}::{case.get('name')}") -> tuple[int, dict[str, str]]:
+    """From a pytest ``--junitxml`` report: the number of tests run (skips
+    aside) and ``{test name: first line of its failure}`` for those that
+    failed or errored. For adapters that run an engine's own test suite."""
+    failed, total = {}, 0
+    for case in ET.parse(report).iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        total += 1
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            message = (problem.get("message") or "").strip().splitlines()
+            failed[name(case)] = message[0][:160] if message else problem.tag
+    return total, failed

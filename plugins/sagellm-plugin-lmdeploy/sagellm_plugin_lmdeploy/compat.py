@@ -20,38 +20,12 @@ adapter refuses to start.
 
 from __future__ import annotations
 
-from importlib import metadata
-
-from sagellm_core.errors import ConfigError
+from sagellm_core.adapters import check_engine_version
 
 SUPPORTED = ((0, 18, 0), (0, 19, 0))  # [low, high)
 INSTALL_HINT = "see plugins/sagellm-plugin-lmdeploy/README.md, 'Installing LMDeploy'"
 
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def check_version() -> str:
-    try:
-        version = metadata.version("lmdeploy")
-    except metadata.PackageNotFoundError:
-        raise ConfigError(f"engine 'lmdeploy': LMDeploy is not installed ({INSTALL_HINT})") from None
-    low, high = SUPPORTED
-    if not low <= _version_tuple(version) < high:
-        fmt = ".".join
-        raise ConfigError(
-            f"engine 'lmdeploy': LMDeploy {version} is outside the tested range"
-            f" >={fmt(map(str, low))},<{fmt(map(str, high))} of sagellm-plugin-lmdeploy"
-        )
-    return version
-
-
-LMDEPLOY_VERSION = check_version()
+LMDEPLOY_VERSION = check_engine_version("lmdeploy", "lmdeploy", SUPPORTED, INSTALL_HINT)
 
 import numpy  # noqa: E402
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig  # noqa: E402

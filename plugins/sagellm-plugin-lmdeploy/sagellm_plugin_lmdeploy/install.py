@@ -13,30 +13,23 @@ from a ``sitecustomize`` module).
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
-import attrs
-
-from sagellm_core import config as config_mod
-from sagellm_core.errors import ConfigError
+from sagellm_core.adapters import load_engine_runtime
 from sagellm_core.runtime import Runtime
 
 from sagellm_plugin_lmdeploy import compat
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
-CONFIG_ENV = "SAGELLM_CONFIG"
 #: LMDeploy serves these sections with its own trie and allocator.
 ENGINE_OWNS = ("prefix_cache", "kv_pool")
 
 
 def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> Runtime:
-    path = path or os.environ.get(CONFIG_ENV)
-    if not path:
-        raise ConfigError(f"sagellm-plugin-lmdeploy: no sagellm config; set {CONFIG_ENV}")
-    settings = attrs.evolve(config_mod.load(path), num_blocks=num_blocks, block_size=block_size)
-    return Runtime(settings, engine_owns=ENGINE_OWNS)
+    return load_engine_runtime(
+        num_blocks, block_size, engine_owns=ENGINE_OWNS, path=path, where="sagellm-plugin-lmdeploy"
+    )
 
 
 def install(runtime: Runtime | None = None) -> None:

@@ -24,38 +24,12 @@ adapter refuses to start rather than misbehave.
 
 from __future__ import annotations
 
-from importlib import metadata
-
-from sagellm_core.errors import ConfigError
+from sagellm_core.adapters import check_engine_version
 
 SUPPORTED = ((0, 33, 0), (0, 34, 0))  # [low, high)
 INSTALL_HINT = "see plugins/sagellm-plugin-vllm/README.md, 'Installing vLLM'"
 
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-def check_version() -> str:
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        raise ConfigError(f"engine 'vllm': vLLM is not installed ({INSTALL_HINT})") from None
-    low, high = SUPPORTED
-    if not low <= _version_tuple(version) < high:
-        fmt = ".".join
-        raise ConfigError(
-            f"engine 'vllm': vLLM {version} is outside the tested range"
-            f" >={fmt(map(str, low))},<{fmt(map(str, high))} of sagellm-plugin-vllm"
-        )
-    return version
-
-
-VLLM_VERSION = check_version()
+VLLM_VERSION = check_engine_version("vllm", "vllm", SUPPORTED, INSTALL_HINT)
 
 import torch  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402

@@ -16,8 +16,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from sagellm_core.testing import junit_results
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,19 +31,7 @@ def run_suite(tests: Path, substitute: bool, report: Path) -> tuple[int, dict[st
     if substitute:
         args += ["-p", "sagellm_substitute"]
     subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    failed, total = {}, 0
-    for case in ET.parse(report).iter("testcase"):
-        if case.find("skipped") is not None:
-            continue
-        total += 1
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        if problem is not None:
-            name = f"{case.get('classname', '')}::{case.get('name')}"
-            message = (problem.get("message") or "").strip().splitlines()
-            failed[name] = message[0][:160] if message else problem.tag
-    return total, failed
+    return junit_results(report)
 
 
 def main() -> int:

@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from sagellm_core.testing import junit_results
 
 VERSION = "0.33.0"
 SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
@@ -83,9 +84,9 @@ def offline_hub(cache: Path) -> Path:
     return home
 
 
-def run_suite(root: Path, hub: Path, substitute: bool, report: Path) -> dict[str, str]:
-    """Run the tests; return {test id: first line of the failure} for the
-    ones that failed or errored."""
+def run_suite(root: Path, hub: Path, substitute: bool, report: Path) -> tuple[int, dict[str, str]]:
+    """Run the tests; return how many ran and {test id: first line of the
+    failure} for the ones that failed or errored."""
     env = dict(os.environ, HF_HOME=str(hub), HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(root), env.get("PYTHONPATH")]))
     args = [sys.executable, "-m", "pytest", *TESTS, "-q", "-p", "no:cacheprovider", "--noconftest"]
@@ -93,22 +94,7 @@ def run_suite(root: Path, hub: Path, substitute: bool, report: Path) -> dict[str
     if substitute:
         args += ["-p", "sagellm_substitute"]
     subprocess.run(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    failed = {}
-    for case in ET.parse(report).iter("testcase"):
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        if problem is not None:
-            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            message = (problem.get("message") or "").strip().splitlines()
-            failed[name] = message[0][:160] if message else problem.tag
-    return failed
-
-
-def count(report: Path) -> int:
-    suite = ET.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    return int(suite.get("tests")) - int(suite.get("skipped", 0))
+    return junit_results(report, name=lambda case: f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}")
 
 
 def main() -> int:
@@ -119,17 +105,16 @@ def main() -> int:
     cache.mkdir(parents=True, exist_ok=True)
     root = fetch_sdist(cache)
     hub = offline_hub(cache)
-    stock = run_suite(root, hub, False, cache / "stock.xml")
-    ours = run_suite(root, hub, True, cache / "sagellm.xml")
-    total = count(cache / "sagellm.xml")
+    total_stock, stock = run_suite(root, hub, False, cache / "stock.xml")
+    total, ours = run_suite(root, hub, True, cache / "sagellm.xml")
     print(f"vLLM {VERSION} tests: {', '.join(TESTS)}")
-    print(f"  stock vLLM classes:   {total - len(stock)} passed, {len(stock)} failed")
+    print(f"  stock vLLM classes:   {total_stock - len(stock)} passed, {len(stock)} failed")
     print(f"  sagellm substituted:  {total - len(ours)} passed, {len(ours)} failed")
     print("Failing with stock vLLM too (the reason is vLLM's own error):")
     for name, reason in sorted(stock.items()):
         print(f"  {name}: {reason}")
     regressions = sorted(set(ours) - set(stock))
-    if regressions:
+    if regressions or total != total_stock:
         print("FAILED with sagellm's classes only:")
         for name in regressions:
             print(f"  {name}: {ours[name]}")
