@@ -132,9 +132,12 @@ def build_scheduler(
         block_size=block_size,
         log_stats=True,
     )
-    if scheduler == "stock":
-        return v.Scheduler(**kwargs)
-    return SagellmScheduler(**kwargs, sagellm_runtime=runtime, on_finished=on_finished)
+    if scheduler != "stock":
+        return SagellmScheduler(**kwargs, sagellm_runtime=runtime, on_finished=on_finished)
+    stock = v.Scheduler(**kwargs)
+    if host_blocks is not None and runtime is not None:
+        stock.connector.bind_runtime(runtime)  # vLLM's own decisions, sagellm's host tier
+    return stock
 
 
 def made_up_output(scheduler, scheduler_output, kv_connector_output=None):
