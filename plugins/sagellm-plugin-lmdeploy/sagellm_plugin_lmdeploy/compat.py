@@ -14,6 +14,12 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   scheduling passes). A new one is built every prefill turn, so the module
   attribute is what must change.
 
+* ``lmdeploy.pytorch.kv_connector.base.KVConnectorBase``: ``SagellmConnector``,
+  sagellm's transport hook as a host tier. LMDeploy's ``build_kv_connector``
+  knows only Mooncake; ``lmdeploy.pytorch.engine.engine`` and
+  ``...engine.model_agent.agent`` each bound it at import, and both get a
+  factory that also knows ``SagellmConnector``.
+
 ``SUPPORTED`` is the range this module was tested against; outside it the
 adapter refuses to start.
 """
@@ -28,7 +34,19 @@ INSTALL_HINT = "see plugins/sagellm-plugin-lmdeploy/README.md, 'Installing LMDep
 LMDEPLOY_VERSION = check_engine_version("lmdeploy", "lmdeploy", SUPPORTED, INSTALL_HINT)
 
 import numpy  # noqa: E402
+import torch  # noqa: E402
+from lmdeploy.messages import KVTransferConfig  # noqa: E402
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig  # noqa: E402
+from lmdeploy.pytorch.kv_connector import build_kv_connector  # noqa: E402
+from lmdeploy.pytorch.kv_connector.base import (  # noqa: E402
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorResult,
+    KVConnectorRole,
+    KVLoadResult,
+    KVSaveBlockLease,
+)
 from lmdeploy.pytorch.messages import SamplingParam, SequenceMeta, UpdateTokenMode  # noqa: E402
 from lmdeploy.pytorch.paging import prefill_scheduler as prefill_scheduler_module  # noqa: E402
 from lmdeploy.pytorch.paging import scheduler as scheduler_module  # noqa: E402
@@ -37,18 +55,39 @@ from lmdeploy.pytorch.paging.prefill_scheduler import _PrefillReorderer  # noqa:
 from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
 
+def connector_factory_users() -> list:
+    """The modules that bound LMDeploy's ``build_kv_connector`` at import:
+    the engine (scheduler side) and the model agent (workers). Imported on
+    demand: they pull in LMDeploy's engine."""
+    from lmdeploy.pytorch.engine import engine
+    from lmdeploy.pytorch.engine.model_agent import agent
+
+    return [engine, agent]
+
+
 __all__ = [
     "LMDEPLOY_VERSION",
     "ARSequenceStrategy",
     "BlockTrie",
     "CacheConfig",
+    "KVConnectorBase",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorResult",
+    "KVConnectorRole",
+    "KVLoadResult",
+    "KVSaveBlockLease",
+    "KVTransferConfig",
     "SamplingParam",
     "Scheduler",
     "SchedulerConfig",
     "SequenceMeta",
     "UpdateTokenMode",
     "_PrefillReorderer",
+    "build_kv_connector",
+    "connector_factory_users",
     "numpy",
     "prefill_scheduler_module",
     "scheduler_module",
+    "torch",
 ]

@@ -19,6 +19,7 @@ from sagellm_core.adapters import load_engine_runtime
 from sagellm_core.runtime import Runtime
 
 from sagellm_plugin_lmdeploy import compat
+from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
@@ -32,18 +33,33 @@ def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> R
     )
 
 
+def build_kv_connector(role, cache_config, **kwargs):
+    """LMDeploy's connector factory, knowing ``SagellmConnector`` too."""
+    config = cache_config.kv_transfer_config
+    if config is not None and config.kv_connector == NAME:
+        return SagellmConnector(role, cache_config, runtime=SagellmBlockTrie.runtime)
+    return compat.build_kv_connector(role, cache_config, **kwargs)
+
+
 def install(runtime: Runtime | None = None) -> None:
     """Make every ``Scheduler`` built from now on use sagellm's trie and
-    reorderer (with ``runtime``, or one per trie from ``$SAGELLM_CONFIG``)."""
+    reorderer (with ``runtime``, or one per trie from ``$SAGELLM_CONFIG``),
+    and ``--kv-transfer-config '{"kv_connector": "SagellmConnector", ...}'``
+    build sagellm's connector (the engine and its model workers hold their
+    own reference to LMDeploy's factory: both are rebound)."""
     SagellmBlockTrie.runtime = runtime
     compat.scheduler_module.BlockTrie = SagellmBlockTrie
     compat.prefill_scheduler_module._PrefillReorderer = SagellmPrefillReorderer
+    for module in compat.connector_factory_users():
+        module.build_kv_connector = build_kv_connector
 
 
 def uninstall() -> None:
     SagellmBlockTrie.runtime = None
     compat.scheduler_module.BlockTrie = compat.BlockTrie
     compat.prefill_scheduler_module._PrefillReorderer = compat._PrefillReorderer
+    for module in compat.connector_factory_users():
+        module.build_kv_connector = compat.build_kv_connector
 
 
 @contextmanager
