@@ -12,6 +12,7 @@ from typing import Collection
 import attrs
 
 from sagellm_core import config as config_mod
+from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
 
@@ -55,13 +56,22 @@ def load_engine_runtime(
     path: str | None = None,
     where: str,
     how: str = f"set {CONFIG_ENV}",
+    unless_configured: Collection[str] = (),
 ) -> Runtime:
     """The runtime for the config at ``path`` (else ``$SAGELLM_CONFIG``).
     The engine's pool size and block size replace the config's: inside an
-    engine they are the engine's to decide. ``how`` tells a user how to name
-    a config when there is none."""
+    engine they are the engine's to decide. The engine serves the sections
+    ``engine_owns`` itself, and those of ``unless_configured`` the config
+    names no plugin for. ``how`` tells a user how to name a config when
+    there is none."""
     path = path or os.environ.get(CONFIG_ENV)
     if not path:
         raise ConfigError(f"{where}: no sagellm config; {how}")
     settings = attrs.evolve(config_mod.load(path), num_blocks=num_blocks, block_size=block_size)
-    return Runtime(settings, engine_owns=engine_owns)
+    return Runtime(settings, engine_owns=engine_sections(settings, engine_owns, unless_configured))
+
+
+def engine_sections(settings: Settings, engine_owns: Collection[str], unless_configured: Collection[str] = ()) -> set[str]:
+    """The sections an engine serves itself under ``settings``: ``engine_owns``,
+    and those of ``unless_configured`` that name no plugin."""
+    return {*engine_owns, *(s for s in unless_configured if getattr(settings, s) is None)}

@@ -115,10 +115,12 @@ def sagellm_remove_blocks(block_ids: Sequence[int]) -> tuple[CachedBlock, ...] |
 
 
 @hookspec(firstresult=True)
-def sagellm_allocate_blocks(num_blocks: int, request: Request) -> BlockAllocation | None:
+def sagellm_allocate_blocks(num_blocks: int, request: Request | None) -> BlockAllocation | None:
     """Take exactly ``num_blocks`` free blocks for ``request``, or return an
     empty allocation (nothing taken) when fewer are free. The runtime checks
-    that the ids are distinct, in range and not in use."""
+    that the ids are distinct, in range and not in use. ``request`` is None
+    where an engine allocates below the request level (LMDeploy's physical
+    allocator)."""
 
 
 @hookspec(firstresult=True)

@@ -291,7 +291,7 @@ class Runtime:
             raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
         if self.settings.offload_evicted:
             self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size))
-        self._free(ids)
+        self.free_blocks(ids)
         self._cached.difference_update(ids)
         self.counters.evicted_blocks += len(ids)
         self.observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
@@ -313,7 +313,9 @@ class Runtime:
             c.transfer_failures += 1
         return result
 
-    def _allocate(self, num_blocks: int, request: Request) -> tuple[int, ...]:
+    def allocate_blocks(self, num_blocks: int, request: Request | None) -> tuple[int, ...]:
+        """Take ``num_blocks`` blocks from the pool (the caller made room),
+        checked: exactly as many, distinct, in range, not in use."""
         if num_blocks == 0:
             return ()
         alloc = self._call("kv_pool", "sagellm_allocate_blocks", num_blocks=num_blocks, request=request)
@@ -336,7 +338,8 @@ class Runtime:
         self._in_use.update(ids)
         return ids
 
-    def _free(self, block_ids: Iterable[int]) -> None:
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Return blocks to the pool."""
         ids = tuple(block_ids)
         if not ids:
             return
@@ -388,7 +391,7 @@ class Runtime:
             # Before any eviction, so the policy never picks a locked block.
             self.observe("sagellm_blocks_touched", blocks=match.blocks, now_s=self.now_s)
         try:
-            ids = self._allocate(need, request) if need <= free or self._make_room(need) else None
+            ids = self.allocate_blocks(need, request) if need <= free or self._make_room(need) else None
         except PluginError:
             self._unlock_after_touch(request)
             raise
@@ -434,7 +437,7 @@ class Runtime:
             return True
         if not self._make_room(need):
             return False
-        ids = self._allocate(need, state.request)
+        ids = self.allocate_blocks(need, state.request)
         state.block_ids.extend(ids)
         state.private_block_ids.update(ids)
         return True
@@ -479,7 +482,7 @@ class Runtime:
             for given_id, cached in result.replaced:
                 state.block_ids[position[given_id]] = cached.block_id
                 state.private_block_ids.discard(given_id)
-            self._free(g for g, _ in result.replaced)
+            self.free_blocks(g for g, _ in result.replaced)
         if result.locked:
             self.observe("sagellm_blocks_touched", blocks=result.locked, now_s=self.now_s)
         if result.adopted:
@@ -497,7 +500,7 @@ class Runtime:
 
     def release(self, state: SequenceState) -> None:
         """Free the request's private blocks and drop its cache locks."""
-        self._free(state.private_block_ids)
+        self.free_blocks(state.private_block_ids)
         released = self._call("prefix_cache", "sagellm_release_prefix", request=state.request) or ()
         state.block_ids = []
         state.private_block_ids = set()

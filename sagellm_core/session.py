@@ -12,6 +12,7 @@ import attrs
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagellm_core import config as config_mod
+from sagellm_core.adapters import engine_sections
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError
 from sagellm_core.registry import PluginContext, build_settings, load_class
@@ -76,8 +77,10 @@ def build_engine(settings: Settings):
 def run(settings: Settings, *, label: str | None = None, progress: bool = False) -> RunResult:
     engine, engine_settings = build_engine(settings)
     # An adapter around a real engine serves some sections with the engine's
-    # own machinery (``owns``, e.g. vLLM's prefix cache and block pool).
-    rt = Runtime(settings, engine_owns=getattr(engine, "owns", ()))
+    # own machinery (``owns``, e.g. vLLM's prefix cache and block pool), some
+    # only where the config names no plugin (``owns_unless_configured``).
+    owns = engine_sections(settings, getattr(engine, "owns", ()), getattr(engine, "owns_unless_configured", ()))
+    rt = Runtime(settings, engine_owns=owns)
     requests = workloads.load(settings.workload)
     label = label or Path(settings.path).stem
     start = time.perf_counter()

@@ -33,7 +33,7 @@ class PagedPool:
         return int(left) + int(right)
 
     @hookimpl
-    def sagellm_allocate_blocks(self, num_blocks: int, request: Request) -> BlockAllocation:
+    def sagellm_allocate_blocks(self, num_blocks: int, request: Request | None) -> BlockAllocation:
         if num_blocks > len(self._free):
             return _NO_BLOCKS
         popleft = self._free.popleft

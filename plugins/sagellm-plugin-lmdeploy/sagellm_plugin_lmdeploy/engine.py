@@ -80,8 +80,10 @@ class LmdeployEngine:
     """The engine entry point ``lmdeploy`` (``sagellm.engines``)."""
 
     Settings = LmdeployEngineSettings
-    #: LMDeploy's trie and allocator serve these sections.
-    owns = ("prefix_cache", "kv_pool")
+    #: LMDeploy's trie matches prefixes; its allocator picks physical blocks
+    #: unless the config names a kv-pool plugin.
+    owns = ("prefix_cache",)
+    owns_unless_configured = ("kv_pool",)
 
     def __init__(self, settings: LmdeployEngineSettings, context: PluginContext):
         from sagellm_plugin_lmdeploy import compat  # fails here, with the install hint, without LMDeploy

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from sagellm_core.adapters import load_engine_runtime
+from sagellm_core.adapters import engine_sections, load_engine_runtime
 from sagellm_core.runtime import Runtime
 
 from sagellm_plugin_lmdeploy import compat
@@ -23,13 +23,24 @@ from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
-#: LMDeploy serves these sections with its own trie and allocator.
-ENGINE_OWNS = ("prefix_cache", "kv_pool")
+#: LMDeploy's trie matches prefixes; its physical blocks come from the
+#: config's kv-pool plugin when it names one, else from LMDeploy's allocator.
+ENGINE_OWNS = ("prefix_cache",)
+
+
+def runtime_for(settings) -> Runtime:
+    """The runtime of a harness's ``settings``, with the sections LMDeploy serves."""
+    return Runtime(settings, engine_owns=engine_sections(settings, ENGINE_OWNS, ("kv_pool",)))
 
 
 def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> Runtime:
     return load_engine_runtime(
-        num_blocks, block_size, engine_owns=ENGINE_OWNS, path=path, where="sagellm-plugin-lmdeploy"
+        num_blocks,
+        block_size,
+        engine_owns=ENGINE_OWNS,
+        path=path,
+        where="sagellm-plugin-lmdeploy",
+        unless_configured=("kv_pool",),
     )
 
 

@@ -9,7 +9,9 @@ identity, de-duplication and reference counts stay. What changes:
   the trie alone releases it;
 * ``evict`` frees the blocks sagellm's eviction policy names (with their
   cached descendants, which no lookup reaches once their parent is gone)
-  instead of LMDeploy's least-recently-accessed leaves.
+  instead of LMDeploy's least-recently-accessed leaves;
+* with a ``[kv_pool] plugin`` in the config, that plugin chooses the physical
+  GPU blocks LMDeploy's allocator hands out.
 
 Blocks are described as the radix prefix cache describes them
 (:class:`CachedBlock`: depth, parent, the chained BLAKE2b content key over
@@ -20,6 +22,7 @@ match.
 
 from __future__ import annotations
 
+from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, CachedBlock, chain_key
 
@@ -104,6 +107,30 @@ class TrieObserver:
         return self.cached.pop(block_id)
 
 
+class SagellmPhysicalAllocator:
+    """LMDeploy's physical GPU-block allocator, with sagellm's kv-pool plugin
+    choosing the blocks (``sagellm_allocate_blocks`` / ``free_blocks``,
+    checked by the runtime). Same interface: ``allocate``, ``free``,
+    ``get_num_free_blocks``; ids start at LMDeploy's reserved-block offset."""
+
+    def __init__(self, runtime: Runtime, offset: int):
+        self.runtime = runtime
+        self.offset = offset
+
+    def allocate(self, num_blocks: int):
+        if self.get_num_free_blocks() < num_blocks:
+            raise MemoryError("No enough free memory blocks.")  # as LMDeploy's allocator says it
+        return numpy.asarray(self.runtime.allocate_blocks(num_blocks, None), dtype=numpy.int64) + self.offset
+
+    def free(self, blocks):
+        blocks = numpy.asarray(blocks, dtype=numpy.int64)
+        self.runtime.free_blocks((blocks - self.offset).tolist())
+        return blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.runtime.pool_usage().num_free_blocks
+
+
 class SagellmBlockTrie(BlockTrie):
     """``BlockTrie`` reporting to sagellm; sagellm's policy picks victims."""
 
@@ -119,6 +146,17 @@ class SagellmBlockTrie(BlockTrie):
 
             runtime = load_runtime(allocator.get_num_free_blocks(), block_size)
         self.sagellm = TrieObserver(runtime, block_size)
+        if "kv_pool" not in runtime.engine_owns:
+            # The config names a kv-pool plugin: it chooses LMDeploy's
+            # physical GPU blocks (all free now: the trie is built with the
+            # scheduler, before any allocation).
+            gpu = allocator._gpu_allocator
+            if gpu.get_num_free_blocks() != runtime.num_blocks:
+                raise ConfigError(
+                    f"sagellm-plugin-lmdeploy: the kv-pool has {runtime.num_blocks} blocks,"
+                    f" LMDeploy's GPU pool {gpu.get_num_free_blocks()}"
+                )
+            allocator._gpu_allocator = SagellmPhysicalAllocator(runtime, gpu._offset)
         # Every free goes through the allocator LMDeploy shares between the
         # block manager and the trie: watch it for blocks left to the trie.
         self._allocator_free = allocator.free

@@ -12,7 +12,7 @@ from sagellm_core.testing import declare_plugins, settings_from_toml
 
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
-from sagellm_plugin_lmdeploy.install import ENGINE_OWNS, installed
+from sagellm_plugin_lmdeploy.install import installed, runtime_for
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
 from .conftest import HERE
@@ -25,7 +25,8 @@ def mooncake_config(trace, engine: str, policy: str, *, scheduler: str = "sagell
         + ('mode = "cache-only"\nprealloc_tokens = 16\n' if replay else f'scheduler = "{scheduler}"\n')
         + f'[workload]\nsource = "mooncake"\npath = "{trace}"\nmax_requests = {n}\n'
         + "[prefix_cache]\nblock_size = 16\n" + ('plugin = "radix"\n' if replay else "")
-        + f"[kv_pool]\nnum_blocks = {blocks}\n" + ('plugin = "paged"\n' if replay else "")
+        # sagellm's paged pool also picks LMDeploy's physical blocks when sagellm decides.
+        + f"[kv_pool]\nnum_blocks = {blocks}\n" + ('plugin = "paged"\n' if replay or scheduler == "sagellm" else "")
         + f'[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
     )
 
@@ -69,7 +70,7 @@ def test_policies_change_lmdeploys_hits():
 def test_hits_are_lmdeploys_own_stats(mooncake):
     settings = settings_from_toml(mooncake_config(mooncake, "lmdeploy", "lru", n=100))
     engine, _ = session.build_engine(settings)
-    rt = Runtime(settings, engine_owns=engine.owns)
+    rt = runtime_for(settings)
     engine.run(rt, session.workloads.load(settings.workload))
     stats = engine.block_trie.stats
     assert stats.num_hit_tokens == rt.counters.hit_tokens > 0
@@ -77,7 +78,7 @@ def test_hits_are_lmdeploys_own_stats(mooncake):
 
 
 def runtime(text: str) -> Runtime:
-    return Runtime(settings_from_toml(text), engine_owns=ENGINE_OWNS)
+    return runtime_for(settings_from_toml(text))
 
 
 def test_the_passes_order_lmdeploys_prefills():
@@ -139,3 +140,17 @@ def test_lmdeploy_paging_suite_passes_with_sagellm_classes():
     )
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_the_kv_pool_plugin_picks_lmdeploys_physical_blocks():
+    from sagellm_plugin_lmdeploy.trie import SagellmPhysicalAllocator
+
+    rt = runtime('[kv_pool]\nnum_blocks = 16\nplugin = "paged"\n[eviction]\nplugin = "lru"\n')
+    with installed(rt):
+        scheduler = build_scheduler(16, 16, max_batches=1)
+        assert isinstance(scheduler.block_manager.allocator._gpu_allocator, SagellmPhysicalAllocator)
+        seq = scheduler.add_session(0).add_sequence(np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+        scheduler.schedule(is_prefill=True, prealloc_size=16)
+    table = scheduler.get_block_tables([seq])[0]
+    assert len(table) == 4 and rt.pool_usage().num_free_blocks == 12
+    assert set(table.tolist()) == set(range(16)) - set(rt.plugins["kv_pool"][0].instance._free)  # the paged pool's ids

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from sagellm_core.runtime import Runtime
 from sagellm_core.testing import settings_from_toml
 
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.connector import SagellmConnector
 from sagellm_plugin_lmdeploy.engine import logical_clock
-from sagellm_plugin_lmdeploy.install import ENGINE_OWNS, installed
+from sagellm_plugin_lmdeploy.install import installed, runtime_for
 
 BS = 16
 POOL = 8
@@ -58,10 +57,10 @@ def serve(scheduler, worker, cache, number, tokens):
 
 def test_evicted_prefix_comes_back_from_the_host_tier():
     text = (
-        f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "lru"\n'
+        f'[kv_pool]\nnum_blocks = {POOL}\nplugin = "paged"\n[eviction]\nplugin = "lru"\n'
         f'[transport]\nplugin = "local"\nhost_blocks = {HOST}\nbytes_per_block = 64\n[report]\nhook_timing = false\n'
     )
-    rt = Runtime(settings_from_toml(text), engine_owns=ENGINE_OWNS)
+    rt = runtime_for(settings_from_toml(text))
     cache_config = lm.CacheConfig(
         max_batches=1, block_size=BS, num_cpu_blocks=0, num_gpu_blocks=POOL, enable_prefix_caching=True,
         device_type="cpu",
@@ -107,7 +106,7 @@ def test_install_teaches_lmdeploys_factory_the_connector():
         max_batches=1, block_size=BS, num_cpu_blocks=0, num_gpu_blocks=POOL, device_type="cpu",
         kv_transfer_config=lm.KVTransferConfig(kv_connector="SagellmConnector", kv_role="kv_both"),
     )
-    rt = Runtime(settings_from_toml(f"[kv_pool]\nnum_blocks = {POOL}\n"), engine_owns=ENGINE_OWNS)
+    rt = runtime_for(settings_from_toml(f"[kv_pool]\nnum_blocks = {POOL}\n"))
     with installed(rt):
         for module in (engine, agent):
             built = module.build_kv_connector(lm.KVConnectorRole.SCHEDULER, cache_config)

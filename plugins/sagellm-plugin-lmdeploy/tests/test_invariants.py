@@ -9,12 +9,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sagellm_core.runtime import Runtime
 from sagellm_core.testing import settings_from_toml
 
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
-from sagellm_plugin_lmdeploy.install import ENGINE_OWNS, installed
+from sagellm_plugin_lmdeploy.install import installed, runtime_for
 
 BS = 4
 POOL = 24
@@ -42,14 +41,17 @@ def check(scheduler) -> None:
     assert (refs >= 1).all()
     used = int((allocator._log_mem.ref_count[:POOL] > 0).sum())
     assert used + scheduler.block_manager.get_num_free_gpu_blocks() == POOL, "a block is lost or doubly free"
+    # Physical blocks (LMDeploy's allocator or sagellm's paged pool) match.
+    assert allocator._gpu_allocator.get_num_free_blocks() == scheduler.block_manager.get_num_free_gpu_blocks()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=prompts, policy=st.sampled_from(["lru", "lfu", "s3fifo"]))
-def test_trie_stays_consistent(requests, policy):
-    rt = Runtime(
-        settings_from_toml(f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'),
-        engine_owns=ENGINE_OWNS,
+@given(requests=prompts, policy=st.sampled_from(["lru", "lfu", "s3fifo"]), pool=st.sampled_from(["", 'plugin = "paged"']))
+def test_trie_stays_consistent(requests, policy, pool):
+    rt = runtime_for(
+        settings_from_toml(
+            f'[kv_pool]\nnum_blocks = {POOL}\n{pool}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
+        )
     )
     with installed(rt):
         scheduler = build_scheduler(POOL, BS, max_batches=1)
