@@ -14,6 +14,10 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   scheduling passes). A new one is built every prefill turn, so the module
   attribute is what must change.
 
+* ``LogicalAllocator._gpu_allocator`` (``paging.block_manager``): LMDeploy's
+  physical GPU-block allocator (``allocate``/``free``/``get_num_free_blocks``),
+  replaced by ``SagellmPhysicalAllocator`` when the config names a kv-pool
+  plugin; and ``LogicalAllocator.free``, watched for blocks left to the trie.
 * ``lmdeploy.pytorch.kv_connector.base.KVConnectorBase``: ``SagellmConnector``,
   sagellm's transport hook as a host tier. LMDeploy's ``build_kv_connector``
   knows only Mooncake; ``lmdeploy.pytorch.engine.engine`` and

@@ -144,7 +144,7 @@ class SagellmBlockTrie(BlockTrie):
         if runtime is None:
             from sagellm_plugin_lmdeploy.install import load_runtime
 
-            runtime = load_runtime(allocator.get_num_free_blocks(), block_size)
+            runtime = load_runtime(allocator._gpu_allocator.get_num_free_blocks(), block_size)
         self.sagellm = TrieObserver(runtime, block_size)
         if "kv_pool" not in runtime.engine_owns:
             # The config names a kv-pool plugin: it chooses LMDeploy's
