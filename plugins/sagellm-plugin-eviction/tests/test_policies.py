@@ -3,6 +3,7 @@ from array import array
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given
+from sagellm_plugin_eviction.arc import ARCEviction
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.s3fifo import S3FIFOEviction, S3FIFOSettings
@@ -195,3 +196,36 @@ def test_policies_choose_only_among_the_blocks_offered():
         assert len(everything) == 3
         offered = set(everything[1:])
         assert policy.sagellm_select_victims(num_blocks=3, candidates=offered).victim_ids == everything[1:]
+
+
+def keyed(first, n, key0):
+    return tuple(CachedBlock(first + i, i, first + i - 1 if i else None, key0 + i) for i in range(n))
+
+
+def test_arc_keeps_reused_blocks_through_a_scan():
+    """Blocks hit again (T2) survive a stream of blocks used once (T1): the
+    scan's blocks go first, as ARC's recency list gives them up."""
+    arc = ARCEviction(None, PluginContext("arc", block_size=16, num_blocks=4))
+    hot = keyed(0, 2, 100)
+    arc.sagellm_blocks_cached(blocks=hot)
+    arc.sagellm_blocks_touched(blocks=hot)  # a second use: T2
+    arc.sagellm_blocks_released(blocks=hot)
+    scan = keyed(10, 2, 200)
+    arc.sagellm_blocks_cached(blocks=scan)
+    arc.sagellm_blocks_released(blocks=scan)
+    assert arc.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (11, 10)
+    assert arc.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (11, 10, 1, 0)
+
+
+def test_arc_learns_from_its_ghosts():
+    """A block cached again soon after T1 gave it up raises T1's target and
+    comes back in T2."""
+    arc = ARCEviction(None, PluginContext("arc", block_size=16, num_blocks=4))
+    once = keyed(0, 1, 100)
+    arc.sagellm_blocks_cached(blocks=once)
+    arc.sagellm_blocks_released(blocks=once)
+    arc.sagellm_blocks_evicted(blocks=once)
+    assert arc.target_t1 == 0
+    again = (CachedBlock(5, 0, None, 100),)  # the same content, in another block
+    arc.sagellm_blocks_cached(blocks=again)
+    assert arc.target_t1 == 1 and arc._class[5] == 2
