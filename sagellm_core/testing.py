@@ -16,6 +16,8 @@ import tomllib
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
+from sagellm_core.hookspecs import hookimpl
+from sagellm_core.types import EvictionDecision
 
 
 def declare_plugins(folder: Path, entry_points: dict[str, dict[str, str]], name: str = "sagellm-test-plugins") -> None:
@@ -55,3 +57,17 @@ def junit_results(report: Path, name=lambda case: f"{case.get('classname', '')}:
             message = (problem.get("message") or "").strip().splitlines()
             failed[name(case)] = message[0][:160] if message else problem.tag
     return total, failed
+
+
+class StrangerVictims:
+    """An eviction plugin that names a block no cache holds (10,000): for
+    checking that a runtime or an engine adapter reports the plugin by name
+    and loses no block. Declare it with :func:`declare_plugins` as
+    ``"sagellm_core.testing:StrangerVictims"``."""
+
+    def __init__(self, settings, context):
+        pass
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision((10_000,))

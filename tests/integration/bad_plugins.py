@@ -9,14 +9,6 @@ from sagellm_core import hookimpl
 from sagellm_core.types import BlockAllocation, EvictionDecision, LifetimePrediction, PrefixMatch
 
 
-class StrangerVictims(LRUEviction):
-    """Names a block that is not an evictable candidate."""
-
-    @hookimpl
-    def sagellm_select_victims(self, num_blocks, candidates):
-        return EvictionDecision((10_000,))
-
-
 class GreedyVictims(LRUEviction):
     """Returns more victims than asked for."""
 

@@ -17,7 +17,7 @@ def bad_plugins(tmp_path, monkeypatch):
         tmp_path,
         {
             "sagellm.eviction": {
-                "stranger": "bad_plugins:StrangerVictims",
+                "stranger": "sagellm_core.testing:StrangerVictims",
                 "greedy": "bad_plugins:GreedyVictims",
                 "not-a-decision": "bad_plugins:NotADecision",
             },

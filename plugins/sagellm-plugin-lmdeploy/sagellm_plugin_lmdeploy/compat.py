@@ -12,7 +12,9 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
 * ``lmdeploy.pytorch.paging.prefill_scheduler._PrefillReorderer``: the
   waiting-prefill order, replaced by ``SagellmPrefillReorderer`` (sagellm's
   scheduling passes). A new one is built every prefill turn, so the module
-  attribute is what must change.
+  attribute is what must change. For each waiting sequence's cached-token
+  hint it calls ``BlockTrie._find_deepest_block_match_step`` (a lookup that
+  changes nothing) from ``BlockTrie._get_or_create_root``.
 
 * ``LogicalAllocator._gpu_allocator`` (``paging.block_manager``): LMDeploy's
   physical GPU-block allocator (``allocate``/``free``/``get_num_free_blocks``),

@@ -16,7 +16,8 @@ LMDeploy stamps block access times from ``time.perf_counter()`` into an int64
 array (whole seconds), so its LRU ties nearly everything in a fast replay
 and breaks ties by object address: not reproducible. The driver gives the
 allocator a logical clock (one tick per access-time update), in both modes,
-which is LMDeploy's LRU made exact.
+which is LMDeploy's LRU made exact; ``logical_clock = false`` keeps
+LMDeploy's own.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class LmdeployEngineSettings:
     #: ``prefill_interval``, passed as ``prealloc_size``).
     prealloc_tokens: int = field(default=16, validator=[validators.instance_of(int), validators.ge(0)])
     max_batches: int = field(default=8, validator=[validators.instance_of(int), validators.gt(0)])
+    #: False: LMDeploy's own seconds clock (to see its LRU vary run to run).
+    logical_clock: bool = field(default=True, validator=validators.instance_of(bool))
 
 
 def logical_clock(allocator) -> None:
@@ -58,7 +61,7 @@ def logical_clock(allocator) -> None:
     allocator.update_access_time = update_access_time
 
 
-def build_scheduler(num_blocks: int, block_size: int, max_batches: int):
+def build_scheduler(num_blocks: int, block_size: int, max_batches: int, clock: bool = True):
     from sagellm_plugin_lmdeploy import compat as lm
 
     scheduler_config = lm.SchedulerConfig(max_batches=max_batches, max_session_len=1 << 22, eviction_type="recompute")
@@ -72,7 +75,8 @@ def build_scheduler(num_blocks: int, block_size: int, max_batches: int):
         device_type="cpu",
     )
     scheduler = lm.Scheduler(scheduler_config, cache_config, seq_meta=lm.SequenceMeta(block_size, strategy=lm.ARSequenceStrategy()))
-    logical_clock(scheduler.block_manager.allocator)
+    if clock:
+        logical_clock(scheduler.block_manager.allocator)
     return scheduler
 
 
@@ -103,7 +107,7 @@ class LmdeployEngine:
         from sagellm_plugin_lmdeploy import compat as lm
 
         s = self.settings
-        scheduler = build_scheduler(rt.num_blocks, rt.block_size, s.max_batches)
+        scheduler = build_scheduler(rt.num_blocks, rt.block_size, s.max_batches, s.logical_clock)
         self.block_trie = scheduler.block_trie
         recorder = Recorder()
         sampled = lm.numpy.array([0], dtype=lm.numpy.int64)

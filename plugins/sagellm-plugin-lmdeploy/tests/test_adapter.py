@@ -104,9 +104,10 @@ def test_the_passes_order_lmdeploys_prefills():
 
 
 @pytest.fixture
-def test_policies(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))
-    declare_plugins(tmp_path, {"sagellm.eviction": {"stranger": "policies:StrangerVictims"}}, name="sagellm-lmdeploy-test-policies")
+def test_policies(tmp_path):
+    declare_plugins(
+        tmp_path, {"sagellm.eviction": {"stranger": "sagellm_core.testing:StrangerVictims"}}, name="sagellm-lmdeploy-test-policies"
+    )
 
 
 def test_a_victim_that_is_not_evictable_is_named(test_policies):

@@ -105,6 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     variants = {
         "stock vLLM": prepared("stock", ""),
+        # The adapter's fixed cost: states mapped and refreshed, no pass.
+        "sagellm, no pass": prepared("sagellm", ""),
         "sagellm, fcfs pass": prepared("sagellm", '"fcfs"'),
         "sagellm, prefix-aware pass": prepared("sagellm", '"prefix-aware"'),
     }

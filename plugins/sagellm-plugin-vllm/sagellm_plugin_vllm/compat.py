@@ -8,6 +8,8 @@ The adapter plugs into vLLM through these points only:
   through vLLM's general preemption branch (``SchedulingPolicy.PRIORITY``,
   which takes ``max(running, key=(priority, arrival_time))`` and restores the
   budget of a victim already scheduled this step).
+* ``Request``: each request carries its sagellm ``SequenceState`` as the
+  attribute ``sagellm_state`` while the scheduler holds it.
 * ``KVCacheManager.allocate_slots``: a failed allocation for a running request
   is the moment vLLM preempts; the adapter asks the victim-selection hook
   there.

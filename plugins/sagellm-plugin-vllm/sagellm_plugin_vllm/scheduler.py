@@ -89,7 +89,6 @@ class SagellmDecisions:
         attach(pool, self.sagellm)
         if isinstance(self.connector, SagellmConnector):
             self.connector.bind_runtime(self.sagellm)  # one runtime, one transport
-        self.sagellm_states: dict[str, SequenceState] = {}
         # The sagellm passes order admissions, so waiting is a plain FIFO.
         self.waiting = FCFSRequestQueue(self.waiting)
         # vLLM's general preemption branch: the victim may be any running
@@ -115,16 +114,16 @@ class SagellmDecisions:
         state = SequenceState(request=req, prediction=prediction)
         _, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
         state.cached_tokens_hint = num_hit_tokens
-        self.sagellm_states[request.request_id] = state
-        # Also on the request itself: each step maps all waiting requests to
-        # their states, and an attribute read through map() is C-speed.
+        # Kept on the request itself: each step maps every waiting request to
+        # its state, and an attribute read through map() is C-speed.
         request.sagellm_state = state
         self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)
-        state = self.sagellm_states.pop(request.request_id, None)
+        state = getattr(request, "sagellm_state", None)
         if state is not None:
+            del request.sagellm_state  # concluded once
             now = time.time() if self._wall_clock else self.sagellm.now_s
             state.num_output_tokens = request.num_output_tokens
             state.num_preemptions = request.num_preemptions
@@ -136,20 +135,24 @@ class SagellmDecisions:
                 self._on_finished(outcome)
         return result
 
-    def _running_state(self, request: VllmRequest) -> SequenceState:
-        state = self.sagellm_states[request.request_id]
-        state.num_computed_tokens = request.num_computed_tokens
-        state.num_output_tokens = request.num_output_tokens
-        state.status = RequestStatus.RUNNING
-        if state.first_token_s is None and state.num_output_tokens:
-            state.first_token_s = self.sagellm.now_s  # by the step after it, at the latest
-        return state
+    def _running_states(self) -> list[SequenceState]:
+        """The running requests' states, refreshed (only these change from
+        step to step; a waiting one changes when it is preempted)."""
+        running = list(map(_sagellm_state, self.running))
+        now = self.sagellm.now_s
+        for request, state in zip(self.running, running):
+            state.num_computed_tokens = request.num_computed_tokens
+            state.num_output_tokens = num_output = request.num_output_tokens
+            state.status = RequestStatus.RUNNING
+            if num_output and state.first_token_s is None:
+                state.first_token_s = now  # by the step after it, at the latest
+        return running
 
     def _preempt_request(self, request: VllmRequest, *args, **kwargs):
         # A waiting request's state changes only here (and at arrival), so
         # only running states are refreshed each step.
         super()._preempt_request(request, *args, **kwargs)
-        state = self.sagellm_states[request.request_id]
+        state = request.sagellm_state
         state.num_computed_tokens = request.num_computed_tokens
         state.num_output_tokens = request.num_output_tokens
         state.num_preemptions = request.num_preemptions
@@ -186,18 +189,11 @@ class SagellmDecisions:
         if not self.waiting and not self.running:
             return
         waiting = list(map(_sagellm_state, self.waiting))
-        running = list(map(_sagellm_state, self.running))
-        now = self.sagellm.now_s
-        for request, state in zip(self.running, running):  # only running states change step to step
-            state.num_computed_tokens = request.num_computed_tokens
-            state.num_output_tokens = num_output = request.num_output_tokens
-            state.status = RequestStatus.RUNNING
-            if num_output and state.first_token_s is None:
-                state.first_token_s = now
+        running = self._running_states()
         pool = self.kv_cache_manager.block_pool
         observer = getattr(pool, "sagellm", None)  # None if a caller swapped in its own manager
         ir = ScheduleIR(
-            now_s=now,
+            now_s=self.sagellm.now_s,
             step=self._step,
             waiting=waiting,
             running=running,
@@ -222,9 +218,7 @@ class SagellmDecisions:
         blocks = type(manager).allocate_slots(manager, request, *args, **kwargs)
         if blocks is None and request.status == VllmRequestStatus.RUNNING and self.running:
             # vLLM preempts next: make the hook's choice the one it takes.
-            running = [self._running_state(r) for r in self.running]
-            needed_by = self.sagellm_states[request.request_id]
-            victim = self.sagellm.select_preemption(running, needed_by).request_id
+            victim = self.sagellm.select_preemption(self._running_states(), request.sagellm_state).request_id
             for r in self.running:
                 self._marked.setdefault(r.request_id, (r, r.priority))
                 r.priority = 1 if r.request_id == victim else 0

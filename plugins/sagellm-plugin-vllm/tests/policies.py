@@ -34,14 +34,3 @@ class OldestFirstPreemption:
     @hookimpl
     def sagellm_select_preemption(self, running, needed_by):
         return PreemptionDecision(min(running, key=lambda s: s.request.arrival_s).request_id)
-
-
-class StrangerVictims:
-    """Names a block that is not evictable."""
-
-    def __init__(self, settings, context):
-        pass
-
-    @hookimpl
-    def sagellm_select_victims(self, num_blocks, candidates):
-        return EvictionDecision((10**9,))

@@ -118,7 +118,7 @@ def test_policies(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
     declare_plugins(
         tmp_path,
-        {"sagellm.eviction": {"oldest-first": "policies:OldestFirstPreemption", "stranger": "policies:StrangerVictims"}},
+        {"sagellm.eviction": {"oldest-first": "policies:OldestFirstPreemption", "stranger": "sagellm_core.testing:StrangerVictims"}},
         name="sagellm-vllm-test-policies",
     )
 
