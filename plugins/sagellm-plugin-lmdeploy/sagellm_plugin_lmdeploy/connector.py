@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from sagellm_core.adapters import HostTierIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, TransferPlan, chain_key
 
@@ -76,8 +77,7 @@ class SagellmConnector(KVConnectorBase):
         self._num_device_blocks = cache_config.num_gpu_blocks
         # Scheduler side.
         self.runtime = runtime
-        self.host: dict[int, int] = {}  # content key -> host slot
-        self.slot_key: dict[int, int] = {}
+        self.host = HostTierIndex(self.host_blocks)  # by chained content key
         self._offered: dict[int, int] = {}  # request -> blocks already considered for saving
         self._loads: list[tuple[int, list[int], list[int]]] = []
         self._loading: set[int] = set()
@@ -95,15 +95,6 @@ class SagellmConnector(KVConnectorBase):
             self.runtime = load_runtime(self._num_device_blocks, self.block_size)
         return self.runtime
 
-    def _transfer(self, plan: TransferPlan):
-        result = self._runtime().transfer(plan)
-        if result is not None and result.ok and plan.dst_tier == "host" and max(result.dst_block_ids) >= self.host_blocks:
-            raise RuntimeError(
-                f"sagellm transport placed a block in host slot {max(result.dst_block_ids)}, but the connector's host"
-                f" tier has {self.host_blocks} (kv_connector_extra_config host_blocks)"
-            )
-        return result
-
     # ------------------------------------------------------- scheduler side --
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -120,8 +111,8 @@ class SagellmConnector(KVConnectorBase):
             return
         first = request.num_history_ids // self.block_size
         keys = block_keys(request, first + len(block_ids), self.block_size)[first:]
-        slots = [self.host[k] for k in keys]
-        result = self._transfer(
+        slots = self.host.slots(keys)
+        result = self._runtime().transfer(
             TransferPlan("host", "device", tuple(slots), self.block_size, tuple(block_ids), tuple(k.to_bytes(8, "little") for k in keys))
         )
         if result is not None and not result.ok:
@@ -148,15 +139,10 @@ class SagellmConnector(KVConnectorBase):
                 continue
             device = [int(block_ids[i]) for i in todo]
             plan_keys = tuple(keys[i].to_bytes(8, "little") for i in todo)
-            result = self._transfer(TransferPlan("device", "host", tuple(device), self.block_size, (), plan_keys))
+            result = self._runtime().transfer(TransferPlan("device", "host", tuple(device), self.block_size, (), plan_keys))
             if result is None or not result.ok:
                 continue  # no transport, or it failed (counted by the runtime): not offloaded
-            for slot, i in zip(result.dst_block_ids, todo):
-                old = self.slot_key.get(slot)
-                if old is not None:
-                    self.host.pop(old, None)  # the transport reused this slot
-                self.slot_key[slot] = keys[i]
-                self.host[keys[i]] = slot
+            self.host.record([keys[i] for i in todo], result.dst_block_ids)
             operation = next(self._operations)
             saves.append((operation, device, list(result.dst_block_ids)))
             leases.append(KVSaveBlockLease(operation, tuple(int(logical_ids[i]) for i in todo)))

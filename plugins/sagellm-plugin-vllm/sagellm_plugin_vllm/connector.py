@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sagellm_core.adapters import HostTierIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import TransferPlan
 
@@ -63,8 +64,7 @@ class SagellmConnector(KVConnectorBase_V1):
         self._num_device_blocks = kv_cache_config.num_blocks - 1 if kv_cache_config else 0
         # Scheduler side.
         self.runtime: Runtime | None = None
-        self.host: dict[bytes, int] = {}  # block hash -> host slot
-        self.slot_key: dict[int, bytes] = {}
+        self.host = HostTierIndex(self.host_blocks)  # by vLLM block hash
         self._local_hit: dict[str, int] = {}
         self._meta = SagellmConnectorMetadata()
         # Worker side.
@@ -111,7 +111,7 @@ class SagellmConnector(KVConnectorBase_V1):
         first, stop = local // self.block_size, (local + num_external_tokens) // self.block_size
         device = blocks.get_block_ids()[0][first:stop]
         keys = [bytes(h) for h in request.block_hashes[first:stop]]
-        slots = [self.host[k] for k in keys]
+        slots = self.host.slots(keys)
         result = self._runtime().transfer(
             TransferPlan("host", "device", tuple(slots), self.block_size, _sagellm_ids(device), tuple(keys))
         )
@@ -139,17 +139,7 @@ class SagellmConnector(KVConnectorBase_V1):
         result = self._runtime().transfer(TransferPlan("device", "host", _sagellm_ids(device), self.block_size, (), keys))
         if result is None or not result.ok or len(result.dst_block_ids) != len(device):
             return False, None  # no transport, or it failed (counted by the runtime): nothing offloaded
-        if max(result.dst_block_ids) >= self.host_blocks:
-            raise RuntimeError(
-                f"sagellm transport placed a block in host slot {max(result.dst_block_ids)}, but the connector's"
-                f" host tier has {self.host_blocks} (kv_connector_extra_config host_blocks)"
-            )
-        for slot, key in zip(result.dst_block_ids, keys):
-            old = self.slot_key.get(slot)
-            if old is not None:
-                self.host.pop(old, None)  # the transport reused this slot
-            self.slot_key[slot] = key
-            self.host[key] = slot
+        self.host.record(keys, result.dst_block_ids)
         self._meta.saves[request.request_id] = (list(device), list(result.dst_block_ids))
         return True, None  # keep the blocks until the worker has copied them
 
