@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
+from importlib import metadata
 from pathlib import Path
+
+import pluggy
 
 from rich.console import Console
 from rich.table import Table
@@ -135,6 +138,23 @@ def cmd_hooks(args) -> int:
     return 0
 
 
+COMMANDS_GROUP = "sagellm.commands"
+
+
+def _plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Let installed packages add subcommands; one that fails to import is
+    named on stderr and the other commands still work."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for ep in metadata.entry_points(group=COMMANDS_GROUP):
+        try:
+            pm.register(ep.load(), name=f"commands:{ep.name}")
+        except Exception as exc:
+            print(f"sagellm: warning: {COMMANDS_GROUP} plugin {ep.name!r} ({ep.value}) failed to load:"
+                  f" {type(exc).__name__}: {exc}", file=sys.stderr)
+    pm.hook.sagellm_register_commands(subparsers=sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sagellm", description="Pluggable KV-cache management for LLM serving.")
     parser.add_argument("--version", action="version", version=f"sagellm {__version__}")
@@ -180,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("file")
     c.set_defaults(func=cmd_config_check)
 
+    _plugin_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -8,6 +8,7 @@ would be accepted. Plugin parameters are validated later, by each plugin's own
 from __future__ import annotations
 
 import tomllib
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +28,11 @@ SECTIONS = (
     "workload",
     "report",
 )
+#: Workload sources built into the core; others come from installed
+#: packages through this entry point group (an object ``load(settings)``
+#: yielding requests in arrival order).
 WORKLOAD_SOURCES = ("generator", "mooncake", "azure")
+WORKLOAD_GROUP = "sagellm.workloads"
 
 
 @frozen
@@ -77,6 +82,8 @@ class Settings:
     prefix_cache: Selection | None
     eviction: Selection | None
     lifetime: Selection | None
+    #: Answers, with its default settings, when ``lifetime`` fails.
+    lifetime_fallback: Selection | None
     passes: tuple[Selection, ...]
     transport: Selection | None
     block_size: int
@@ -227,7 +234,20 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         raise ConfigError(
             f"{path}: [prefix_cache] is set but [eviction] is missing; a cache needs a victim policy"
         )
-    lifetime = single("lifetime")
+    lifetime_t = table("lifetime")
+    lifetime = lifetime_fallback = None
+    if lifetime_t is not None:
+        # The predictor used, with its default settings, when the picked one
+        # raises or returns garbage.
+        fallback = lifetime_t.take("fallback", None, lambda v: isinstance(v, str) and v, "a lifetime plugin name")
+        name = lifetime_t.plugin()
+        if name is None:
+            raise ConfigError(f"{lifetime_t.where}: missing key 'plugin'")
+        if fallback == name:
+            raise lifetime_t.fail("fallback", fallback, "a plugin other than the one picked")
+        lifetime = lifetime_t.selection(name)
+        if fallback is not None:
+            lifetime_fallback = Selection("lifetime", fallback, {}, f"{lifetime_t.where} fallback")
 
     transport_t = table("transport")
     transport = None
@@ -261,12 +281,15 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
 
     workload = _typed(table("workload"), WorkloadSettings)
     if workload.source not in WORKLOAD_SOURCES:
-        raise ConfigError(
-            f"{path}: [workload] source = {workload.source!r}: accepted: {', '.join(WORKLOAD_SOURCES)}"
-        )
+        installed = sorted(ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP))
+        if workload.source not in installed:
+            raise ConfigError(
+                f"{path}: [workload] source = {workload.source!r}: accepted: "
+                f"{', '.join([*WORKLOAD_SOURCES, *installed])} (others through {WORKLOAD_GROUP} entry points)"
+            )
     if workload.time_scale <= 0:
         raise ConfigError(f"{path}: [workload] time_scale = {workload.time_scale!r}: a positive number")
-    if workload.source != "generator" and workload.path is None:
+    if workload.source in ("mooncake", "azure") and workload.path is None:
         raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
     report = _typed(table("report"), ReportSettings)
 
@@ -277,6 +300,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         prefix_cache=prefix_cache,
         eviction=eviction,
         lifetime=lifetime,
+        lifetime_fallback=lifetime_fallback,
         passes=tuple(passes),
         transport=transport,
         block_size=block_size,

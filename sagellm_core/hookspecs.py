@@ -21,6 +21,7 @@ omit arguments it does not need).
 
 from __future__ import annotations
 
+import argparse
 from typing import Sequence
 
 import pluggy
@@ -234,3 +235,18 @@ def sagellm_blocks_evicted(blocks: tuple[CachedBlock, ...], now_s: float) -> Non
 @hookspec
 def sagellm_step_done(result: StepResult) -> None:
     """A scheduling step executed."""
+
+
+# --------------------------------------------------------------------------
+# Command-line extensions: a `sagellm.commands` entry point names a module
+# (or object) implementing this hook.
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def sagellm_register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to ``sagellm`` (``sagellm lifetime evaluate``, say):
+    ``subparsers`` is the command's argparse sub-parser action. A command sets
+    ``func`` (taking the parsed arguments, returning an exit status) with
+    ``set_defaults``; a :class:`~sagellm_core.errors.SagellmError` it raises
+    is printed as a one-line error."""

@@ -17,7 +17,7 @@ from sagellm_core.timing import summarise
 
 def _percentiles(values: Sequence[float]) -> dict[str, float]:
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(values)
 
     def q(p: float) -> float:
@@ -28,6 +28,7 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
         "p50": round(q(0.50), 6),
         "p95": round(q(0.95), 6),
         "p99": round(q(0.99), 6),
+        "max": round(ordered[-1], 6),
     }
 
 
@@ -91,6 +92,8 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "simulated_s": round(sim, 3),
         "wall_s": round(wall_s, 3),
         "lifetime_mae": round(c.lifetime_abs_error / c.lifetime_predictions, 2) if c.lifetime_predictions else None,
+        "lifetime_fallbacks": c.lifetime_fallbacks,
+        "lifetime_failure": c.lifetime_failure,
         "transfers": {
             "count": c.transfers,
             "failures": c.transfer_failures,
@@ -128,6 +131,10 @@ ROWS: list[tuple[str, str, str]] = [
     ("ttft_s.p50", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_s.p95", "TTFT p95 (s)", "{:.3f}"),
     ("ttft_s.p99", "TTFT p99 (s)", "{:.3f}"),
+    ("ttft_s.max", "TTFT max: longest wait (s)", "{:.3f}"),
+    ("ttft_s.mean", "TTFT mean (s)", "{:.3f}"),
+    ("e2e_s.mean", "end-to-end mean (s)", "{:.3f}"),
+    ("e2e_s.p99", "end-to-end p99 (s)", "{:.3f}"),
     ("tpot_s.p50", "TPOT p50 (ms)", "ms"),
     ("tpot_s.p95", "TPOT p95 (ms)", "ms"),
     ("tpot_s.p99", "TPOT p99 (ms)", "ms"),
@@ -136,6 +143,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("mean_batch_tokens", "mean batch (tokens)", "{:,.0f}"),
     ("simulated_s", "simulated time (s)", "{:,.1f}"),
     ("lifetime_mae", "lifetime MAE (tokens)", "{:.1f}"),
+    ("lifetime_fallbacks", "lifetime fallbacks", "{:,}"),
     ("transfers.count", "KV transfers", "{:,}"),
     ("transfers.bytes", "KV bytes moved", "{:,}"),
     ("wall_s", "wall time (s)", "{:.2f}"),
@@ -180,6 +188,9 @@ def print_reports(reports: Sequence[dict], console: Console | None = None) -> No
     for row in figure_rows(reports):
         table.add_row(*row)
     console.print(table)
+    for r in reports:
+        if r.get("lifetime_failure"):
+            console.print(f"[yellow]{r['label']}: {r['lifetime_fallbacks']:,} predictions by the fallback; first failure: {r['lifetime_failure']}")
     if len(reports) == 1 and reports[0]["hooks"]:
         hooks = Table(title="hook calls (timed by the HookTimer wrapper)")
         for i, h in enumerate(HOOK_HEADER):

@@ -16,7 +16,6 @@ runtime's own state (blocks in use, requests holding them) is unchanged.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Collection, Iterable, Sequence
 
 import attrs
@@ -101,6 +100,10 @@ class Counters:
     host_hit_blocks: int = 0
     lifetime_abs_error: float = 0.0
     lifetime_predictions: int = 0
+    #: Predictions the fallback made because the picked predictor failed,
+    #: and the first failure, naming the plugin.
+    lifetime_fallbacks: int = 0
+    lifetime_failure: str | None = None
     #: tenant -> [query blocks, hit blocks], first admissions only.
     tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 
@@ -143,6 +146,16 @@ class Runtime:
         if "scheduler" in self.plugins:
             self.plugins["scheduler"].reverse()  # listed in config order
         self.hook = self.pm.hook
+        # (hook caller, who answers through it)
+        self._predict: tuple[Any, str] = (self.hook.sagellm_predict_lifetime, self.who("lifetime"))
+        self._predict_fallback: tuple[Any, str] | None = None
+        if settings.lifetime_fallback is not None and "lifetime" in self.plugins:
+            self._register(settings.lifetime_fallback)
+            primary, fallback = self.plugins["lifetime"]
+            # Each predictor alone: pluggy would otherwise ask the fallback first.
+            subset = self.pm.subset_hook_caller
+            self._predict = (subset("sagellm_predict_lifetime", [fallback.instance]), str(primary))
+            self._predict_fallback = (subset("sagellm_predict_lifetime", [primary.instance]), str(fallback))
         # Ground truth for invariants: blocks taken from the pool and not yet
         # returned; of these, the ones the prefix cache holds.
         self._in_use: set[int] = set()
@@ -200,9 +213,9 @@ class Runtime:
             tb = tb.tb_next
         return str(culprit) if culprit else self.who(section)
 
-    def _call(self, section: str, hook_name: str, **kwargs: Any) -> Any:
+    def _call(self, section: str, hook_name: str, caller: Any = None, **kwargs: Any) -> Any:
         try:
-            return getattr(self.hook, hook_name)(**kwargs)
+            return (caller or getattr(self.hook, hook_name))(**kwargs)
         except SagellmError:
             raise
         except Exception as exc:
@@ -349,13 +362,30 @@ class Runtime:
     # --------------------------------------------------------- lifecycle --
 
     def predict_lifetime(self, request: Request) -> LifetimePrediction | None:
-        prediction = self._call("lifetime", "sagellm_predict_lifetime", request=request)
-        if prediction is not None and not (
-            isinstance(prediction, LifetimePrediction)
-            and math.isfinite(prediction.output_tokens)
-            and prediction.output_tokens >= 0
-        ):
-            raise self._bad("lifetime", "sagellm_predict_lifetime", f"returned {prediction!r}")
+        """The lifetime plugin's prediction, checked. With ``[lifetime]
+        fallback``, a predictor that raises or returns garbage is counted
+        (``lifetime_fallbacks``; the first failure is kept, naming it) and the
+        fallback answers instead, so no request is lost to it."""
+        try:
+            return self._checked_prediction(self._predict, request)
+        except PluginError as exc:
+            if self._predict_fallback is None:
+                raise
+            self.counters.lifetime_fallbacks += 1
+            if self.counters.lifetime_failure is None:
+                self.counters.lifetime_failure = str(exc)
+            return self._checked_prediction(self._predict_fallback, request)
+
+    def _checked_prediction(self, predictor: tuple[Any, str], request: Request) -> LifetimePrediction | None:
+        caller, who = predictor
+        prediction = self._call("lifetime", "sagellm_predict_lifetime", caller, request=request)
+        if prediction is None:
+            return None
+        problem = (
+            prediction.problem() if isinstance(prediction, LifetimePrediction) else "is not a LifetimePrediction"
+        )
+        if problem is not None:
+            raise PluginError(f"{who} sagellm_predict_lifetime returned {prediction!r}: it {problem}")
         return prediction
 
     def arrive(self, request: Request) -> SequenceState:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from array import array
 from typing import Iterator, Protocol, Sequence
 
@@ -47,6 +48,10 @@ class Request:
     #: As vLLM's ``cache_salt``: requests share cached blocks only with
     #: requests of the same salt (e.g. per user, against timing attacks).
     cache_salt: str | None = None
+    #: The text of the request's new input where the workload or engine has
+    #: it (for a chat turn, the user's message; the history is in the token
+    #: ids). Text-based lifetime predictors read it; ``None`` when unknown.
+    prompt_text: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -209,9 +214,14 @@ class PreemptionDecision:
     request_id: str
 
 
+#: The levels of :attr:`LifetimePrediction.quantiles`.
+QUANTILE_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
 @frozen
 class LifetimePrediction:
-    """Predicted output length of a request."""
+    """Predicted output length of a request: the median, an 80% interval
+    (10th to 90th percentile) and a confidence."""
 
     output_tokens: float
     low_tokens: float
@@ -219,6 +229,70 @@ class LifetimePrediction:
     #: 0..1; consumers may ignore predictions below their own threshold.
     confidence: float
     predictor: str = ""
+    #: The predicted length's quantiles at :data:`QUANTILE_LEVELS`,
+    #: non-decreasing, or ``()`` when the predictor gives only the interval.
+    quantiles: tuple[float, ...] = field(default=(), converter=tuple)
+
+    def problem(self) -> str | None:
+        """Why this prediction is unusable (not finite, negative, interval or
+        quantiles out of order), or ``None`` when it is sound."""
+        values = (self.low_tokens, self.output_tokens, self.high_tokens, *self.quantiles)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+            return "has a negative or non-finite length"
+        if not self.low_tokens <= self.output_tokens <= self.high_tokens:
+            return "has low <= median <= high out of order"
+        if not (isinstance(self.confidence, (int, float)) and 0.0 <= self.confidence <= 1.0):
+            return f"has confidence {self.confidence!r} outside 0..1"
+        if self.quantiles and (
+            len(self.quantiles) != len(QUANTILE_LEVELS) or list(self.quantiles) != sorted(self.quantiles)
+        ):
+            return f"has {len(self.quantiles)} quantiles, not {len(QUANTILE_LEVELS)} in non-decreasing order"
+        return None
+
+    # The predicted distribution: the quantiles (or the interval) read as a
+    # piecewise-linear CDF from (0 tokens, 0), with an exponential tail above
+    # the top quantile whose mean is the upper spread (top - median), so a
+    # request that outlives its prediction is still expected to finish.
+
+    def _points(self) -> list[tuple[float, float]]:
+        if self.quantiles:
+            return [(0.0, 0.0), *zip(QUANTILE_LEVELS, self.quantiles)]
+        return [(0.0, 0.0), (0.1, self.low_tokens), (0.5, self.output_tokens), (0.9, self.high_tokens)]
+
+    def _tail_mean(self, top: float) -> float:
+        return max(1.0, top - self.output_tokens)
+
+    def cdf(self, tokens: float) -> float:
+        """The predicted probability that the output is at most ``tokens``."""
+        points = self._points()
+        top_level, top = points[-1]
+        if tokens >= top:
+            return 1.0 - (1.0 - top_level) * math.exp(-(tokens - top) / self._tail_mean(top))
+        for (p0, x0), (p1, x1) in zip(points, points[1:]):
+            if tokens <= x1:
+                return p1 if x1 == x0 else p0 + (p1 - p0) * max(0.0, tokens - x0) / (x1 - x0)
+        return top_level  # unreachable: tokens < top
+
+    def quantile(self, level: float) -> float:
+        """The inverse of :meth:`cdf`: the predicted length at ``level``."""
+        points = self._points()
+        top_level, top = points[-1]
+        if level >= top_level:
+            return top + self._tail_mean(top) * math.log((1.0 - top_level) / max(1e-12, 1.0 - level))
+        for (p0, x0), (p1, x1) in zip(points, points[1:]):
+            if level <= p1:
+                return x1 if p1 == p0 else x0 + (x1 - x0) * (level - p0) / (p1 - p0)
+        return top  # unreachable: level < top_level
+
+    def remaining_tokens(self, generated_tokens: int) -> float:
+        """The predicted median of the tokens still to come once
+        ``generated_tokens`` have been generated: the median of the
+        predicted distribution conditioned on exceeding ``generated_tokens``
+        (at least 1)."""
+        if generated_tokens <= 0:
+            return self.output_tokens
+        conditional_median = self.quantile((self.cdf(generated_tokens) + 1.0) / 2.0)
+        return max(1.0, conditional_median - generated_tokens)
 
 
 @define

@@ -7,6 +7,8 @@
 * Azure CSV traces: lengths only; every prompt is distinct (no sharing).
 * The built-in generator: multi-tenant chat sessions with a shared system
   prompt per tenant and multi-turn growth. Seeded; needs no files.
+* Any other ``source`` names a ``sagellm.workloads`` entry point of an
+  installed package: an object ``load(settings)`` yielding requests.
 
 Every loader streams (a trace is never held whole) and checks that arrivals do
 not go backwards. A line that cannot be read is a :class:`TraceError` naming
@@ -21,13 +23,14 @@ import json
 import random
 from array import array
 from datetime import datetime
+from importlib import metadata
 from itertools import islice
 from typing import Iterator
 
 import attrs
 
-from sagellm_core.config import WorkloadSettings
-from sagellm_core.errors import TraceError
+from sagellm_core.config import WORKLOAD_GROUP, WorkloadSettings
+from sagellm_core.errors import ConfigError, TraceError
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 
 #: Token ids of synthetic (unshared) text start here, above the id space of
@@ -44,13 +47,25 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
         requests = mooncake(settings.path, settings.trace_block_tokens)
     elif settings.source == "azure":
         requests = azure(settings.path, seed=settings.seed)
-    else:
+    elif settings.source == "generator":
         requests = generate(settings)
+    else:
+        requests = iter(_installed(settings.source)(settings))
     requests = islice(requests, settings.max_requests)
     if settings.time_scale != 1.0:
         scale = settings.time_scale
         requests = (attrs.evolve(r, arrival_s=r.arrival_s * scale) for r in requests)
-    return _in_order(requests, settings.path or "generator")
+    return _in_order(requests, settings.path or settings.source)
+
+
+def _installed(source: str):
+    entry = {ep.name: ep for ep in metadata.entry_points(group=WORKLOAD_GROUP)}.get(source)
+    if entry is None:
+        raise ConfigError(f"[workload] source = {source!r}: no such {WORKLOAD_GROUP} entry point is installed")
+    try:
+        return entry.load()
+    except Exception as exc:
+        raise ConfigError(f"[workload] source = {source!r} ({entry.value}) failed to import: {type(exc).__name__}: {exc}") from exc
 
 
 def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
@@ -189,6 +204,8 @@ def count(settings: WorkloadSettings) -> int | None:
     """How many requests ``load`` will yield, for the progress bar."""
     if settings.source == "generator":
         total = settings.tenants * settings.sessions_per_tenant * settings.turns
+    elif settings.source not in ("mooncake", "azure"):
+        return settings.max_requests
     else:
         try:
             with open(settings.path, "rb") as fh:

@@ -11,7 +11,7 @@ from collections import deque
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import LifetimePrediction, Request, RequestOutcome
+from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, RequestOutcome
 
 
 @frozen
@@ -57,12 +57,14 @@ class StatLifetime:
         if not window.ordered:
             prior = float(self.settings.prior_tokens)
             return LifetimePrediction(prior, 1.0, 4 * prior, 0.0, "stat")
+        quantiles = tuple(window.quantile(q) for q in QUANTILE_LEVELS)
         return LifetimePrediction(
             window.quantile(0.5),
-            window.quantile(0.1),
-            window.quantile(0.9),
+            quantiles[0],
+            quantiles[-1],
             len(window.ordered) / self.settings.window,
             "stat",
+            quantiles,
         )
 
     @hookimpl

@@ -1,0 +1,146 @@
+"""What a predictor can know of a request before it runs: cheap numeric
+features from the request and from what the engine observed of earlier
+requests of the same conversation, prefix and tenant.
+
+Conversation history is learned from ``sagellm_request_finished``: a chat
+turn's predecessor in its session has finished by the time the next turn
+arrives, so its true output length is known. That is the strongest cheap
+signal on ShareGPT (the previous reply's length alone gives MAE 120 tokens
+on later turns, against 144 for the median)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+
+from attrs import define, field
+
+from sagellm_core.types import Request
+
+#: Names of :meth:`History.features`' values, in order.
+FEATURE_NAMES = (
+    "bias",
+    "log_prompt_tokens",
+    "log_new_tokens",
+    "turn",
+    "has_previous",
+    "log_previous_output",
+    "log_mean_output",
+    "log_max_output",
+    "log_prefix_mean_output",
+    "has_prefix_history",
+    "log_tenant_mean_output",
+    "log_text_chars",
+    "log_message_mean_output",
+    "has_message_history",
+)
+
+
+@define
+class _Session:
+    outputs: list[int] = field(factory=list)
+    #: Prompt plus output tokens of the last finished turn: the next turn's
+    #: prompt repeats them, so what it adds is the new message.
+    last_context_tokens: int = 0
+
+
+@define
+class _Mean:
+    """A running mean of log output lengths."""
+
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+def log_tokens(n: float) -> float:
+    return math.log1p(max(0.0, n))
+
+
+class History:
+    """Observed output lengths by session, by prefix (the first ``block_size``
+    prompt tokens), by message (the tokens a turn adds to its conversation:
+    the same question asked again tends to get an answer of the same
+    length; on ShareGPT a sixth of held-out turns repeat a training turn's
+    message) and by tenant, bounded to the ``max_sessions`` and
+    ``max_prefixes`` most recently used."""
+
+    def __init__(self, block_size: int = 16, max_sessions: int = 100_000, max_prefixes: int = 100_000):
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self.max_prefixes = max_prefixes
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.prefixes: OrderedDict[bytes, _Mean] = OrderedDict()
+        self.messages: OrderedDict[bytes, _Mean] = OrderedDict()
+        self.tenants: dict[str, _Mean] = {}
+
+    def _prefix_key(self, request: Request) -> bytes:
+        return request.prompt_token_ids[: self.block_size].tobytes()
+
+    def _session(self, request: Request) -> _Session | None:
+        return self.sessions.get(request.session_id) if request.session_id is not None else None
+
+    @staticmethod
+    def _new_tokens(request: Request, session: _Session | None) -> int:
+        prompt = request.num_prompt_tokens
+        return prompt - session.last_context_tokens if session and session.last_context_tokens < prompt else prompt
+
+    def _message_key(self, request: Request, new: int) -> bytes:
+        tail = request.prompt_token_ids[request.num_prompt_tokens - new:].tobytes()
+        return hashlib.blake2b(tail, digest_size=16).digest()
+
+    def features(self, request: Request) -> list[float]:
+        session = self._session(request)
+        outputs = session.outputs if session else []
+        prompt = request.num_prompt_tokens
+        new = self._new_tokens(request, session)
+        prefix = self.prefixes.get(self._prefix_key(request))
+        message = self.messages.get(self._message_key(request, new))
+        tenant = self.tenants.get(request.tenant)
+        logs = [log_tokens(o) for o in outputs]
+        return [
+            1.0,
+            log_tokens(prompt) / 8,
+            log_tokens(new) / 8,
+            min(len(outputs), 20) / 20,
+            1.0 if outputs else 0.0,
+            logs[-1] / 7 if logs else 0.0,
+            sum(logs) / len(logs) / 7 if logs else 0.0,
+            max(logs) / 7 if logs else 0.0,
+            prefix.mean / 7 if prefix else 0.0,
+            1.0 if prefix else 0.0,
+            tenant.mean / 7 if tenant else 0.0,
+            math.log1p(len(request.prompt_text)) / 10 if request.prompt_text else 0.0,
+            message.mean / 7 if message else 0.0,
+            1.0 if message else 0.0,
+        ]
+
+    def observe(self, request: Request, output_tokens: int) -> None:
+        value = log_tokens(output_tokens)
+        _remember(self.messages, self._message_key(request, self._new_tokens(request, self._session(request))),
+                  value, self.max_prefixes)
+        _remember(self.prefixes, self._prefix_key(request), value, self.max_prefixes)
+        if request.session_id is not None:
+            session = self.sessions.pop(request.session_id, None) or _Session()
+            session.outputs.append(output_tokens)
+            session.last_context_tokens = request.num_prompt_tokens + output_tokens
+            self.sessions[request.session_id] = session
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        self.tenants.setdefault(request.tenant, _Mean()).add(value)
+
+
+def _remember(means: OrderedDict[bytes, _Mean], key: bytes, value: float, limit: int) -> None:
+    mean = means.pop(key, None) or _Mean()
+    mean.add(value)
+    means[key] = mean  # most recently used last
+    if len(means) > limit:
+        means.popitem(last=False)

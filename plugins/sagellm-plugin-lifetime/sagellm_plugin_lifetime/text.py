@@ -1,0 +1,262 @@
+"""``[lifetime] plugin = "text"``: a learned text model in torch.
+
+The request's text (:attr:`~sagellm_core.types.Request.prompt_text`, the
+user's new message) becomes hashed word unigrams and bigrams, averaged by an
+``EmbeddingBag`` (fastText's recipe); with the cheap features of
+:mod:`.features` (earlier replies of the conversation, prompt size, ...) an
+MLP predicts quantiles of ``log1p(output tokens)`` under the pinball loss.
+It is small enough to predict well under a millisecond per request on a CPU
+core, which a sentence-embedding model is not (all-MiniLM-L6-v2 takes about
+10 ms a prompt here).
+
+Training (``sagellm lifetime train``, or on first use when no weights file
+exists) streams a workload, by default ShareGPT, and learns from its training
+conversations (:mod:`.split`); a tenth of those is kept for early stopping.
+Seeded, so the same command gives the same weights. In service the head
+keeps learning online: every ``online_batch`` finished requests make one
+small optimiser step on what they were predicted from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import attrs
+from attrs import field, frozen, validators
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.config import WorkloadSettings
+from sagellm_core.errors import ConfigError
+from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, RequestOutcome
+
+from .features import FEATURE_NAMES, History, log_tokens
+from .quantiles import prediction
+from .split import held_out
+
+WORD = re.compile(r"\w+|[^\w\s]")
+MAX_WORDS = 256
+#: Salt of the validation draw inside the training conversations.
+VALIDATION_SALT = "validation:"
+
+
+def _positive(cls):
+    return [validators.instance_of(cls), validators.gt(0)]
+
+
+@frozen
+class TextSettings:
+    #: Weights file; "" is the default model in the cache folder
+    #: ($SAGELLM_CACHE, else ~/.cache/sagellm), trained there on first use.
+    weights: str = field(default="", validator=validators.instance_of(str))
+    buckets: int = field(default=1 << 16, validator=_positive(int))
+    dim: int = field(default=32, validator=_positive(int))
+    hidden: int = field(default=128, validator=_positive(int))
+    epochs: int = field(default=6, validator=_positive(int))
+    learning_rate: float = field(default=2e-3, validator=_positive(float))
+    seed: int = field(default=0, validator=validators.instance_of(int))
+    #: The workload trained on (a ``[workload] source``).
+    train_source: str = field(default="sharegpt", validator=validators.instance_of(str))
+    online_batch: int = field(default=64, validator=_positive(int))
+    online_learning_rate: float = field(default=1e-4, validator=[validators.instance_of(float), validators.ge(0)])
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SAGELLM_CACHE") or Path.home() / ".cache" / "sagellm")
+
+
+def default_weights(settings: TextSettings) -> Path:
+    """The cache file for these training settings (any change retrains)."""
+    keys = attrs.asdict(settings, filter=lambda a, _: a.name not in ("weights", "online_batch", "online_learning_rate"))
+    digest = hashlib.blake2b(repr(sorted(keys.items())).encode(), digest_size=6).hexdigest()
+    return cache_dir() / f"lifetime-text-{digest}.pt"
+
+
+def text_ids(text: str | None, buckets: int) -> list[int]:
+    """Hashed word unigrams and bigrams (bucket 0 stands for no text)."""
+    if not text:
+        return [0]
+    words = WORD.findall(text.lower())[:MAX_WORDS]
+    grams = [*words, *(f"{a} {b}" for a, b in zip(words, words[1:]))]
+    return [1 + int.from_bytes(hashlib.blake2b(g.encode(), digest_size=4).digest(), "little") % (buckets - 1)
+            for g in grams] or [0]
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError(
+            "lifetime plugin 'text' needs torch: pip install 'sagellm-plugin-lifetime[text]'"
+        ) from None
+    return torch
+
+
+def build_model(settings: TextSettings):
+    torch = _torch()
+
+    class TextQuantileModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(settings.buckets, settings.dim, mode="mean", sparse=True)
+            self.head = torch.nn.Sequential(
+                torch.nn.Linear(settings.dim + len(FEATURE_NAMES), settings.hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(settings.hidden, len(QUANTILE_LEVELS)),
+            )
+
+        def forward(self, ids, offsets, numeric):
+            return self.head(torch.cat([self.bag(ids, offsets), numeric], 1))
+
+    return TextQuantileModel()
+
+
+def _batch(torch, rows):
+    """(ids, offsets, numeric) tensors for rows of (text ids, features)."""
+    ids, offsets, start = [], [], 0
+    for gram_ids, _ in rows:
+        offsets.append(start)
+        ids.extend(gram_ids)
+        start += len(gram_ids)
+    return (torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
+            torch.tensor([features for _, features in rows], dtype=torch.float32))
+
+
+def pinball(torch, predicted, target):
+    levels = torch.tensor(QUANTILE_LEVELS)
+    diff = target[:, None] - predicted
+    return torch.maximum(levels * diff, (levels - 1) * diff).mean()
+
+
+def training_rows(settings: TextSettings, block_size: int = 16, max_requests: int | None = None):
+    """(rows, targets) of the training conversations of the training
+    workload, features as the history stood at each arrival."""
+    from sagellm_core.replay import workloads
+
+    history = History(block_size)
+    rows, targets, validation = [], [], []
+    for request in workloads.load(WorkloadSettings(source=settings.train_source, max_requests=max_requests)):
+        if not held_out(request):
+            rows.append((text_ids(request.prompt_text, settings.buckets), history.features(request)))
+            targets.append(log_tokens(request.output_tokens))
+            key = VALIDATION_SALT + (request.session_id or request.request_id)
+            validation.append(hashlib.blake2b(key.encode(), digest_size=1).digest()[0] < 26)  # ~10%
+        history.observe(request, request.output_tokens)
+    return rows, targets, validation
+
+
+def train(settings: TextSettings, block_size: int = 16, max_requests: int | None = None, log=print):
+    """Train on the training conversations; keep the epoch with the lowest
+    validation MAE. Returns the model."""
+    torch = _torch()
+    torch.manual_seed(settings.seed)
+    rows, targets, validation = training_rows(settings, block_size, max_requests)
+    fit = [i for i, v in enumerate(validation) if not v]
+    check = [i for i, v in enumerate(validation) if v]
+    if not fit or not check:
+        raise ConfigError(f"lifetime plugin 'text': workload {settings.train_source!r} has too few training requests")
+    model = build_model(settings)
+    sparse = torch.optim.SparseAdam(list(model.bag.parameters()), lr=settings.learning_rate)
+    dense = torch.optim.Adam(model.head.parameters(), lr=settings.learning_rate)
+    y = torch.tensor(targets)
+    order = torch.Generator().manual_seed(settings.seed)
+    best, best_state = float("inf"), None
+    for epoch in range(settings.epochs):
+        model.train()
+        permutation = torch.randperm(len(fit), generator=order).tolist()
+        for start in range(0, len(fit), 128):
+            index = [fit[i] for i in permutation[start:start + 128]]
+            loss = pinball(torch, model(*_batch(torch, [rows[i] for i in index])), y[index])
+            sparse.zero_grad()
+            dense.zero_grad()
+            loss.backward()
+            sparse.step()
+            dense.step()
+        model.eval()
+        with torch.no_grad():
+            median = model(*_batch(torch, [rows[i] for i in check]))[:, QUANTILE_LEVELS.index(0.5)]
+            mae = (torch.expm1(median) - torch.expm1(y[check])).abs().mean().item()
+        log(f"epoch {epoch + 1}/{settings.epochs}: validation MAE {mae:.1f} tokens ({len(fit):,} training requests)")
+        if mae < best:
+            best, best_state = mae, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    return model
+
+
+def save(model, settings: TextSettings, path: Path) -> None:
+    torch = _torch()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"settings": attrs.asdict(settings), "state": model.state_dict()}, tmp)
+    tmp.replace(path)  # never a half-written weights file
+
+
+def load(settings: TextSettings, path: Path):
+    torch = _torch()
+    try:
+        saved = torch.load(path, weights_only=True)
+        model = build_model(settings)
+        model.load_state_dict(saved["state"])
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"lifetime plugin 'text': weights {path}: {type(exc).__name__}: {exc}") from None
+    return model
+
+
+class TextLifetime:
+    Settings = TextSettings
+
+    def __init__(self, settings: TextSettings, context: PluginContext):
+        torch = _torch()
+        self.torch = torch
+        self.settings = settings
+        self.name = context.name
+        path = Path(settings.weights) if settings.weights else default_weights(settings)
+        if not path.exists():
+            if settings.weights:
+                raise ConfigError(f"lifetime plugin 'text': weights {path}: no such file")
+            print(f"sagellm: training lifetime model 'text' into {path} (once)", file=sys.stderr)
+            save(train(settings, context.block_size, log=lambda m: print(f"sagellm: {m}", file=sys.stderr)),
+                 settings, path)
+        self.model = load(settings, path)
+        self.model.eval()
+        self.history = History(context.block_size)
+        self.optimiser = torch.optim.Adam(self.model.head.parameters(), lr=settings.online_learning_rate)
+        self._pending: dict[str, tuple[list[int], list[float]]] = {}
+        self._finished: list[tuple[tuple[list[int], list[float]], float]] = []
+
+    def _row(self, request: Request) -> tuple[list[int], list[float]]:
+        return text_ids(request.prompt_text, self.settings.buckets), self.history.features(request)
+
+    @hookimpl
+    def sagellm_predict_lifetime(self, request: Request) -> LifetimePrediction:
+        row = self._row(request)
+        self._pending[request.request_id] = row
+        with self.torch.no_grad():
+            log_quantiles = self.model(*_batch(self.torch, [row]))[0].tolist()
+        return prediction(log_quantiles, self.name)
+
+    @hookimpl
+    def sagellm_request_finished(self, outcome: RequestOutcome) -> None:
+        request = outcome.request
+        row = self._pending.pop(request.request_id, None)
+        if row is not None and self.settings.online_learning_rate > 0:
+            self._finished.append((row, log_tokens(outcome.num_output_tokens)))
+            if len(self._finished) >= self.settings.online_batch:
+                self._learn()
+        self.history.observe(request, outcome.num_output_tokens)
+
+    def _learn(self) -> None:
+        torch = self.torch
+        rows = [row for row, _ in self._finished]
+        target = torch.tensor([t for _, t in self._finished])
+        self._finished.clear()
+        self.model.train()
+        loss = pinball(torch, self.model(*_batch(torch, rows)), target)
+        self.optimiser.zero_grad()
+        self.model.bag.zero_grad()
+        loss.backward()
+        self.optimiser.step()  # the head only: the text table stays as trained
+        self.model.eval()
