@@ -268,9 +268,12 @@ class LifetimePrediction:
         top_level, top = points[-1]
         if tokens >= top:
             return 1.0 - (1.0 - top_level) * math.exp(-(tokens - top) / self._tail_mean(top))
+        tokens = max(0.0, tokens)
+        # The segment that ``tokens`` falls in, past any run of equal
+        # quantiles at it (the CDF takes the highest level there).
         for (p0, x0), (p1, x1) in zip(points, points[1:]):
-            if tokens <= x1:
-                return p1 if x1 == x0 else p0 + (p1 - p0) * max(0.0, tokens - x0) / (x1 - x0)
+            if tokens < x1:
+                return p0 + (p1 - p0) * (tokens - x0) / (x1 - x0)
         return top_level  # unreachable: tokens < top
 
     def quantile(self, level: float) -> float:

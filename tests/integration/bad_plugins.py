@@ -81,3 +81,18 @@ class DroppingPass:
     def sagellm_schedule_pass(self, ir):
         if ir.waiting:
             ir.waiting.pop()
+
+
+class GarbageLifetime(StatLifetime):
+    """Answers every other request with something that is not a prediction."""
+
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
+        self.calls = 0
+
+    @hookimpl
+    def sagellm_predict_lifetime(self, request):
+        self.calls += 1
+        if self.calls % 2:
+            return "about 300 tokens"
+        return super().sagellm_predict_lifetime(request)

@@ -23,7 +23,11 @@ def bad_plugins(tmp_path, monkeypatch):
             },
             "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
             "sagellm.prefix_cache": {"over-matching": "bad_plugins:OverMatching"},
-            "sagellm.lifetime": {"crashing": "bad_plugins:CrashingLifetime", "negative": "bad_plugins:NegativeLifetime"},
+            "sagellm.lifetime": {
+                "crashing": "bad_plugins:CrashingLifetime",
+                "negative": "bad_plugins:NegativeLifetime",
+                "garbage": "bad_plugins:GarbageLifetime",
+            },
             "sagellm.scheduler_passes": {"dropping": "bad_plugins:DroppingPass"},
         },
         name="sagellm-bad-plugins",

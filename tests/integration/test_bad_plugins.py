@@ -125,3 +125,59 @@ def test_pass_that_drops_a_request_is_named(bad_plugins):
     text = text.replace("num_blocks = 6", "num_blocks = 600") + '[scheduler]\npasses = ["fcfs", "dropping"]\n'
     with pytest.raises(PluginError, match=r"scheduler plugin 'fcfs' .* / scheduler plugin 'dropping' \(sagellm-bad-plugins 0.0.1\) sagellm_schedule_pass changed the set of waiting requests \(1 -> 0\); passes may only reorder"):
         session.run(settings_from_toml(text))
+
+
+FALLBACK_RUN = """
+[engine]
+name = "replay"
+mode = "timed"
+[workload]
+source = "generator"
+tenants = 2
+sessions_per_tenant = 4
+turns = 2
+[prefix_cache]
+plugin = "radix"
+[kv_pool]
+plugin = "paged"
+num_blocks = 2000
+[eviction]
+plugin = "lru"
+[lifetime]
+plugin = "{lifetime}"
+fallback = "stat"
+[scheduler]
+passes = ["sjf"]
+"""
+
+
+@pytest.mark.parametrize("lifetime, failures", [("crashing", 16), ("garbage", 8)])
+def test_failing_predictor_falls_back_without_losing_requests(bad_plugins, lifetime, failures):
+    from sagellm_core import session
+
+    result = session.run(settings_from_toml(FALLBACK_RUN.format(lifetime=lifetime)))
+    report = result.report
+    assert report["requests"] == 16 and report["rejected"] == 0
+    assert report["lifetime_fallbacks"] == failures
+    assert report["lifetime_failure"].startswith(f"lifetime plugin {lifetime!r} (sagellm-bad-plugins 0.0.1)")
+    # Every finished request was predicted, by the plugin or its fallback.
+    assert result.runtime.counters.lifetime_predictions == 16
+    result.runtime.check_invariants()
+
+
+def test_without_fallback_a_failing_predictor_stops_the_run(bad_plugins):
+    from sagellm_core import session
+
+    text = FALLBACK_RUN.format(lifetime="garbage").replace('fallback = "stat"\n', "")
+    with pytest.raises(PluginError, match=r"^lifetime plugin 'garbage' .* returned 'about 300 tokens': it is not a LifetimePrediction$"):
+        session.run(settings_from_toml(text))
+
+
+def test_fallback_must_be_another_installed_predictor(bad_plugins):
+    from sagellm_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[lifetime\] fallback = 'stat': a plugin other than the one picked"):
+        settings_from_toml(FALLBACK_RUN.format(lifetime="stat"))
+    text = FALLBACK_RUN.format(lifetime="crashing").replace('fallback = "stat"', 'fallback = "nope"')
+    with pytest.raises(ConfigError, match=r"\[lifetime\] fallback: unknown lifetime plugin 'nope'"):
+        Runtime(settings_from_toml(text), hook_timing=False)

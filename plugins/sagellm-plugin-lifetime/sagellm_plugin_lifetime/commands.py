@@ -30,8 +30,14 @@ def cmd_train(args) -> int:
     from . import text
 
     settings = text.TextSettings(train_source=args.source, epochs=args.epochs, seed=args.seed)
+    if args.max_requests and not args.out:
+        # The default file stands for a model trained on the whole workload.
+        raise SagellmError("--max-requests trains on part of the workload: name the weights file with --out")
     out = Path(args.out) if args.out else text.default_weights(settings)
-    model = text.train(settings, max_requests=args.max_requests)
+    from sagellm_core.replay import workloads
+
+    requests = workloads.load(WorkloadSettings(source=args.source, max_requests=args.max_requests))
+    model = text.train(settings, requests)
     text.save(model, settings, out)
     print(f"wrote {out}")
     return 0

@@ -18,7 +18,7 @@ from .quantiles import prediction
 
 @frozen
 class OnlineSettings:
-    learning_rate: float = field(default=0.05, validator=[validators.instance_of(float), validators.gt(0)])
+    learning_rate: float = field(default=0.2, validator=[validators.instance_of(float), validators.gt(0)])
     #: Finished requests before predictions are fully trusted (confidence).
     warmup: int = field(default=500, validator=[validators.instance_of(int), validators.gt(0)])
     #: The median prediction before anything has finished.

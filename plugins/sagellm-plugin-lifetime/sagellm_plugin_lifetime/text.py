@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -131,14 +132,12 @@ def pinball(torch, predicted, target):
     return torch.maximum(levels * diff, (levels - 1) * diff).mean()
 
 
-def training_rows(settings: TextSettings, block_size: int = 16, max_requests: int | None = None):
-    """(rows, targets) of the training conversations of the training
-    workload, features as the history stood at each arrival."""
-    from sagellm_core.replay import workloads
-
+def training_rows(settings: TextSettings, requests: Iterable[Request], block_size: int = 16):
+    """(rows, targets, validation flags) of the training conversations among
+    ``requests``, features as the history stood at each arrival."""
     history = History(block_size)
     rows, targets, validation = [], [], []
-    for request in workloads.load(WorkloadSettings(source=settings.train_source, max_requests=max_requests)):
+    for request in requests:
         if not held_out(request):
             rows.append((text_ids(request.prompt_text, settings.buckets), history.features(request)))
             targets.append(log_tokens(request.output_tokens))
@@ -148,16 +147,21 @@ def training_rows(settings: TextSettings, block_size: int = 16, max_requests: in
     return rows, targets, validation
 
 
-def train(settings: TextSettings, block_size: int = 16, max_requests: int | None = None, log=print):
-    """Train on the training conversations; keep the epoch with the lowest
+def train(settings: TextSettings, requests: Iterable[Request] | None = None, block_size: int = 16, log=print):
+    """Train on the training conversations of ``requests`` (by default the
+    workload ``settings.train_source``); keep the epoch with the lowest
     validation MAE. Returns the model."""
     torch = _torch()
     torch.manual_seed(settings.seed)
-    rows, targets, validation = training_rows(settings, block_size, max_requests)
+    if requests is None:
+        from sagellm_core.replay import workloads
+
+        requests = workloads.load(WorkloadSettings(source=settings.train_source))
+    rows, targets, validation = training_rows(settings, requests, block_size)
     fit = [i for i, v in enumerate(validation) if not v]
     check = [i for i, v in enumerate(validation) if v]
     if not fit or not check:
-        raise ConfigError(f"lifetime plugin 'text': workload {settings.train_source!r} has too few training requests")
+        raise ConfigError(f"lifetime plugin 'text': too few training requests ({len(rows)})")
     model = build_model(settings)
     sparse = torch.optim.SparseAdam(list(model.bag.parameters()), lr=settings.learning_rate)
     dense = torch.optim.Adam(model.head.parameters(), lr=settings.learning_rate)
@@ -200,8 +204,9 @@ def load(settings: TextSettings, path: Path):
         saved = torch.load(path, weights_only=True)
         model = build_model(settings)
         model.load_state_dict(saved["state"])
-    except (OSError, KeyError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"lifetime plugin 'text': weights {path}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # torch raises many kinds for a bad file; the first line names it
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"lifetime plugin 'text': weights {path}: {type(exc).__name__}: {first_line}") from None
     return model
 
 
@@ -218,8 +223,8 @@ class TextLifetime:
             if settings.weights:
                 raise ConfigError(f"lifetime plugin 'text': weights {path}: no such file")
             print(f"sagellm: training lifetime model 'text' into {path} (once)", file=sys.stderr)
-            save(train(settings, context.block_size, log=lambda m: print(f"sagellm: {m}", file=sys.stderr)),
-                 settings, path)
+            model = train(settings, block_size=context.block_size, log=lambda m: print(f"sagellm: {m}", file=sys.stderr))
+            save(model, settings, path)
         self.model = load(settings, path)
         self.model.eval()
         self.history = History(context.block_size)

@@ -65,3 +65,45 @@ class PriorityPass:
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
         ir.waiting.sort(key=_priority_arrival)
         ir.running.sort(key=_priority_arrival)
+
+
+@frozen
+class ShortestPredictedSettings:
+    #: Waiting earns this many tokens of head start per second, so a request
+    #: predicted ``d`` tokens longer than a newer one waits at most
+    #: ``d / aging_tokens_per_s`` seconds behind it: nothing starves.
+    aging_tokens_per_s: float = field(default=20.0, validator=[validators.instance_of(float), validators.gt(0)])
+    #: Predictions less confident than this are ignored: the request is
+    #: ranked as if ``default_tokens`` long.
+    min_confidence: float = field(default=0.0, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)])
+    default_tokens: float = field(default=256.0, validator=[validators.instance_of(float), validators.gt(0)])
+    #: Also order ``running`` shortest remaining first, so the default
+    #: preemption rule (the tail) preempts the request furthest from done.
+    order_running: bool = field(default=True, validator=validators.instance_of(bool))
+
+
+class ShortestPredictedPass:
+    """``passes = ["sjf"]``: shortest predicted job first, with aging. The
+    rank of a waiting request is its predicted remaining output (the
+    lifetime prediction conditioned on the tokens already generated, for a
+    preempted request) minus ``aging_tokens_per_s`` times its wait. Short
+    requests overtake long ones, which cuts mean latency when most of it is
+    queueing; the aging term bounds how long anything waits."""
+
+    Settings = ShortestPredictedSettings
+
+    def __init__(self, settings: ShortestPredictedSettings, context: PluginContext):
+        self.settings = settings
+
+    def _remaining(self, state) -> float:
+        prediction = state.prediction
+        if prediction is None or prediction.confidence < self.settings.min_confidence:
+            return max(1.0, self.settings.default_tokens - state.num_output_tokens)
+        return prediction.remaining_tokens(state.num_output_tokens)
+
+    @hookimpl
+    def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
+        aging = self.settings.aging_tokens_per_s
+        ir.waiting.sort(key=lambda state: self._remaining(state) - aging * (ir.now_s - state.request.arrival_s))
+        if self.settings.order_running:
+            ir.running.sort(key=self._remaining)

@@ -1,0 +1,79 @@
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sagellm_plugin_lifetime import text  # noqa: E402
+from sagellm_plugin_lifetime.text import TextLifetime, TextSettings  # noqa: E402
+
+from sagellm_core import PluginContext  # noqa: E402
+from sagellm_core.errors import ConfigError  # noqa: E402
+from sagellm_core.types import Request, RequestOutcome  # noqa: E402
+
+CTX = PluginContext("text", block_size=4, num_blocks=1)
+SMALL = dict(buckets=1 << 12, dim=8, hidden=16, epochs=8, learning_rate=2e-2)
+
+
+def asked(seed, count):
+    """Single-turn requests whose reply length is set by what is asked."""
+    rng = random.Random(seed)
+    kinds = [("write a long detailed essay about {}", 800), ("answer yes or no: is {} true?", 4)]
+    for i in range(count):
+        prompt, out = rng.choice(kinds)
+        topic = rng.choice(["rivers", "tax law", "cats", "jazz", "rust", "the moon"])
+        words = prompt.format(topic)
+        yield Request(f"{seed}-{i}", [rng.randrange(10**6) for _ in range(len(words.split()))],
+                      max(1, int(out * rng.uniform(0.9, 1.1))), session_id=f"{seed}-{i}", prompt_text=words)
+
+
+def test_text_model_learns_what_the_words_ask_for(tmp_path):
+    settings = TextSettings(**SMALL)
+    model = text.train(settings, asked(0, 1500), log=lambda m: None)
+    weights = tmp_path / "w.pt"
+    text.save(model, settings, weights)
+    p = TextLifetime(TextSettings(weights=str(weights), **SMALL), CTX)
+    essay = p.sagellm_predict_lifetime(request=Request("e", [1, 2], 1, prompt_text="write a long detailed essay about trains"))
+    yes_no = p.sagellm_predict_lifetime(request=Request("y", [1, 2], 1, prompt_text="answer yes or no: is trains true?"))
+    assert essay.problem() is None and yes_no.problem() is None
+    assert essay.output_tokens > 20 * yes_no.output_tokens
+    assert len(essay.quantiles) == 9
+
+
+def test_training_is_reproducible():
+    settings = TextSettings(**{**SMALL, "epochs": 2})
+    a = text.train(settings, asked(0, 300), log=lambda m: None).state_dict()
+    b = text.train(settings, asked(0, 300), log=lambda m: None).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_online_steps_change_the_head_only(tmp_path):
+    settings = TextSettings(**{**SMALL, "epochs": 1, "online_batch": 4, "online_learning_rate": 1e-2})
+    weights = tmp_path / "w.pt"
+    text.save(text.train(settings, asked(0, 300), log=lambda m: None), settings, weights)
+    p = TextLifetime(TextSettings(**{**SMALL, "epochs": 1, "online_batch": 4, "online_learning_rate": 1e-2,
+                                     "weights": str(weights)}), CTX)
+    bag = p.model.bag.weight.clone()
+    head = [w.clone() for w in p.model.head.parameters()]
+    for r in list(asked(5, 4)):
+        p.sagellm_predict_lifetime(request=r)
+        p.sagellm_request_finished(outcome=RequestOutcome(r, 3000, 0, 0.0, 0.0, 1.0, 0, None))
+    assert torch.equal(bag, p.model.bag.weight)
+    assert any(not torch.equal(a, b) for a, b in zip(head, p.model.head.parameters()))
+
+
+def test_missing_or_broken_weights_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"^lifetime plugin 'text': weights .*nope\.pt: no such file$"):
+        TextLifetime(TextSettings(weights=str(tmp_path / "nope.pt")), CTX)
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match=r"^lifetime plugin 'text': weights .*broken\.pt: "):
+        TextLifetime(TextSettings(weights=str(broken)), CTX)
+
+
+def test_default_weights_name_follows_training_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGELLM_CACHE", str(tmp_path))
+    a = text.default_weights(TextSettings())
+    assert a.parent == tmp_path
+    assert a == text.default_weights(TextSettings(online_batch=8))  # serving knobs do not retrain
+    assert a != text.default_weights(TextSettings(epochs=2))
