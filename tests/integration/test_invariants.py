@@ -127,7 +127,7 @@ def machine(policy: str):
     return RuntimeMachine
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "s3fifo", "arc"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "s3fifo", "arc", "predictive"])
 def test_runtime_block_accounting(policy):
     case = machine(policy).TestCase
     case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -1,3 +1,4 @@
+import inspect
 from array import array
 
 import hypothesis.strategies as st
@@ -6,6 +7,7 @@ from hypothesis import given
 from sagellm_plugin_eviction.arc import ARCEviction
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
+from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
 from sagellm_plugin_eviction.s3fifo import S3FIFOEviction, S3FIFOSettings
 
 from sagellm_core import PluginContext
@@ -79,15 +81,23 @@ def s3fifo(settings, context):
     return S3FIFOEviction(S3FIFOSettings(), context)
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo])
+def predictive(settings, context):
+    return PredictiveEviction(PredictiveSettings(samples=4, refit_every=8), context)
+
+
+@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive])
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
     policy = policy_cls(None, CTX)
+    clock = iter(range(10**6))
 
     def observe(hook, *blocks):
         if hasattr(policy, hook):  # a policy implements the observations it needs
-            getattr(policy, hook)(blocks=blocks)
+            method = getattr(policy, hook)
+            # as pluggy does, pass only the arguments the implementation takes
+            extra = {"now_s": float(next(clock))} if "now_s" in inspect.signature(method).parameters else {}
+            method(blocks=blocks, **extra)
 
     cached, evictable = set(), set()
     for op, i in ops:
@@ -188,10 +198,15 @@ def test_s3fifo_chooses_block_zero():
 def test_policies_choose_only_among_the_blocks_offered():
     """An engine may offer fewer blocks than a policy tracks (LMDeploy's
     pinned checkpoint blocks): the choice skips the others."""
-    for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX)):
+    for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX), predictive(None, CTX)):
+        timed = {"now_s": 0.0} if isinstance(policy, PredictiveEviction) else {}
         if hasattr(policy, "sagellm_blocks_cached"):
-            policy.sagellm_blocks_cached(blocks=chain(0, 3))
-        policy.sagellm_blocks_released(blocks=chain(0, 3))
+            policy.sagellm_blocks_cached(blocks=chain(0, 3), **timed)
+        policy.sagellm_blocks_released(blocks=chain(0, 3), **timed)
+        if isinstance(policy, PredictiveEviction):
+            # it offers leaves only: evict the leaf, then its parent is one
+            assert policy.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (2,)
+            continue
         everything = policy.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids
         assert len(everything) == 3
         offered = set(everything[1:])
@@ -229,3 +244,26 @@ def test_arc_learns_from_its_ghosts():
     again = (CachedBlock(5, 0, None, 100),)  # the same content, in another block
     arc.sagellm_blocks_cached(blocks=again)
     assert arc.target_t1 == 1 and arc._class[5] == 2
+
+
+def test_predictive_learns_which_blocks_come_back():
+    """Blocks of one kind are hit again 10 s after release, those of another
+    never (they are evicted at 30 s). Offered one of each, just as old, the
+    policy evicts the kind that does not come back."""
+    p = PredictiveEviction(PredictiveSettings(refit_every=50), CTX)
+    now = 0.0
+    for round_ in range(40):
+        reused = CachedBlock(1000 + round_, 0, None, key=7)  # same content each round
+        once = CachedBlock(2000 + round_, 0, None, key=10_000 + round_)
+        p.sagellm_blocks_cached(blocks=(reused, once), now_s=now)
+        p.sagellm_blocks_released(blocks=(reused, once), now_s=now)
+        for _ in range(3):  # hit three times, 10 s apart
+            now += 10.0
+            p.sagellm_blocks_touched(blocks=(reused,), now_s=now)
+            p.sagellm_blocks_released(blocks=(reused,), now_s=now)
+        now += 30.0
+        p.sagellm_blocks_evicted(blocks=(once, reused), now_s=now)
+    reused, once = CachedBlock(1, 0, None, key=7), CachedBlock(2, 0, None, key=99_999)
+    p.sagellm_blocks_cached(blocks=(reused, once), now_s=now)
+    p.sagellm_blocks_released(blocks=(reused, once), now_s=now)
+    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (2,)

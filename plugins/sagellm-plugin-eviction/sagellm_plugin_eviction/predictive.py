@@ -1,0 +1,200 @@
+"""Predictive eviction: learn, online, how likely a cached block is to be hit
+again and how soon, from the reuse distances observed so far, and evict the
+blocks with the least expected hits per unit of cache space-time (the *hit
+density* of Beckmann et al., "LHD: Improving Cache Hit Rate by Maximizing
+Hit Density", NSDI'18, adapted to KV blocks and prefix chains).
+
+A block's class is how often its content was used (cached, then each hit;
+a content key evicted and cached again keeps its count, as ARC's ghosts
+remember it) and how deep in its chain it lies (before block 4, before
+block 16, deeper: on the Mooncake trace a first-seen block near the root is
+reused later 30% of the time, a deep one 21%). Per class, histograms over the age (seconds since the block
+was last released) count the hits that came at each age and the evictions
+that ended a block's life at each age, decayed so that the model follows
+the workload. From them, for every class and age::
+
+    density(class, age) = hits after age / (expected remaining life × blocks alive at age)
+
+so a block that is old for its class (its reuse is unlikely to come any
+more) or of a class that is rarely reused goes first, and a block that is
+young in a class whose reuses come at a typical interval (the next turn of a
+conversation) stays until that interval has passed. Victims are the lowest
+density among ``samples`` evictable blocks drawn at random (LHD's sampling),
+so choosing costs O(samples), not O(cache).
+
+Prefix chains: only leaves are sampled (evictable blocks with no cached
+child). Evicting an inner block would drop its descendants with it, more
+blocks than asked for, however dense they are; a chain instead shrinks from
+its leaf, and its parent becomes a leaf in turn.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+
+from attrs import field, frozen, validators
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
+
+#: Age bins: bin b holds ages up to ``AGE_UNIT_S * (2 ** (b / 2) - 1)``.
+AGE_BINS = 48
+AGE_UNIT_S = 0.05
+
+
+def age_bin(age_s: float) -> int:
+    return min(AGE_BINS - 1, int(2.0 * math.log2(1.0 + max(0.0, age_s) / AGE_UNIT_S)))
+
+
+def bin_age(b: int) -> float:
+    """The middle of bin ``b``, in seconds."""
+    return AGE_UNIT_S * (2.0 ** ((b + 0.5) / 2.0) - 1.0)
+
+
+@frozen
+class PredictiveSettings:
+    #: Evictable blocks sampled per victim choice.
+    samples: int = field(default=512, validator=[validators.instance_of(int), validators.gt(0)])
+    #: Use counts beyond this share the top class (per depth band).
+    classes: int = field(default=6, validator=[validators.instance_of(int), validators.gt(1)])
+    #: Events (hits and evictions) between two refits of the density table;
+    #: each refit first decays the histograms by ``decay``.
+    refit_every: int = field(default=4096, validator=[validators.instance_of(int), validators.gt(0)])
+    decay: float = field(default=0.9, validator=[validators.instance_of(float), validators.gt(0), validators.le(1)])
+    seed: int = field(default=0, validator=validators.instance_of(int))
+
+
+class PredictiveEviction:
+    """``[eviction] plugin = "predictive"``"""
+
+    Settings = PredictiveSettings
+
+    def __init__(self, settings: PredictiveSettings, context: PluginContext):
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.ghost_limit = context.num_blocks
+        # block -> [released at (s), uses, content key, parent, cached children, held]
+        self._meta: dict[int, list] = {}
+        self._ghost: OrderedDict[int, int] = OrderedDict()  # content key -> uses
+        # The evictable leaves, indexable for sampling.
+        self._evictable: list[int] = []
+        self._position: dict[int, int] = {}
+        n = 3 * settings.classes
+        self._hits = [[0.0] * AGE_BINS for _ in range(n)]
+        self._ends = [[0.0] * AGE_BINS for _ in range(n)]
+        self._events = 0
+        self._now = 0.0
+        # Until a refit, favour the recently released (LRU).
+        self._density = [[1.0 / (1.0 + bin_age(b)) for b in range(AGE_BINS)] for _ in range(n)]
+
+    # -------------------------------------------------------- bookkeeping --
+
+    def _class(self, uses: int, depth: int) -> int:
+        band = 0 if depth < 4 else 1 if depth < 16 else 2
+        return band * self.settings.classes + min(uses, self.settings.classes) - 1
+
+    def _add_evictable(self, block_id: int) -> None:
+        meta = self._meta[block_id]
+        if not meta[5] and meta[4] == 0 and block_id not in self._position:
+            self._position[block_id] = len(self._evictable)
+            self._evictable.append(block_id)
+
+    def _drop_evictable(self, block_id: int) -> None:
+        index = self._position.pop(block_id, None)
+        if index is None:
+            return
+        last = self._evictable.pop()
+        if last != block_id:
+            self._evictable[index] = last
+            self._position[last] = index
+
+    def _record(self, table: list[list[float]], cls: int, age_s: float) -> None:
+        table[cls][age_bin(age_s)] += 1.0
+        self._events += 1
+        if self._events % self.settings.refit_every == 0:
+            self._refit()
+
+    def _refit(self) -> None:
+        """Recompute density(class, age bin) from the decayed histograms."""
+        decay = self.settings.decay
+        for c in range(len(self._hits)):
+            hits, ends = self._hits[c], self._ends[c]
+            density = self._density[c]
+            hits_above = alive_above = life_above = 0.0
+            # From the oldest bin down: what happens to a block once it is this old.
+            for b in range(AGE_BINS - 1, -1, -1):
+                events = hits[b] + ends[b]
+                hits_above += hits[b]
+                alive_above += events
+                life_above += events * bin_age(b)
+                remaining = life_above - alive_above * bin_age(b) + alive_above * AGE_UNIT_S
+                density[b] = hits_above / remaining if remaining > 0 else 0.0
+                hits[b] *= decay
+                ends[b] *= decay
+
+    # -------------------------------------------------------- observations --
+
+    @hookimpl
+    def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        for block in blocks:
+            uses = self._ghost.pop(block.key, 0) + 1
+            self._meta[block.block_id] = [now_s, uses, block.key, block.parent_id, 0, True, block.depth]
+            parent = self._meta.get(block.parent_id) if block.parent_id is not None else None
+            if parent is not None:
+                parent[4] += 1
+                self._drop_evictable(block.parent_id)  # no longer a leaf
+
+    @hookimpl
+    def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        for block in blocks:
+            meta = self._meta.get(block.block_id)
+            if meta is None:
+                continue
+            self._record(self._hits, self._class(meta[1], meta[6]), now_s - meta[0])
+            meta[1] += 1
+            meta[5] = True
+            self._drop_evictable(block.block_id)
+
+    @hookimpl
+    def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        self._now = now_s
+        for block in blocks:
+            meta = self._meta.get(block.block_id)
+            if meta is not None:
+                meta[0] = now_s
+                meta[5] = False
+                self._add_evictable(block.block_id)
+
+    @hookimpl
+    def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        for block in blocks:
+            meta = self._meta.pop(block.block_id, None)
+            self._drop_evictable(block.block_id)
+            if meta is None:
+                continue
+            self._record(self._ends, self._class(meta[1], meta[6]), now_s - meta[0])
+            self._ghost[meta[2]] = meta[1]
+            if len(self._ghost) > self.ghost_limit:
+                self._ghost.popitem(last=False)
+            parent = self._meta.get(meta[3]) if meta[3] is not None else None
+            if parent is not None:
+                parent[4] -= 1
+                self._add_evictable(meta[3])  # a leaf again, if unheld
+
+    # ------------------------------------------------------------ decision --
+
+    def density(self, block_id: int, now_s: float) -> float:
+        meta = self._meta[block_id]
+        return self._density[self._class(meta[1], meta[6])][age_bin(now_s - meta[0])]
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
+        pool = self._evictable
+        want = min(len(pool), self.settings.samples + num_blocks)
+        sample = [pool[i] for i in self.rng.sample(range(len(pool)), want)] if want < len(pool) else list(pool)
+        sample = [b for b in sample if b in candidates]
+        now = self._now
+        sample.sort(key=lambda b: self.density(b, now))
+        return EvictionDecision(tuple(sample[:num_blocks]))
