@@ -75,7 +75,7 @@ class PredictiveEviction:
         self.settings = settings
         self.rng = random.Random(settings.seed)
         self.ghost_limit = context.num_blocks
-        # block -> [released at (s), uses, content key, parent, cached children, held]
+        # block -> [released at (s), uses, content key, parent, cached children, held, depth, class]
         self._meta: dict[int, list] = {}
         self._ghost: OrderedDict[int, int] = OrderedDict()  # content key -> uses
         # The evictable leaves, indexable for sampling.
@@ -140,7 +140,8 @@ class PredictiveEviction:
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         for block in blocks:
             uses = self._ghost.pop(block.key, 0) + 1
-            self._meta[block.block_id] = [now_s, uses, block.key, block.parent_id, 0, True, block.depth]
+            self._meta[block.block_id] = [now_s, uses, block.key, block.parent_id, 0, True, block.depth,
+                                          self._class(uses, block.depth)]
             parent = self._meta.get(block.parent_id) if block.parent_id is not None else None
             if parent is not None:
                 parent[4] += 1
@@ -152,8 +153,9 @@ class PredictiveEviction:
             meta = self._meta.get(block.block_id)
             if meta is None:
                 continue
-            self._record(self._hits, self._class(meta[1], meta[6]), now_s - meta[0])
+            self._record(self._hits, meta[7], now_s - meta[0])
             meta[1] += 1
+            meta[7] = self._class(meta[1], meta[6])
             meta[5] = True
             self._drop_evictable(block.block_id)
 
@@ -174,7 +176,7 @@ class PredictiveEviction:
             self._drop_evictable(block.block_id)
             if meta is None:
                 continue
-            self._record(self._ends, self._class(meta[1], meta[6]), now_s - meta[0])
+            self._record(self._ends, meta[7], now_s - meta[0])
             self._ghost[meta[2]] = meta[1]
             if len(self._ghost) > self.ghost_limit:
                 self._ghost.popitem(last=False)
@@ -187,14 +189,26 @@ class PredictiveEviction:
 
     def density(self, block_id: int, now_s: float) -> float:
         meta = self._meta[block_id]
-        return self._density[self._class(meta[1], meta[6])][age_bin(now_s - meta[0])]
+        return self._density[meta[7]][age_bin(now_s - meta[0])]
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         pool = self._evictable
-        want = min(len(pool), self.settings.samples + num_blocks)
-        sample = [pool[i] for i in self.rng.sample(range(len(pool)), want)] if want < len(pool) else list(pool)
-        sample = [b for b in sample if b in candidates]
-        now = self._now
-        sample.sort(key=lambda b: self.density(b, now))
-        return EvictionDecision(tuple(sample[:num_blocks]))
+        n = len(pool)
+        if self.settings.samples + num_blocks < n:
+            draw = self.rng.random
+            sample = {pool[int(draw() * n)] for _ in range(self.settings.samples + num_blocks)}
+        else:
+            sample = pool
+        # density() inlined: this loop is the policy's hot path
+        now, meta, table = self._now, self._meta, self._density
+        log2, top = math.log2, AGE_BINS - 1
+        ranked = []
+        for b in sample:
+            if b in candidates:
+                m = meta[b]
+                age = now - m[0]
+                at = min(top, int(2.0 * log2(1.0 + age / AGE_UNIT_S))) if age > 0 else 0
+                ranked.append((table[m[7]][at], b))
+        ranked.sort()
+        return EvictionDecision(tuple(b for _, b in ranked[:num_blocks]))

@@ -35,12 +35,15 @@ from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch,
 
 
 class _Node:
-    __slots__ = ("parent", "children", "keys", "blocks", "start", "lock_ref")
+    __slots__ = ("parent", "children", "keys", "edge", "blocks", "start", "lock_ref")
 
     def __init__(self, parent: "_Node | None", keys: list[bytes], blocks: list[CachedBlock], start: int):
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
         self.keys = keys
+        # The edge's pages as one bytes object: a whole edge is matched with
+        # one comparison (a memcmp) instead of one per page.
+        self.edge = b"".join(keys)
         self.blocks = blocks
         self.start = start  # page index of the edge's first page
         self.lock_ref = 0
@@ -120,14 +123,21 @@ class RadixPrefixCache:
         """Follow ``token_ids``' first ``num_pages`` pages down from ``root``.
         Return the deepest node reached and the matched blocks. With ``split``
         a match ending inside an edge splits it, so the node ends the match."""
+        size = self.block_size * token_ids.itemsize  # bytes per page
+        raw = token_ids[: num_pages * self.block_size].tobytes()
         node, page, matched = root, 0, []
         while page < num_pages:
-            child = node.children.get(self._key(token_ids, page))
+            at = page * size
+            child = node.children.get(raw[at : at + size])
             if child is None:
                 break
-            keys, j, end = child.keys, 1, min(len(child.keys), num_pages - page)
-            while j < end and keys[j] == self._key(token_ids, page + j):
-                j += 1
+            keys, end = child.keys, min(len(child.keys), num_pages - page)
+            if child.edge.startswith(raw[at : at + end * size]):
+                j = end
+            else:  # the query leaves the edge: find the page where
+                j = 1
+                while j < end and keys[j] == raw[at + j * size : at + (j + 1) * size]:
+                    j += 1
             if j < len(keys):
                 if not split:
                     matched.extend(child.blocks[:j])
@@ -143,6 +153,7 @@ class RadixPrefixCache:
         mid.lock_ref = child.lock_ref
         parent.children[mid.keys[0]] = mid
         child.keys, child.blocks = child.keys[j:], child.blocks[j:]
+        child.edge = child.edge[len(mid.edge):]
         child.start += j
         child.parent = mid
         mid.children[child.keys[0]] = child
@@ -273,7 +284,9 @@ class RadixPrefixCache:
             node.children = {}
             if index == 0:
                 del node.parent.children[node.keys[0]]
+            page_bytes = len(node.keys[0])
             del node.keys[index:], node.blocks[index:]
+            node.edge = node.edge[: index * page_bytes]
             for block in gone:
                 del self._where[block.block_id], self._info[block.block_id]
             removed.extend(gone)

@@ -167,6 +167,11 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.cache.refcount(block_id) == holders[block_id]
 
     @invariant()
+    def edges_are_their_pages(self):
+        for node in set(self.cache._where.values()):
+            assert node.edge == b"".join(node.keys) and len(node.keys) == len(node.blocks)
+
+    @invariant()
     def no_orphans_and_evictable_is_exact(self):
         evictable = set(self.cache.sagellm_evictable_blocks())
         assert len(evictable) == len(self.cache.sagellm_evictable_blocks())

@@ -9,7 +9,8 @@ earlier message of its conversation followed by the user's new message, so
 turns share their history as a cached prefix, and the reply is the real
 assistant reply (its tokens are the request's output). This reproduces the
 per-turn counts of ``sharegpt_turn_lengths_qwen25.jsonl`` in the shared traces
-(61,223 turns; 2 replies differ by 6 tokens, around special-token text).
+(61,223 turns, of which the 14 with an empty prompt or reply are left out;
+2 replies differ by 6 tokens, around special-token text).
 
 Arrivals: conversation *i* starts at the *i*-th arrival of the Azure trace
 named by ``path`` when one is given (``azure_conv_2023.csv``: real arrival
@@ -82,16 +83,21 @@ def _tokenizer():
 def turns(conversation: Conversation) -> list[Turn]:
     """A conversation's human -> assistant turns. Messages outside such a
     pair (a leading reply of a split conversation, a system message) are
-    still part of later prompts."""
+    still part of later prompts. ``turn`` numbers every pair, kept or not."""
     encode = _tokenizer().encode
     history = array(TOKEN_ARRAY_TYPECODE)
     out: list[Turn] = []
+    pairs = 0
     pending: tuple[str, array] | None = None
     for sender, text in conversation.messages:
         tokens = array(TOKEN_ARRAY_TYPECODE, encode(text))
         if sender == "gpt" and pending is not None:
             user_text, prompt = pending
-            out.append(Turn(len(out), prompt, user_text, tokens))
+            # No engine serves an empty prompt or returns no token at all: 14
+            # such turns are left out (their messages stay in later prompts).
+            if prompt and tokens:
+                out.append(Turn(pairs, prompt, user_text, tokens))
+            pairs += 1
         pending = None
         if sender == "human":
             pending = (text, history + tokens)

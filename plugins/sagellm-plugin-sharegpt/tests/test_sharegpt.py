@@ -70,3 +70,11 @@ def test_azure_arrivals_start_the_conversations():
 def test_config_accepts_the_installed_source():
     settings = settings_from_toml('[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n[workload]\nsource = "sharegpt"\n')
     assert settings.workload.source == "sharegpt"
+
+
+def test_empty_prompts_and_replies_are_left_out_but_stay_in_the_history():
+    conversation = Conversation("c", [("human", ""), ("gpt", "hello!"), ("human", "hi"), ("gpt", ""),
+                                      ("human", "and now?"), ("gpt", "now this")])
+    (kept,) = turns(conversation)
+    assert kept.turn == 2 and kept.user_text == "and now?"
+    assert len(kept.prompt_token_ids) > len(turns(Conversation("d", [("human", "and now?"), ("gpt", "x")]))[0].prompt_token_ids)
