@@ -19,7 +19,7 @@ BASES = [list(range(b * 1000, b * 1000 + 40)) for b in range(3)]
 
 CONFIG = """
 [prefix_cache]
-plugin = "radix"
+plugin = "{cache}"
 block_size = 4
 [kv_pool]
 plugin = "paged"
@@ -36,11 +36,11 @@ bytes_per_block = 16
 """
 
 
-def machine(policy: str):
+def machine(policy: str, cache: str = "radix"):
     class RuntimeMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.rt = Runtime(settings_from_toml(CONFIG.format(policy=policy)), hook_timing=False)
+            self.rt = Runtime(settings_from_toml(CONFIG.format(policy=policy, cache=cache)), hook_timing=False)
             self.cache = self.rt.plugins["prefix_cache"][0].instance
             self.running = []
             self.waiting = []
@@ -123,12 +123,16 @@ def machine(policy: str):
                 assert len(s.block_ids) * BLOCK >= s.num_computed_tokens
                 assert len(set(s.block_ids)) == len(s.block_ids)
 
-    RuntimeMachine.__name__ = f"RuntimeMachine_{policy}"
+    RuntimeMachine.__name__ = f"RuntimeMachine_{policy}_{cache}"
     return RuntimeMachine
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "s3fifo", "arc", "predictive"])
-def test_runtime_block_accounting(policy):
-    case = machine(policy).TestCase
+@pytest.mark.parametrize(
+    "policy, cache",
+    [("lru", "radix"), ("lfu", "radix"), ("s3fifo", "radix"), ("arc", "radix"), ("predictive", "radix"),
+     ("lru", "hash"), ("s3fifo", "hash")],
+)
+def test_runtime_block_accounting(policy, cache):
+    case = machine(policy, cache).TestCase
     case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
     case("runTest").runTest()
