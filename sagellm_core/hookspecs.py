@@ -22,7 +22,7 @@ omit arguments it does not need).
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Collection, Sequence
 
 import pluggy
 
@@ -101,6 +101,13 @@ def sagellm_release_prefix(request: Request) -> tuple[CachedBlock, ...] | None:
 def sagellm_evictable_blocks() -> EvictionCandidates | None:
     """Return a live view of the evictable (unreferenced) cached blocks, with
     O(1) membership and size."""
+
+
+@hookspec(firstresult=True)
+def sagellm_pinned_blocks() -> Collection[int] | None:
+    """Optional: the cached blocks the cache keeps although no request holds
+    them (pinned prefixes). They are neither held nor evictable; the
+    runtime's invariant checks account for them."""
 
 
 @hookspec(firstresult=True)

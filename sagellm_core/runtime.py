@@ -627,6 +627,8 @@ class Runtime:
         assert not (private & self._cached), "a block is both private and cached"
         assert private | self._cached == self._in_use, "a block is leaked (in use, owned by nobody)"
         evictable = set(self.evictable())
+        pinned = set(self._call("prefix_cache", "sagellm_pinned_blocks") or ())
         assert evictable <= self._cached, "an evictable block is not cached"
         assert not (evictable & referenced), "a block held by a request is evictable"
-        assert evictable | referenced == self._cached, "a cached block is neither held nor evictable"
+        assert not (evictable & pinned), "a pinned block is evictable"
+        assert evictable | referenced | pinned == self._cached, "a cached block is neither held, pinned nor evictable"

@@ -21,6 +21,7 @@ CONFIG = """
 [prefix_cache]
 plugin = "{cache}"
 block_size = 4
+{cache_params}
 [kv_pool]
 plugin = "paged"
 num_blocks = 20
@@ -37,10 +38,11 @@ bytes_per_block = 16
 
 
 def machine(policy: str, cache: str = "radix"):
+    cache, _, cache_params = cache.partition(" ")  # "radix pin_after_hits = 2"
     class RuntimeMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.rt = Runtime(settings_from_toml(CONFIG.format(policy=policy, cache=cache)), hook_timing=False)
+            self.rt = Runtime(settings_from_toml(CONFIG.format(policy=policy, cache=cache, cache_params=cache_params)), hook_timing=False)
             self.cache = self.rt.plugins["prefix_cache"][0].instance
             self.running = []
             self.waiting = []
@@ -123,14 +125,14 @@ def machine(policy: str, cache: str = "radix"):
                 assert len(s.block_ids) * BLOCK >= s.num_computed_tokens
                 assert len(set(s.block_ids)) == len(s.block_ids)
 
-    RuntimeMachine.__name__ = f"RuntimeMachine_{policy}_{cache}"
+    RuntimeMachine.__name__ = f"RuntimeMachine_{policy}_{cache}{'_pinned' if cache_params else ''}"
     return RuntimeMachine
 
 
 @pytest.mark.parametrize(
     "policy, cache",
     [("lru", "radix"), ("lfu", "radix"), ("s3fifo", "radix"), ("arc", "radix"), ("predictive", "radix"),
-     ("lru", "hash"), ("s3fifo", "hash")],
+     ("lru", "hash"), ("s3fifo", "hash"), ("lru", "radix pin_after_hits = 2"), ("predictive", "radix pin_after_hits = 2")],
 )
 def test_runtime_block_accounting(policy, cache):
     case = machine(policy, cache).TestCase

@@ -35,7 +35,7 @@ from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch,
 
 
 class _Node:
-    __slots__ = ("parent", "children", "keys", "edge", "blocks", "start", "lock_ref")
+    __slots__ = ("parent", "children", "keys", "edge", "blocks", "start", "lock_ref", "hits", "pinned")
 
     def __init__(self, parent: "_Node | None", keys: list[bytes], blocks: list[CachedBlock], start: int):
         self.parent = parent
@@ -47,6 +47,8 @@ class _Node:
         self.blocks = blocks
         self.start = start  # page index of the edge's first page
         self.lock_ref = 0
+        self.hits = 0  # acquisitions whose match covered this node
+        self.pinned = False  # holds one lock of its own while pinned
 
 
 class _Evictable:
@@ -76,6 +78,14 @@ class RadixSettings:
     isolate: str = field(default="none", validator=validators.in_(("none", "tenant")))
     #: Append KV events (blocks stored / removed) to this file, JSON lines.
     events: str | None = field(default=None, validator=validators.optional(validators.instance_of(str)))
+    #: Pin a prefix (never evict it) once this many requests have matched
+    #: all of it: the system prompts that every request of an app shares.
+    #: 0: never pin.
+    pin_after_hits: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Pinned blocks never exceed this share of the pool.
+    max_pinned_share: float = field(
+        default=0.1, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
+    )
 
 
 class RadixPrefixCache:
@@ -94,6 +104,10 @@ class RadixPrefixCache:
         self._locked: dict[str, _Node] = {}
         self._num_evictable = 0
         self._view = _Evictable(self)
+        self.pin_after_hits = settings.pin_after_hits
+        self.max_pinned = int(settings.max_pinned_share * context.num_blocks)
+        self._pinned: set[_Node] = set()
+        self.num_pinned = 0
 
     # ------------------------------------------------------------ helpers --
 
@@ -151,6 +165,10 @@ class RadixPrefixCache:
         parent = child.parent
         mid = _Node(parent, child.keys[:j], child.blocks[:j], child.start)
         mid.lock_ref = child.lock_ref
+        mid.hits = child.hits
+        if child.pinned:  # both halves stay pinned, each with its own pin lock
+            mid.pinned = True
+            self._pinned.add(mid)
         parent.children[mid.keys[0]] = mid
         child.keys, child.blocks = child.keys[j:], child.blocks[j:]
         child.edge = child.edge[len(mid.edge):]
@@ -204,7 +222,33 @@ class RadixPrefixCache:
         node, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=True)
         self._lock(node)
         self._locked[request.request_id] = node
+        if self.pin_after_hits and matched:
+            self._count_hit(node)
         return PrefixMatch(tuple(matched))
+
+    def _count_hit(self, node: _Node) -> None:
+        """Count a match covering ``node``'s path; pin the path once it has
+        ``pin_after_hits`` and the pinned share allows it."""
+        path = []
+        while node.parent is not None:
+            node.hits += 1
+            path.append(node)
+            node = node.parent
+        for depth_first in range(len(path)):
+            candidate = path[depth_first]
+            if candidate.pinned:
+                return  # and so are its ancestors
+            if candidate.hits < self.pin_after_hits:
+                continue
+            unpinned = [n for n in path[depth_first:] if not n.pinned]
+            if self.num_pinned + sum(len(n.blocks) for n in unpinned) > self.max_pinned:
+                continue  # try a shorter prefix: an ancestor
+            for n in unpinned:  # a pinned node's ancestors are pinned too
+                n.pinned = True
+                n.lock_ref += 1  # already locked by this request: never 0 -> 1 here
+                self._pinned.add(n)
+                self.num_pinned += len(n.blocks)
+            return
 
     @hookimpl
     def sagellm_insert_prefix(
@@ -265,6 +309,10 @@ class RadixPrefixCache:
         return self._view
 
     @hookimpl
+    def sagellm_pinned_blocks(self) -> tuple[int, ...]:
+        return tuple(b.block_id for node in self._pinned for b in node.blocks)
+
+    @hookimpl
     def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:
         for block_id in block_ids:
             if block_id not in self._view:
@@ -302,7 +350,8 @@ class RadixPrefixCache:
 
     def refcount(self, block_id: int) -> int:
         """Requests holding ``block_id`` (for tests and tools)."""
-        return self._where[block_id].lock_ref
+        node = self._where[block_id]
+        return node.lock_ref - node.pinned
 
     def __len__(self) -> int:
         return len(self._where)

@@ -103,11 +103,13 @@ def test_insert_of_cached_pages_reports_replacements_and_locks():
 
 class TreeMachine(RuleBasedStateMachine):
     """Random serve / release / evict against a plain model: which requests
-    hold which blocks, and which tokens each block holds."""
+    hold which blocks, and which tokens each block holds. Prefixes matched
+    twice are pinned, up to 20 blocks."""
 
     def __init__(self):
         super().__init__()
-        self.cache = RadixPrefixCache(RadixSettings(isolate="tenant"), PluginContext("radix", BS, 1000))
+        settings = RadixSettings(isolate="tenant", pin_after_hits=2, max_pinned_share=0.02)
+        self.cache = RadixPrefixCache(settings, PluginContext("radix", BS, 1000))
         self.blocks = Blocks()
         self.holding: dict[str, set[int]] = {}
         self.content: dict[int, bytes] = {}
@@ -167,6 +169,16 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.cache.refcount(block_id) == holders[block_id]
 
     @invariant()
+    def pinned_share_is_capped_and_pinned_blocks_stay(self):
+        pinned = set(self.cache.sagellm_pinned_blocks())
+        assert len(pinned) == self.cache.num_pinned <= 20
+        assert not pinned & set(self.cache.sagellm_evictable_blocks())
+        assert pinned <= set(self.content)
+        for block_id in pinned:  # a pinned block's ancestors are pinned
+            parent = self.cache._info[block_id].parent_id
+            assert parent is None or parent in pinned
+
+    @invariant()
     def edges_are_their_pages(self):
         for node in set(self.cache._where.values()):
             assert node.edge == b"".join(node.keys) and len(node.keys) == len(node.blocks)
@@ -175,7 +187,8 @@ class TreeMachine(RuleBasedStateMachine):
     def no_orphans_and_evictable_is_exact(self):
         evictable = set(self.cache.sagellm_evictable_blocks())
         assert len(evictable) == len(self.cache.sagellm_evictable_blocks())
-        assert evictable == {b for b in self.content if self.cache.refcount(b) == 0}
+        pinned = set(self.cache.sagellm_pinned_blocks())
+        assert evictable == {b for b in self.content if self.cache.refcount(b) == 0} - pinned
         for block_id in self.content:
             info = self.cache._info[block_id]
             parent = info.parent_id
@@ -224,3 +237,24 @@ def test_kv_events_let_a_router_track_the_cache(tmp_path):
     assert held == {cache._info[b].key for b in cache._where}
     assert lines[0]["parent"] is None and lines[1]["parent"] == key_of_block_1
     assert len(lines[2]["keys"]) == 4  # block 1, the rest of a's chain, and b's two new blocks
+
+
+def test_a_prefix_matched_often_is_pinned_within_the_cap():
+    cache = RadixPrefixCache(RadixSettings(pin_after_hits=2, max_pinned_share=0.003), PluginContext("radix", BS, 1000))
+    blocks = Blocks()
+    system = list(range(8))  # two blocks every request shares
+    first = serve(cache, blocks, "a", system + [50, 51, 52, 53, 54])
+    cache.sagellm_release_prefix(request=first)
+    for rid in ("b", "c"):  # two matches of the system prompt: pinned
+        r = serve(cache, blocks, rid, system + [60 + len(rid), 1, 2, 3, 4])
+        cache.sagellm_release_prefix(request=r)
+    assert sorted(cache.sagellm_pinned_blocks()) == [0, 1]
+    evictable = set(cache.sagellm_evictable_blocks())
+    assert not {0, 1} & evictable and evictable  # the rest can go
+    assert cache.refcount(0) == 0  # no request holds it
+    # Requests sharing four blocks: the cap (3) lets the third be pinned, not the fourth.
+    for rid in ("d", "e", "f"):
+        r = serve(cache, blocks, rid, system + [50, 51, 52, 53, 70, 71, 72, 73, 99])
+        cache.sagellm_release_prefix(request=r)
+    assert cache.sagellm_lookup_prefix(request=req("g", system + [50, 51, 52, 53, 70, 71, 72, 73, 99])).num_blocks == 4
+    assert sorted(cache.sagellm_pinned_blocks()) == [0, 1, 2]
