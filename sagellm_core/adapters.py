@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from importlib import metadata
-from typing import Collection, Hashable, Sequence
+from typing import Collection
 
 import attrs
 
@@ -16,6 +16,7 @@ from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
+from sagellm_core.tiers import HostTierIndex  # noqa: F401  (the engine connectors' import)
 
 #: The environment variable naming the sagellm config of a live engine.
 CONFIG_ENV = "SAGELLM_CONFIG"
@@ -77,39 +78,3 @@ def engine_sections(settings: Settings, engine_owns: Collection[str], unless_con
     """The sections an engine serves itself under ``settings``: ``engine_owns``,
     and those of ``unless_configured`` that name no plugin."""
     return {*engine_owns, *(s for s in unless_configured if getattr(settings, s) is None)}
-
-
-class HostTierIndex:
-    """Which blocks an engine's KV connector has on the host tier, by content
-    key, and in which slot. The transport chooses the slots (and reuses them
-    when the tier is full): recording a slot forgets the key it held."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._slot: dict[Hashable, int] = {}
-        self._key: dict[int, Hashable] = {}
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._slot
-
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def slots(self, keys: Sequence[Hashable]) -> list[int]:
-        return [self._slot[k] for k in keys]
-
-    def record(self, keys: Sequence[Hashable], slots: Sequence[int]) -> None:
-        """The transport put ``keys`` in ``slots``; a RuntimeError if a slot
-        is beyond the connector's host tier (the two were sized apart)."""
-        beyond = [s for s in slots if not 0 <= s < self.capacity]
-        if beyond:
-            raise RuntimeError(
-                f"sagellm transport placed blocks in host slots {beyond[:4]}, beyond the connector's host tier of"
-                f" {self.capacity} blocks (kv_connector_extra_config host_blocks)"
-            )
-        for key, slot in zip(keys, slots):
-            old = self._key.get(slot)
-            if old is not None:
-                del self._slot[old]
-            self._key[slot] = key
-            self._slot[key] = slot

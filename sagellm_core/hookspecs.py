@@ -104,6 +104,14 @@ def sagellm_evictable_blocks() -> EvictionCandidates | None:
 
 
 @hookspec(firstresult=True)
+def sagellm_block_keys(request: Request, num_blocks: int) -> tuple[int, ...] | None:
+    """Optional: the content keys (:attr:`CachedBlock.key`) that the first
+    ``num_blocks`` full blocks of ``request``'s prompt have, or would have,
+    in this cache. With ``[transport] offload_evicted`` the runtime finds
+    evicted blocks on the host tier by them."""
+
+
+@hookspec(firstresult=True)
 def sagellm_pinned_blocks() -> Collection[int] | None:
     """Optional: the cached blocks the cache keeps although no request holds
     them (pinned prefixes). They are neither held nor evictable; the

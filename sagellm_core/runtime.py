@@ -16,6 +16,8 @@ runtime's own state (blocks in use, requests holding them) is unchanged.
 
 from __future__ import annotations
 
+import sys
+from itertools import takewhile
 from typing import Any, Collection, Iterable, Sequence
 
 import attrs
@@ -25,6 +27,7 @@ from sagellm_core import hookspecs
 from sagellm_core.config import Selection, Settings
 from sagellm_core.errors import ConfigError, PluginError, SagellmError
 from sagellm_core.registry import PluginContext, PluginInfo, build_settings, load_class
+from sagellm_core.tiers import HostTierIndex
 from sagellm_core.timing import HookTimer
 from sagellm_core.types import (
     EMPTY_MATCH,
@@ -161,6 +164,9 @@ class Runtime:
         self._in_use: set[int] = set()
         self._cached: set[int] = set()
         self._active: dict[str, SequenceState] = {}
+        # Evicted blocks copied to the host tier, found again by content key;
+        # the transport plugin sizes the tier and reuses its slots.
+        self._host = HostTierIndex(sys.maxsize) if settings.offload_evicted else None
         if "kv_pool" in self.engine_owns:
             return
         usage = self.pool_usage()
@@ -303,7 +309,10 @@ class Runtime:
         if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
             raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
         if self.settings.offload_evicted:
-            self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size))
+            keys = tuple(b.key for b in removed)
+            result = self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size, block_keys=keys))
+            if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
+                self._host.record(keys, result.dst_block_ids)
         self.free_blocks(ids)
         self._cached.difference_update(ids)
         self.counters.evicted_blocks += len(ids)
@@ -409,8 +418,10 @@ class Runtime:
             self._call("prefix_cache", "sagellm_release_prefix", request=request)
             raise
         cached = match.num_blocks * self.block_size
-        num_new = min(state.num_tokens - cached, token_budget)
-        need = blocks_for(cached + num_new + reserve_tokens, self.block_size) - match.num_blocks
+        host_keys = self._on_host(request, match) if state.num_preemptions == 0 else ()
+        loaded = len(host_keys) * self.block_size
+        num_new = min(state.num_tokens - cached - loaded, token_budget)
+        need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks
         free = self.pool_usage().num_free_blocks
         if num_new <= 0 or need > free + len(self.evictable()):
             # Roll back the lock only: the policy has not been told of it, so
@@ -430,19 +441,50 @@ class Runtime:
             return 0
         state.block_ids = [*match.block_ids, *ids]
         state.private_block_ids = set(ids)
-        state.num_computed_tokens = cached
+        # Making room may have pushed some of them off a full host tier.
+        host_keys = tuple(takewhile(self._host.__contains__, host_keys)) if host_keys else ()
+        if host_keys and not self._load(host_keys, ids[: len(host_keys)]):
+            num_new, host_keys = min(num_new + loaded, token_budget), ()  # compute them instead
+        state.num_computed_tokens = cached + len(host_keys) * self.block_size
         state.status = RequestStatus.RUNNING
         self._active[request.request_id] = state
-        self.count_admission(state, match.num_blocks)
+        self.count_admission(state, match.num_blocks, len(host_keys))
         return num_new
 
-    def count_admission(self, state: SequenceState, hit_blocks: int) -> None:
-        """Count a request admitted with ``hit_blocks`` of its prefix cached:
-        its first admission in the hit rates, a later one (after preemption)
-        as re-prefill."""
+    def _on_host(self, request: Request, match: PrefixMatch) -> tuple:
+        """Content keys of the prompt's blocks after the device match that the
+        host tier holds (a run from the first one), leaving one token to
+        compute. Empty without ``offload_evicted``, or without keys from the
+        prefix cache (``sagellm_block_keys`` is optional)."""
+        if self._host is None:
+            return ()
+        limit = (request.num_prompt_tokens - 1) // self.block_size
+        if limit <= match.num_blocks:
+            return ()
+        keys = self._call("prefix_cache", "sagellm_block_keys", request=request, num_blocks=limit) or ()
+        run = []
+        for key in keys[match.num_blocks : limit]:
+            if key not in self._host:
+                break
+            run.append(key)
+        return tuple(run)
+
+    def _load(self, keys: tuple, block_ids: Sequence[int]) -> bool:
+        """Copy blocks back from the host tier into ``block_ids``."""
+        plan = TransferPlan("host", "device", tuple(self._host.slots(keys)), self.block_size,
+                            dst_block_ids=tuple(block_ids), block_keys=keys)
+        result = self.transfer(plan)
+        return result is not None and result.ok
+
+    def count_admission(self, state: SequenceState, hit_blocks: int, host_blocks: int = 0) -> None:
+        """Count a request admitted with ``hit_blocks`` of its prefix cached
+        and the next ``host_blocks`` loaded from the host tier: its first
+        admission in the hit rates, a later one (after preemption) as
+        re-prefill."""
         request, c = state.request, self.counters
         cached = hit_blocks * self.block_size
         if state.num_preemptions == 0:
+            c.host_hit_blocks += host_blocks
             query = blocks_for(request.num_prompt_tokens, self.block_size)
             c.query_blocks += query
             c.hit_blocks += hit_blocks
@@ -451,7 +493,7 @@ class Runtime:
             tenant[1] += hit_blocks
             c.query_tokens += request.num_prompt_tokens
             c.hit_tokens += cached
-            c.prefill_tokens += state.num_tokens - cached
+            c.prefill_tokens += state.num_tokens - cached - host_blocks * self.block_size
         else:
             c.reprefill_tokens += state.num_tokens - cached
 

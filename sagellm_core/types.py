@@ -11,7 +11,7 @@ import enum
 import hashlib
 import math
 from array import array
-from typing import Iterator, Protocol, Sequence
+from typing import Hashable, Iterator, Protocol, Sequence
 
 from attrs import define, field, frozen
 
@@ -365,7 +365,7 @@ class TransferPlan:
     dst_block_ids: tuple[int, ...] = ()
     #: Content keys of the blocks (chained, so equal key means equal prefix),
     #: letting a tier find a block again on a later load.
-    block_keys: tuple[bytes, ...] = ()
+    block_keys: tuple[Hashable, ...] = ()
 
 
 @frozen

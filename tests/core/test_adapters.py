@@ -18,6 +18,16 @@ def test_a_reused_host_slot_forgets_its_old_block():
     assert "a" not in index and index.slots(["c"]) == [0] and len(index) == 2
 
 
+def test_content_saved_again_moves_to_its_new_slot():
+    index = HostTierIndex(capacity=3)
+    index.record(["a"], [0])
+    index.record(["a"], [1])  # evicted again after a reload: a new copy
+    assert index.slots(["a"]) == [1] and len(index) == 1
+    index.record(["b"], [1])  # the new copy's slot reused
+    index.record(["c"], [0])  # and the old one's
+    assert "a" not in index and index.slots(["b", "c"]) == [1, 0] and len(index) == 2
+
+
 def test_a_slot_beyond_the_host_tier_is_refused_whole():
     index = HostTierIndex(capacity=2)
     with pytest.raises(RuntimeError, match=r"host slots \[2\], beyond the connector's host tier of 2 blocks"):

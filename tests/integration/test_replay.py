@@ -126,3 +126,42 @@ def test_belady_reaches_the_infinite_cache_rate_at_10k_blocks(traces):
     assert belady["evicted_blocks"] > 0
     assert belady["hit_blocks"] == unbounded["hit_blocks"]
     assert abs(belady["block_hit_rate"] - 0.366) < 0.001
+
+
+HOST_TIER = """
+[engine]
+mode = "cache-only"
+[workload]
+source = "generator"
+tenants = 1
+sessions_per_tenant = 24
+turns = 3
+system_prompt_tokens = 64
+user_tokens = 64
+output_tokens = 32
+[prefix_cache]
+plugin = "radix"
+block_size = 16
+[kv_pool]
+plugin = "paged"
+num_blocks = 64
+[eviction]
+plugin = "lru"
+"""
+
+
+def test_host_tier_loads_evicted_prefixes_back():
+    from sagellm_core import session
+    from sagellm_core.testing import settings_from_toml
+
+    device_only = session.run(settings_from_toml(HOST_TIER)).report
+    with_host = session.run(settings_from_toml(
+        HOST_TIER + '[transport]\nplugin = "local"\noffload_evicted = true\nhost_blocks = 4096\nbytes_per_block = 8\n'
+    ))
+    report = with_host.report
+    assert device_only["host_hit_blocks"] == 0 and device_only["evicted_blocks"] > 0
+    assert report["host_hit_blocks"] > 0
+    # Device hits are counted apart; the host's blocks are not prefilled again.
+    assert report["block_hit_rate"] == device_only["block_hit_rate"]
+    assert report["prefill_tokens"] == device_only["prefill_tokens"] - report["host_hit_blocks"] * 16
+    with_host.runtime.check_invariants()

@@ -309,6 +309,15 @@ class RadixPrefixCache:
         return self._view
 
     @hookimpl
+    def sagellm_block_keys(self, request: Request, num_blocks: int) -> tuple[int, ...]:
+        namespace = self._namespace(request)
+        key, keys = self._root_key(namespace), []
+        for page in range(min(num_blocks, request.num_prompt_tokens // self.block_size)):
+            key = chain_key(key, self._key(request.prompt_token_ids, page))
+            keys.append(key)
+        return tuple(keys)
+
+    @hookimpl
     def sagellm_pinned_blocks(self) -> tuple[int, ...]:
         return tuple(b.block_id for node in self._pinned for b in node.blocks)
 
