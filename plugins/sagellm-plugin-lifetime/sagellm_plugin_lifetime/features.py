@@ -144,3 +144,18 @@ def _remember(means: OrderedDict[bytes, _Mean], key: bytes, value: float, limit:
     means[key] = mean  # most recently used last
     if len(means) > limit:
         means.popitem(last=False)
+
+
+class PendingFeatures(OrderedDict):
+    """What a predictor saw of each request at arrival, until it finishes;
+    the oldest entries go beyond ``limit`` (requests rejected or dropped
+    never finish)."""
+
+    def __init__(self, limit: int = 100_000):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.limit:
+            self.popitem(last=False)

@@ -12,7 +12,7 @@ from attrs import field, frozen, validators
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, RequestOutcome
 
-from .features import FEATURE_NAMES, History, log_tokens
+from .features import FEATURE_NAMES, History, PendingFeatures, log_tokens
 from .quantiles import prediction
 
 
@@ -59,8 +59,9 @@ class OnlineLifetime:
         self.name = context.name
         self.history = History(context.block_size, settings.max_sessions)
         self.model = OnlineQuantileRegression(len(FEATURE_NAMES), settings.learning_rate, settings.prior_tokens)
-        #: Features as they were at arrival, for the update at finish.
-        self._pending: dict[str, np.ndarray] = {}
+        #: Features as they were at arrival, for the update at finish
+        #: (bounded: a request that never finishes must not stay forever).
+        self._pending = PendingFeatures()
 
     @hookimpl
     def sagellm_predict_lifetime(self, request: Request) -> LifetimePrediction:

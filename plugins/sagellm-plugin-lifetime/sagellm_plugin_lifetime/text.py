@@ -34,7 +34,7 @@ from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import ConfigError
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, RequestOutcome
 
-from .features import FEATURE_NAMES, History, log_tokens
+from .features import FEATURE_NAMES, History, PendingFeatures, log_tokens
 from .quantiles import prediction
 from .split import held_out
 
@@ -229,7 +229,7 @@ class TextLifetime:
         self.model.eval()
         self.history = History(context.block_size)
         self.optimiser = torch.optim.Adam(self.model.head.parameters(), lr=settings.online_learning_rate)
-        self._pending: dict[str, tuple[list[int], list[float]]] = {}
+        self._pending = PendingFeatures()
         self._finished: list[tuple[tuple[list[int], list[float]], float]] = []
 
     def _row(self, request: Request) -> tuple[list[int], list[float]]:

@@ -89,3 +89,12 @@ def test_quantile_prediction_sorts_crossed_quantiles_and_bounds_confidence():
     narrow = prediction([5.0] * 4 + [5.01] * 5, "x")
     wide = prediction([1.0, 2, 3, 4, 5, 6, 7, 8, 9], "x")
     assert narrow.confidence > wide.confidence
+
+
+def test_features_of_requests_that_never_finish_are_bounded():
+    from sagellm_plugin_lifetime.features import PendingFeatures
+
+    pending = PendingFeatures(limit=3)
+    for i in range(5):
+        pending[f"r{i}"] = i
+    assert list(pending) == ["r2", "r3", "r4"] and pending.pop("r3") == 3
