@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction
 
-lengths = st.lists(st.floats(0, 5000, allow_nan=False), min_size=len(QUANTILE_LEVELS), max_size=len(QUANTILE_LEVELS))
+# Token counts: no subnormal floats, whose products underflow to zero.
+lengths = st.lists(st.floats(0, 5000, allow_subnormal=False), min_size=len(QUANTILE_LEVELS), max_size=len(QUANTILE_LEVELS))
 
 
 def from_quantiles(values):
@@ -21,7 +22,8 @@ def from_quantiles(values):
 def test_cdf_is_a_distribution_function(values, a, b):
     p = from_quantiles(values)
     lo, hi = sorted((a, b))
-    assert 0.0 <= p.cdf(lo) <= p.cdf(hi) < 1.0
+    assert 0.0 <= p.cdf(lo) <= p.cdf(hi) <= 1.0  # 1.0 only by rounding, far in the tail
+    assert p.cdf(hi) < 1.0 or hi > max(values) + 30
 
 
 @given(lengths, st.floats(0.0, 0.999))
