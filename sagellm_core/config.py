@@ -55,6 +55,12 @@ class WorkloadSettings:
     max_requests: int | None = None
     #: Multiply arrival times by this: 2.0 replays a trace at half its load.
     time_scale: float = 1.0
+    #: Keep only the sessions (conversations; a request without a session is
+    #: its own) whose stable draw (``workloads.session_draw``, uniform in
+    #: [0, 1)) falls in [session_from, session_to): a reproducible sample of
+    #: whole conversations, e.g. a predictor's held-out ones.
+    session_from: float = 0.0
+    session_to: float = 1.0
     seed: int = 0
     # The built-in generator: multi-tenant chat sessions.
     tenants: int = 4
@@ -289,6 +295,11 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
             )
     if workload.time_scale <= 0:
         raise ConfigError(f"{path}: [workload] time_scale = {workload.time_scale!r}: a positive number")
+    if not 0 <= workload.session_from < workload.session_to <= 1:
+        raise ConfigError(
+            f"{path}: [workload] session_from = {workload.session_from!r}, session_to = {workload.session_to!r}:"
+            " 0 <= session_from < session_to <= 1"
+        )
     if workload.source in ("mooncake", "azure") and workload.path is None:
         raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
     report = _typed(table("report"), ReportSettings)

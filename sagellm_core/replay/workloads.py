@@ -18,6 +18,7 @@ the file and line.
 from __future__ import annotations
 
 import csv
+import hashlib
 import heapq
 import json
 import random
@@ -51,11 +52,21 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
         requests = generate(settings)
     else:
         requests = iter(_installed(settings.source)(settings))
+    if (settings.session_from, settings.session_to) != (0.0, 1.0):
+        low, high = settings.session_from, settings.session_to
+        requests = (r for r in requests if low <= session_draw(r) < high)
     requests = islice(requests, settings.max_requests)
     if settings.time_scale != 1.0:
         scale = settings.time_scale
         requests = (attrs.evolve(r, arrival_s=r.arrival_s * scale) for r in requests)
     return _in_order(requests, settings.path or settings.source)
+
+
+def session_draw(request: Request) -> float:
+    """A stable draw in [0, 1) for the request's session (its own id when it
+    has none): every turn of a conversation draws the same, in any process."""
+    key = (request.session_id or request.request_id).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") / 2**64
 
 
 def _installed(source: str):

@@ -119,3 +119,11 @@ def test_overrides_apply_before_validation(tmp_path):
 def test_time_scale_must_be_positive():
     with pytest.raises(ConfigError, match=r"good.toml: \[workload\] time_scale = 0: a positive number"):
         settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\ntime_scale = 0"), "good.toml")
+
+
+def test_session_range_must_be_a_range_within_0_and_1():
+    from sagellm_core.errors import ConfigError
+    from sagellm_core.testing import settings_from_toml
+
+    with pytest.raises(ConfigError, match=r"\[workload\] session_from = 0.5, session_to = 0.2: 0 <= session_from < session_to <= 1"):
+        settings_from_toml('[kv_pool]\nnum_blocks = 8\nplugin = "paged"\n[workload]\nsession_from = 0.5\nsession_to = 0.2\n')

@@ -1,5 +1,7 @@
 import json
 
+import attrs
+
 import pytest
 
 from sagellm_core.config import WorkloadSettings
@@ -127,3 +129,16 @@ def test_time_scale_stretches_arrivals():
     base = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2))]
     slow = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2, time_scale=3.0))]
     assert slow == pytest.approx([3.0 * a for a in base]) and max(base) > 0
+
+
+def test_session_range_keeps_whole_sessions_reproducibly():
+    from sagellm_core.replay.workloads import session_draw
+
+    base = WorkloadSettings(source="generator", tenants=2, sessions_per_tenant=20, turns=3)
+    everything = list(workloads.load(base))
+    low = list(workloads.load(attrs.evolve(base, session_to=0.5)))
+    high = list(workloads.load(attrs.evolve(base, session_from=0.5)))
+    assert sorted(r.request_id for r in low + high) == sorted(r.request_id for r in everything)
+    assert all(session_draw(r) < 0.5 for r in low) and 0 < len(low) < len(everything)
+    sessions = {r.session_id for r in low}
+    assert all(r.session_id not in sessions for r in high)  # a conversation is never split
