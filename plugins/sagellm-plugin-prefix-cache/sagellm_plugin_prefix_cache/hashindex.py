@@ -6,7 +6,7 @@ hash, computed as vLLM 0.33 computes it with its default
 ``prefix_caching_hash_algo = "sha256"``::
 
     hash = sha256(pickle((parent_hash or NONE_HASH, tuple(tokens), extra_keys)))
-    NONE_HASH = sha256(pickle("vllm-none-hash"))
+    NONE_HASH = sha256(pickle($PYTHONHASHSEED if set, else "vllm-none-hash"))
 
 with ``extra_keys = (("cache_salt", salt),)`` on a request's first block when
 it has a ``cache_salt``, else ``None``. So the keys are vLLM's: a router that
@@ -26,6 +26,7 @@ which no lookup could reach any more.
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from collections import OrderedDict
 from typing import Iterator, Sequence
@@ -44,18 +45,24 @@ def sha256(value) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-NONE_HASH = sha256(NONE_HASH_SEED)
+def none_hash() -> bytes:
+    """The parent hash of a first block, as vLLM derives it for sha256
+    (``init_none_hash``): from ``PYTHONHASHSEED`` when it is set (tox sets
+    it, for one), else from a fixed seed, so processes agree."""
+    return sha256(os.environ.get("PYTHONHASHSEED", NONE_HASH_SEED))
 
 
 def block_hashes(token_ids, block_size: int, extra_keys=None, parent: bytes | None = None,
-                 start: int = 0, stop: int | None = None) -> list[bytes]:
+                 start: int = 0, stop: int | None = None, root: bytes | None = None) -> list[bytes]:
     """The chained hashes of the full blocks ``start .. stop`` of
-    ``token_ids``, ``parent`` being the hash of block ``start - 1``."""
+    ``token_ids``, ``parent`` being the hash of block ``start - 1`` and
+    ``root`` (default :func:`none_hash`) the parent of block 0."""
     stop = len(token_ids) // block_size if stop is None else stop
+    root = root or none_hash()
     out = []
     for page in range(start, stop):
         tokens = tuple(token_ids[page * block_size : (page + 1) * block_size])
-        parent = sha256((parent or NONE_HASH, tokens, extra_keys if page == 0 else None))
+        parent = sha256((parent or root, tokens, extra_keys if page == 0 else None))
         out.append(parent)
     return out
 
@@ -92,6 +99,7 @@ class HashPrefixCache:
     def __init__(self, settings: HashSettings, context: PluginContext):
         self.block_size = context.block_size
         self.isolate_tenants = settings.isolate == "tenant"
+        self.root = none_hash()
         self._by_hash: dict[bytes, CachedBlock] = {}
         self._hash_of: dict[int, bytes] = {}
         self._refs: dict[int, int] = {}
@@ -120,7 +128,7 @@ class HashPrefixCache:
         extra, hashes = self._hashes.get(request.request_id) or (self._extra_keys(request), [])
         if len(hashes) < num_pages:
             parent = hashes[-1] if hashes else None
-            hashes += block_hashes(token_ids, self.block_size, extra, parent, len(hashes), num_pages)
+            hashes += block_hashes(token_ids, self.block_size, extra, parent, len(hashes), num_pages, self.root)
         self._hashes[request.request_id] = (extra, hashes)
         if len(self._hashes) > MAX_MEMOS:
             self._hashes.popitem(last=False)

@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sagellm_plugin_prefix_cache.hashindex import NONE_HASH, HashPrefixCache, HashSettings, block_hashes, sha256
+from sagellm_plugin_prefix_cache.hashindex import HashPrefixCache, HashSettings, block_hashes, none_hash, sha256
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
@@ -20,7 +20,13 @@ def req(rid, tokens, tenant="default", salt=None):
     return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1, tenant=tenant, cache_salt=salt)
 
 
-def test_hashes_are_vllms_chain():
+def test_hashes_are_vllms_chain(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    NONE_HASH = sha256("vllm-none-hash")
+    assert none_hash() == NONE_HASH
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # vLLM takes its seed from it when set
+    assert none_hash() == sha256("7")
+    monkeypatch.delenv("PYTHONHASHSEED")
     tokens = list(range(10))
     first, second = block_hashes(tokens, BS)
     assert first == sha256((NONE_HASH, (0, 1, 2, 3), None))
