@@ -65,6 +65,10 @@ class WorkloadSettings:
     # The built-in generator: multi-tenant chat sessions.
     tenants: int = 4
     sessions_per_tenant: int = 12
+    #: 0: every tenant has the same number of sessions; s > 0: a session
+    #: belongs to tenant k with probability proportional to 1 / (k + 1)^s
+    #: (Zipf), so a few tenants bring most of the load.
+    tenant_skew: float = 0.0
     turns: int = 4
     system_prompt_tokens: int = 1024
     user_tokens: int = 256

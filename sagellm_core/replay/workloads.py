@@ -187,14 +187,19 @@ def generate(s: WorkloadSettings) -> Iterator[Request]:
     heap: list = []
     t = 0.0
     n_sessions = s.tenants * s.sessions_per_tenant
+    if s.tenant_skew > 0:  # its own generator: the unskewed sequence stays as it was
+        weights = [1.0 / (k + 1) ** s.tenant_skew for k in range(s.tenants)]
+        tenant_of = random.Random(s.seed + 1).choices(range(s.tenants), weights, k=n_sessions)
+    else:
+        tenant_of = [i % s.tenants for i in range(n_sessions)]
     for i in range(n_sessions):
         t += rng.expovariate(s.session_rate) if s.session_rate > 0 else 0.0
-        heapq.heappush(heap, (t, i, i, 0, systems[i % s.tenants]))
+        heapq.heappush(heap, (t, i, i, 0, systems[tenant_of[i]]))
     while heap:
         arrival, _, session, turn, context = heapq.heappop(heap)
         prompt = context + text(s.user_tokens)
         reply = text(s.output_tokens)
-        tenant = session % s.tenants
+        tenant = tenant_of[session]
         yield Request(
             request_id=f"t{tenant}-s{session}-turn{turn}",
             prompt_token_ids=prompt,

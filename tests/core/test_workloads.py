@@ -142,3 +142,17 @@ def test_session_range_keeps_whole_sessions_reproducibly():
     assert all(session_draw(r) < 0.5 for r in low) and 0 < len(low) < len(everything)
     sessions = {r.session_id for r in low}
     assert all(r.session_id not in sessions for r in high)  # a conversation is never split
+
+
+def test_tenant_skew_makes_a_few_tenants_bring_most_sessions():
+    from collections import Counter
+
+    even = WorkloadSettings(source="generator", tenants=4, sessions_per_tenant=50, turns=1)
+    skewed = attrs.evolve(even, tenant_skew=1.5)
+    count = Counter(r.tenant for r in workloads.load(even))
+    assert set(count.values()) == {50}
+    skew = Counter(r.tenant for r in workloads.load(skewed))
+    assert sum(skew.values()) == 200 and skew["tenant-0"] > 2 * skew["tenant-3"]
+    # The unskewed workload is what it was: arrivals and prompts untouched.
+    again = [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(even)]
+    assert again == [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(attrs.evolve(even, tenant_skew=0.0))]

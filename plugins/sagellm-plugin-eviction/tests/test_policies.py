@@ -5,6 +5,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 from sagellm_plugin_eviction.arc import ARCEviction
+from sagellm_plugin_eviction.fair import FairEviction, FairSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
@@ -85,7 +86,11 @@ def predictive(settings, context):
     return PredictiveEviction(PredictiveSettings(samples=4, refit_every=8), context)
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive])
+def fair(settings, context):
+    return FairEviction(FairSettings(), context)
+
+
+@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, fair])
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
@@ -267,3 +272,37 @@ def test_predictive_learns_which_blocks_come_back():
     p.sagellm_blocks_cached(blocks=(reused, once), now_s=now)
     p.sagellm_blocks_released(blocks=(reused, once), now_s=now)
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (2,)
+
+
+def tenant_chain(first, n, tenant):
+    return tuple(CachedBlock(first + i, i, first + i - 1 if i else None, first + i, f"tenant={tenant}")
+                 for i in range(n))
+
+
+def test_fair_takes_from_the_tenant_furthest_over_its_share():
+    p = FairEviction(FairSettings(), CTX)
+    big, small = tenant_chain(0, 6, "big"), tenant_chain(100, 2, "small")
+    for blocks in (big, small):
+        p.sagellm_blocks_cached(blocks=blocks)
+    p.sagellm_blocks_released(blocks=small)  # released first: LRU would take these
+    p.sagellm_blocks_released(blocks=big)
+    # big holds 6, small 2: the four victims come from big, leaf first.
+    assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (5, 4, 3, 2)
+    # Weighted 3:1, big's share is three times small's: 6/3 = 2 = small's 2/1;
+    # ties go to the tenant named last, and then they alternate.
+    weighted = FairEviction(FairSettings(weights={"big": 3}), CTX)
+    for blocks in (big, small):
+        weighted.sagellm_blocks_cached(blocks=blocks)
+        weighted.sagellm_blocks_released(blocks=blocks)
+    assert weighted.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (101, 5)
+
+
+def test_fair_forgets_evicted_blocks_and_skips_what_is_not_offered():
+    p = FairEviction(FairSettings(), CTX)
+    big, small = tenant_chain(0, 4, "big"), tenant_chain(100, 1, "small")
+    for blocks in (big, small):
+        p.sagellm_blocks_cached(blocks=blocks)
+        p.sagellm_blocks_released(blocks=blocks)
+    p.sagellm_blocks_evicted(blocks=big[2:])
+    assert p.usage() == {"big": 2, "small": 1}
+    assert p.sagellm_select_victims(num_blocks=1, candidates={0, 100}).victim_ids == (0,)
