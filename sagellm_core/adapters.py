@@ -16,7 +16,6 @@ from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
-from sagellm_core.tiers import HostTierIndex  # noqa: F401  (the engine connectors' import)
 
 #: The environment variable naming the sagellm config of a live engine.
 CONFIG_ENV = "SAGELLM_CONFIG"

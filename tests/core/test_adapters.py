@@ -2,7 +2,8 @@
 
 import pytest
 
-from sagellm_core.adapters import HostTierIndex, version_tuple
+from sagellm_core.adapters import version_tuple
+from sagellm_core.tiers import HostTierIndex
 
 
 def test_version_tuple_drops_local_labels():

@@ -187,10 +187,6 @@ class PredictiveEviction:
 
     # ------------------------------------------------------------ decision --
 
-    def density(self, block_id: int, now_s: float) -> float:
-        meta = self._meta[block_id]
-        return self._density[meta[7]][age_bin(now_s - meta[0])]
-
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         pool = self._evictable
@@ -200,15 +196,7 @@ class PredictiveEviction:
             sample = {pool[int(draw() * n)] for _ in range(self.settings.samples + num_blocks)}
         else:
             sample = pool
-        # density() inlined: this loop is the policy's hot path
+        # density of each sampled leaf: its class's table at its age
         now, meta, table = self._now, self._meta, self._density
-        log2, top = math.log2, AGE_BINS - 1
-        ranked = []
-        for b in sample:
-            if b in candidates:
-                m = meta[b]
-                age = now - m[0]
-                at = min(top, int(2.0 * log2(1.0 + age / AGE_UNIT_S))) if age > 0 else 0
-                ranked.append((table[m[7]][at], b))
-        ranked.sort()
+        ranked = sorted((table[meta[b][7]][age_bin(now - meta[b][0])], b) for b in sample if b in candidates)
         return EvictionDecision(tuple(b for _, b in ranked[:num_blocks]))

@@ -10,14 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sagellm_plugin_prefix_cache.hashindex import HashPrefixCache, HashSettings, block_hashes, none_hash, sha256
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
+from prefix_cache_strategies import SERVE, prompt, req
+
 from sagellm_core import PluginContext
-from sagellm_core.types import Request
 
 BS = 4
-
-
-def req(rid, tokens, tenant="default", salt=None):
-    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1, tenant=tenant, cache_salt=salt)
 
 
 def test_hashes_are_vllms_chain(monkeypatch):
@@ -65,15 +62,9 @@ class SideBySide(RuleBasedStateMachine):
         b = getattr(self.hash, hook)(**kwargs)
         return a, b
 
-    @rule(
-        shared=st.integers(0, 24),
-        tail=st.lists(st.integers(0, 3), max_size=10),
-        base=st.integers(0, 2),
-        tenant=st.sampled_from(["a", "b"]),
-        salt=st.sampled_from([None, "x"]),
-    )
+    @rule(**SERVE)
     def serve(self, shared, tail, base, tenant, salt):
-        tokens = [base * 100 + i for i in range(shared)] + tail
+        tokens = prompt(shared, tail, base)
         if not tokens:
             return
         self.serial += 1

@@ -5,18 +5,16 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
+from prefix_cache_strategies import SERVE, prompt, req
+
 from sagellm_core import PluginContext
-from sagellm_core.types import Request, chain_key
+from sagellm_core.types import chain_key
 
 BS = 4
 
 
 def make():
     return RadixPrefixCache(RadixSettings(), PluginContext("radix", block_size=BS, num_blocks=1000))
-
-
-def req(rid, tokens, tenant="default", salt=None):
-    return Request(request_id=rid, prompt_token_ids=tokens, output_tokens=1, tenant=tenant, cache_salt=salt)
 
 
 class Blocks:
@@ -115,15 +113,9 @@ class TreeMachine(RuleBasedStateMachine):
         self.content: dict[int, bytes] = {}
         self.serial = 0
 
-    @rule(
-        shared=st.integers(0, 24),
-        tail=st.lists(st.integers(0, 3), max_size=10),
-        base=st.integers(0, 2),
-        tenant=st.sampled_from(["a", "b"]),
-        salt=st.sampled_from([None, "x"]),
-    )
+    @rule(**SERVE)
     def serve(self, shared, tail, base, tenant, salt):
-        tokens = [base * 100 + i for i in range(shared)] + tail
+        tokens = prompt(shared, tail, base)
         if not tokens:
             return
         self.serial += 1

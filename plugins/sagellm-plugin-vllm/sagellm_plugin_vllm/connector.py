@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sagellm_core.adapters import HostTierIndex
+from sagellm_core.tiers import HostTierIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import TransferPlan
 
