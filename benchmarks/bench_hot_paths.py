@@ -7,12 +7,14 @@
   directly;
 * prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
   100,000 cached blocks, and the share of it spent building page keys;
-* choosing 64 victims among 100,000 evictable blocks: LRU and LFU.
+* choosing 64 victims among 100,000 evictable blocks: LRU, LFU, the
+  predictive, cost-aware and SLO-aware policies.
 Prints p50 per call and the ratios.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 import statistics
 import time
@@ -20,14 +22,16 @@ import time
 import pluggy
 from rich.console import Console
 from rich.table import Table
+from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
+from sagellm_plugin_eviction.slo import SLOEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
 from sagellm_core.timing import HookTimer
-from sagellm_core.types import CachedBlock, Request
+from sagellm_core.types import CachedBlock, PrefixMatch, Request
 
 BS = 16
 NUM_BLOCKS = 100_000
@@ -94,14 +98,22 @@ def main() -> None:
         ("LRU", LRUEviction(None, ctx)),
         ("LFU", LFUEviction(None, ctx)),
         ("predictive (512 samples)", PredictiveEviction(PredictiveSettings(), ctx)),
+        ("cost-aware (GDSF)", CostAwareEviction(CostSettings(), ctx)),
+        ("SLO-aware, the 10k least recent protected", SLOEviction(None, ctx)),
     )
     for name, policy in policies:
         # as pluggy does, pass ``now_s`` only to the policies that take it
-        timed = {"now_s": 0.0} if isinstance(policy, PredictiveEviction) else {}
+        def timed(hook):
+            return {"now_s": 0.0} if "now_s" in inspect.signature(getattr(policy, hook)).parameters else {}
+
         if hasattr(policy, "sagellm_blocks_cached"):
-            policy.sagellm_blocks_cached(blocks=blocks, **timed)
+            policy.sagellm_blocks_cached(blocks=blocks, **timed("sagellm_blocks_cached"))
         for i in range(0, NUM_BLOCKS, 64):
-            policy.sagellm_blocks_released(blocks=blocks[i:i + 64], **timed)
+            policy.sagellm_blocks_released(blocks=blocks[i:i + 64], **timed("sagellm_blocks_released"))
+        if isinstance(policy, SLOEviction):
+            # a waiting request, its deadline ahead, whose prefix is LRU's first 10k victims
+            waiting = Request("waiting", [0], 1, deadline_s=60.0)
+            policy.sagellm_request_arrived(request=waiting, prediction=None, match=PrefixMatch(blocks[:10_000]))
         results[name] = p50_us(
             lambda p=policy: p.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
         )

@@ -61,6 +61,9 @@ class WorkloadSettings:
     #: whole conversations, e.g. a predictor's held-out ones.
     session_from: float = 0.0
     session_to: float = 1.0
+    #: Give every request a deadline (``Request.deadline_s``) this many
+    #: seconds after its (scaled) arrival: a TTFT SLO.
+    ttft_slo_s: float | None = None
     seed: int = 0
     # The built-in generator: multi-tenant chat sessions.
     tenants: int = 4
@@ -326,6 +329,17 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
     )
 
 
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+#: Fields that default to None but take a number: (check, what it accepts).
+_OPTIONAL_NUMBERS = {
+    "max_requests": (_positive_int, "a positive integer"),
+    "ttft_slo_s": (_positive_number, "a positive number of seconds"),
+}
+
+
 def _typed(t: _Table | None, cls: type) -> Any:
     """Fill a core settings class from a table, checking each value against
     the type of the field's default."""
@@ -335,9 +349,7 @@ def _typed(t: _Table | None, cls: type) -> Any:
     for field in attrs.fields(cls):
         default = field.default
         if default is None or isinstance(default, str):
-            ok, accepted = (lambda v: isinstance(v, str)), "a string"
-            if field.name == "max_requests":
-                ok, accepted = _positive_int, "a positive integer"
+            ok, accepted = _OPTIONAL_NUMBERS.get(field.name, ((lambda v: isinstance(v, str)), "a string"))
         elif isinstance(default, bool):
             ok, accepted = (lambda v: isinstance(v, bool)), "true or false"
         elif isinstance(default, int):

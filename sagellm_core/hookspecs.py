@@ -217,8 +217,12 @@ def sagellm_transfer_blocks(plan: TransferPlan) -> TransferResult | None:
 
 
 @hookspec
-def sagellm_request_arrived(request: Request, prediction: LifetimePrediction | None) -> None:
-    """A request entered the waiting queue."""
+def sagellm_request_arrived(
+    request: Request, prediction: LifetimePrediction | None, match: PrefixMatch
+) -> None:
+    """A request entered the waiting queue. ``match`` is the cached prefix a
+    lookup found for it then (empty where the engine does not say): the
+    blocks it will hit if they are still cached when it is admitted."""
 
 
 @hookspec

@@ -66,6 +66,8 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "host_hit_blocks": c.host_hit_blocks,
         "host_hit_rate": round(c.host_hit_blocks / c.query_blocks, 6) if c.query_blocks else 0.0,
         "tokens_saved": c.hit_tokens,
+        "lost_waiting_blocks": c.lost_waiting_blocks,
+        "prefill_compute_saved": _compute_saved(c, recorder.prefill_flops),
         "prefill_tokens": c.prefill_tokens,
         "reprefill_tokens": c.reprefill_tokens,
         "reprefill_rate": round(c.reprefill_tokens / (c.prefill_tokens + c.reprefill_tokens), 6)
@@ -85,6 +87,9 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "ttft_s": _percentiles(recorder.ttft_s) if timed else None,
         "tpot_s": _percentiles(recorder.tpot_s) if timed else None,
         "e2e_s": _percentiles(recorder.e2e_s) if timed else None,
+        "slo_attainment": round(recorder.deadlines_met / recorder.deadlines, 6)
+        if timed and recorder.deadlines
+        else None,
         "throughput_tokens_per_s": round(output_tokens / span, 2) if timed and span > 0 else None,
         "throughput_requests_per_s": round(recorder.finished / span, 4) if timed and span > 0 else None,
         "steps": recorder.steps,
@@ -105,6 +110,17 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
     }
 
 
+def _compute_saved(c, prefill_flops: tuple[float, float] | None) -> float | None:
+    """The share of the prompts' prefill FLOPs that device-cache hits saved:
+    FLOPs per token times tokens, plus FLOPs per causal token pair times
+    pairs (attention), both for the hits over both for the prompts."""
+    if prefill_flops is None or not c.query_tokens:
+        return None
+    per_token, per_pair = prefill_flops
+    total = per_token * c.query_tokens + per_pair * c.query_token_pairs
+    return round((per_token * c.hit_tokens + per_pair * c.hit_token_pairs) / total, 6)
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
@@ -119,6 +135,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("token_hit_rate", "token hit rate", "{:.4f}"),
     ("host_hit_rate", "host-tier hit rate", "{:.4f}"),
     ("tokens_saved", "tokens saved", "{:,}"),
+    ("lost_waiting_blocks", "hits lost while waiting (blocks)", "{:,}"),
+    ("prefill_compute_saved", "prefill compute saved", "{:.4f}"),
     ("prefill_tokens", "prefill tokens", "{:,}"),
     ("reprefill_tokens", "re-prefill tokens", "{:,}"),
     ("reprefill_rate", "re-prefill rate", "{:.4f}"),
@@ -133,6 +151,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("ttft_s.p99", "TTFT p99 (s)", "{:.3f}"),
     ("ttft_s.max", "TTFT max: longest wait (s)", "{:.3f}"),
     ("ttft_s.mean", "TTFT mean (s)", "{:.3f}"),
+    ("slo_attainment", "TTFT deadlines met", "{:.1%}"),
     ("e2e_s.mean", "end-to-end mean (s)", "{:.3f}"),
     ("e2e_s.p99", "end-to-end p99 (s)", "{:.3f}"),
     ("tpot_s.p50", "TPOT p50 (ms)", "ms"),

@@ -89,6 +89,14 @@ class Counters:
     hit_blocks: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    #: Causal (query, key) token pairs of the prompts and of their cached
+    #: prefixes, n(n+1)/2 each: the attention part of prefill compute, which
+    #: grows with depth, so a deep hit saves more than a shallow one.
+    query_token_pairs: int = 0
+    hit_token_pairs: int = 0
+    #: Cached blocks a request found at arrival but not at admission: its
+    #: prefix was evicted while it waited.
+    lost_waiting_blocks: int = 0
     prefill_tokens: int = 0
     reprefill_tokens: int = 0
     evicted_blocks: int = 0
@@ -400,8 +408,9 @@ class Runtime:
     def arrive(self, request: Request) -> SequenceState:
         prediction = self.predict_lifetime(request)
         state = SequenceState(request=request, prediction=prediction)
-        state.cached_tokens_hint = self.lookup(request).num_blocks * self.block_size
-        self.observe("sagellm_request_arrived", request=request, prediction=prediction)
+        match = self.lookup(request)
+        state.cached_tokens_hint = match.num_blocks * self.block_size
+        self.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
         return state
 
     def admit(self, state: SequenceState, token_budget: int, reserve_tokens: int = 0) -> int:
@@ -488,11 +497,14 @@ class Runtime:
             query = blocks_for(request.num_prompt_tokens, self.block_size)
             c.query_blocks += query
             c.hit_blocks += hit_blocks
+            c.lost_waiting_blocks += max(0, state.cached_tokens_hint // self.block_size - hit_blocks)
             tenant = c.tenant_blocks.setdefault(request.tenant, [0, 0])
             tenant[0] += query
             tenant[1] += hit_blocks
             c.query_tokens += request.num_prompt_tokens
             c.hit_tokens += cached
+            c.query_token_pairs += request.num_prompt_tokens * (request.num_prompt_tokens + 1) // 2
+            c.hit_token_pairs += cached * (cached + 1) // 2
             c.prefill_tokens += state.num_tokens - cached - host_blocks * self.block_size
         else:
             c.reprefill_tokens += state.num_tokens - cached

@@ -52,6 +52,10 @@ class Request:
     #: it (for a chat turn, the user's message; the history is in the token
     #: ids). Text-based lifetime predictors read it; ``None`` when unknown.
     prompt_text: str | None = None
+    #: When the first token is due (the request's TTFT SLO), in the same
+    #: clock as ``arrival_s``; ``None`` when it has no deadline. SLO-aware
+    #: policies read it; the report counts the deadlines met.
+    deadline_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

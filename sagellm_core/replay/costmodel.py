@@ -43,6 +43,16 @@ class ModelShape:
         return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
 
     @property
+    def flops_per_token(self) -> float:
+        """Dense FLOPs of one token through the weights (a multiply-add each)."""
+        return 2.0 * self.num_params
+
+    @property
+    def flops_per_token_pair(self) -> float:
+        """Attention FLOPs for one (query, key) pair: QK^T and AV, every layer."""
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
@@ -79,17 +89,17 @@ class CostModel:
     def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
         m = self.model
         tokens = 0
-        attn_flops = 0.0
+        pairs = 0.0
         kv_tokens = 0
         for c in chunks:
             n, ctx = c.num_new_tokens, c.num_context_tokens
             tokens += n
-            # QK^T and AV over the context and the causal part of the chunk.
-            attn_flops += 4.0 * m.num_layers * m.num_heads * m.head_dim * n * (ctx + (n + 1) / 2)
+            # Each new token attends to the context and the chunk up to itself.
+            pairs += n * (ctx + (n + 1) / 2)
             kv_tokens += ctx + n
         if tokens == 0:
             return 0.0
-        flops = 2.0 * m.num_params * tokens + attn_flops
+        flops = m.flops_per_token * tokens + m.flops_per_token_pair * pairs
         bytes_moved = m.num_params * m.dtype_bytes + kv_tokens * m.kv_bytes_per_token
         compute = flops / (self.hardware.flops * self.flops_efficiency)
         memory = bytes_moved / (self.hardware.bandwidth * self.bandwidth_efficiency)

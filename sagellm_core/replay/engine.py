@@ -62,6 +62,10 @@ class Recorder:
     tpot_s: array = attrs.field(factory=lambda: array("d"))
     e2e_s: array = attrs.field(factory=lambda: array("d"))
     finished: int = 0
+    #: Finished requests that had a deadline, and those whose first token
+    #: came by it.
+    deadlines: int = 0
+    deadlines_met: int = 0
     output_tokens: int = 0
     first_arrival_s: float = math.inf
     #: (time s, cumulative block hit rate, used blocks, cached blocks)
@@ -73,6 +77,9 @@ class Recorder:
     used_block_peak: int = 0
     fragmentation_sum: float = 0.0
     simulated_s: float = 0.0
+    #: The engine's prefill cost: (FLOPs per token, FLOPs per causal token
+    #: pair), for the share of prefill compute that cache hits saved.
+    prefill_flops: tuple[float, float] | None = None
     max_samples: int = 2000
     _every: int = 1
     _events: int = 0
@@ -82,6 +89,10 @@ class Recorder:
         self.output_tokens += outcome.num_output_tokens
         self.first_arrival_s = min(self.first_arrival_s, outcome.arrival_s)
         self.ttft_s.append(outcome.ttft_s)
+        deadline = outcome.request.deadline_s
+        if deadline is not None:
+            self.deadlines += 1
+            self.deadlines_met += outcome.first_token_s <= deadline
         self.e2e_s.append(outcome.finish_s - outcome.arrival_s)
         if outcome.tpot_s is not None:
             self.tpot_s.append(outcome.tpot_s)
@@ -124,7 +135,7 @@ class ReplayEngine:
         requests: Iterator[Request],
         on_request: Callable[[], None] = lambda: None,
     ) -> Recorder:
-        recorder = Recorder()
+        recorder = Recorder(prefill_flops=(self.cost.model.flops_per_token, self.cost.model.flops_per_token_pair))
         if self.settings.mode == "cache-only":
             self._cache_only(rt, requests, recorder, on_request)
         else:

@@ -59,6 +59,9 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
     if settings.time_scale != 1.0:
         scale = settings.time_scale
         requests = (attrs.evolve(r, arrival_s=r.arrival_s * scale) for r in requests)
+    if settings.ttft_slo_s is not None:
+        slo = settings.ttft_slo_s
+        requests = (attrs.evolve(r, deadline_s=r.arrival_s + slo) for r in requests)
     return _in_order(requests, settings.path or settings.source)
 
 

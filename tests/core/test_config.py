@@ -116,6 +116,13 @@ def test_overrides_apply_before_validation(tmp_path):
         config.load(path, {("kv_pool", "num_blocks"): 0})
 
 
+@pytest.mark.parametrize("value", ["0", "-1", '"soon"', "true"])
+def test_ttft_slo_must_be_a_positive_number(value):
+    with pytest.raises(ConfigError, match=r"good.toml: \[workload\] ttft_slo_s = .*: a positive number of seconds"):
+        settings_from_toml(GOOD.replace("tenants = 2", f"tenants = 2\nttft_slo_s = {value}"), "good.toml")
+    assert settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\nttft_slo_s = 2"), "good.toml").workload.ttft_slo_s == 2
+
+
 def test_time_scale_must_be_positive():
     with pytest.raises(ConfigError, match=r"good.toml: \[workload\] time_scale = 0: a positive number"):
         settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\ntime_scale = 0"), "good.toml")

@@ -156,3 +156,10 @@ def test_tenant_skew_makes_a_few_tenants_bring_most_sessions():
     # The unskewed workload is what it was: arrivals and prompts untouched.
     again = [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(even)]
     assert again == [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(attrs.evolve(even, tenant_skew=0.0))]
+
+
+def test_ttft_slo_gives_every_request_a_deadline_after_its_scaled_arrival():
+    base = WorkloadSettings(seed=2, sessions_per_tenant=2, time_scale=2.0)
+    assert all(r.deadline_s is None for r in workloads.load(base))
+    timed = list(workloads.load(attrs.evolve(base, ttft_slo_s=1.5)))
+    assert [r.deadline_s for r in timed] == pytest.approx([r.arrival_s + 1.5 for r in timed])

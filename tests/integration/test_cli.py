@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,11 @@ def test_plugins_lists_every_first_party_plugin(capsys, monkeypatch):
     for name in ("replay", "radix", "paged", "lru", "lfu", "fcfs", "prefix-aware", "stat", "local"):
         assert name in out
     assert "sagellm-plugin-eviction" in out and "select_victims" in out
+
+
+@pytest.mark.parametrize("config", sorted(str(p) for p in Path("contrib/configs").glob("mooncake-*.toml")))
+def test_every_mooncake_config_checks(config):
+    assert main(["config", "check", config]) == 0
 
 
 def test_config_check(tmp_path, capsys):

@@ -54,15 +54,19 @@ def machine(policy: str, cache: str = "radix"):
             tail=st.lists(st.integers(0, 50), max_size=12),
             outputs=st.one_of(st.none(), st.lists(st.integers(60, 90), min_size=1, max_size=9)),
             budget=st.integers(1, 64),
+            slo=st.one_of(st.none(), st.integers(0, 5)),
         )
-        def arrive_and_admit(self, base, shared, tail, outputs, budget):
+        def arrive_and_admit(self, base, shared, tail, outputs, budget, slo):
             prompt = BASES[base][:shared] + tail or [7]
             self.serial += 1
+            self.rt.now_s = float(self.serial)  # one request a second; some deadlines pass while waiting
             request = Request(
                 request_id=f"r{self.serial}",
                 prompt_token_ids=prompt,
                 output_tokens=len(outputs) if outputs else 3,
                 output_token_ids=outputs,
+                arrival_s=self.rt.now_s,
+                deadline_s=None if slo is None else self.rt.now_s + slo,
             )
             state = self.rt.arrive(request)
             self._admit(state, budget)
@@ -132,7 +136,7 @@ def machine(policy: str, cache: str = "radix"):
 @pytest.mark.parametrize(
     "policy, cache",
     [("lru", "radix"), ("lfu", "radix"), ("s3fifo", "radix"), ("arc", "radix"), ("predictive", "radix"),
-     ("fair", "radix isolate = \"tenant\""), ("lru", "hash"), ("s3fifo", "hash"),
+     ("cost", "radix"), ("slo", "radix"), ("fair", "radix isolate = \"tenant\""), ("lru", "hash"), ("s3fifo", "hash"),
      ("lru", "radix pin_after_hits = 2"), ("predictive", "radix pin_after_hits = 2")],
 )
 def test_runtime_block_accounting(policy, cache):

@@ -165,3 +165,39 @@ def test_host_tier_loads_evicted_prefixes_back():
     assert report["block_hit_rate"] == device_only["block_hit_rate"]
     assert report["prefill_tokens"] == device_only["prefill_tokens"] - report["host_hit_blocks"] * 16
     with_host.runtime.check_invariants()
+
+
+def test_deadlines_met_are_the_first_tokens_by_the_slo():
+    text = TIMED.format(mode="timed", blocks=300, eviction="slo", passes='["fcfs"]', budget=2048, rate=50.0)
+    result = session.run(settings_from_toml(text.replace("turns = 3", "turns = 3\nttft_slo_s = 0.5"), "t.toml"))
+    ttfts = list(result.recorder.ttft_s)
+    met = sum(t <= 0.5 for t in ttfts) / len(ttfts)
+    assert 0 < met < 1  # the tight pool makes some requests wait past the SLO
+    assert result.report["slo_attainment"] == round(met, 6)
+    assert run(blocks=300, rate=50.0).report["slo_attainment"] is None  # no deadlines, no figure
+    result.runtime.check_invariants()
+
+
+def test_prefill_compute_saved_weighs_hits_by_their_flops():
+    from sagellm_core.replay import workloads
+    from sagellm_core.replay.costmodel import MODELS
+
+    result = run(mode="cache-only", blocks=400)
+    c, r = result.runtime.counters, result.report
+    prompts = [req.num_prompt_tokens for req in workloads.load(result.runtime.settings.workload)]
+    assert c.query_token_pairs == sum(n * (n + 1) // 2 for n in prompts)
+    assert 0 < c.hit_token_pairs < c.query_token_pairs
+    m = MODELS["llama-3.1-8b"]
+    saved = m.flops_per_token * c.hit_tokens + m.flops_per_token_pair * c.hit_token_pairs
+    total = m.flops_per_token * c.query_tokens + m.flops_per_token_pair * c.query_token_pairs
+    assert r["prefill_compute_saved"] == round(saved / total, 6)
+    # Hits are prefixes, so the attention they save is less than their share of tokens.
+    assert r["prefill_compute_saved"] < r["token_hit_rate"]
+    assert r["lost_waiting_blocks"] == 0  # cache-only: nothing waits
+
+
+def test_blocks_evicted_while_a_request_waits_are_counted():
+    tight = run(blocks=300, rate=50.0)
+    c = tight.runtime.counters
+    assert c.lost_waiting_blocks > 0 and tight.report["lost_waiting_blocks"] == c.lost_waiting_blocks
+    assert run(blocks=4096, rate=50.0).report["lost_waiting_blocks"] == 0

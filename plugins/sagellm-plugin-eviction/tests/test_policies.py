@@ -5,14 +5,16 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 from sagellm_plugin_eviction.arc import ARCEviction
+from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
 from sagellm_plugin_eviction.fair import FairEviction, FairSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
 from sagellm_plugin_eviction.s3fifo import S3FIFOEviction, S3FIFOSettings
+from sagellm_plugin_eviction.slo import SLOEviction
 
 from sagellm_core import PluginContext
-from sagellm_core.types import CachedBlock, Request
+from sagellm_core.types import EMPTY_MATCH, CachedBlock, PrefixMatch, Request, RequestOutcome
 
 CTX = PluginContext("p", block_size=16, num_blocks=100)
 
@@ -90,7 +92,12 @@ def fair(settings, context):
     return FairEviction(FairSettings(), context)
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, fair])
+def cost(settings, context):
+    return CostAwareEviction(CostSettings(), context)
+
+
+@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, fair, cost,
+                                        SLOEviction])
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
@@ -306,3 +313,76 @@ def test_fair_forgets_evicted_blocks_and_skips_what_is_not_offered():
     p.sagellm_blocks_evicted(blocks=big[2:])
     assert p.usage() == {"big": 2, "small": 1}
     assert p.sagellm_select_victims(num_blocks=1, candidates={0, 100}).victim_ids == (0,)
+
+
+def test_cost_keeps_the_block_used_more_and_then_the_deeper_one():
+    p = CostAwareEviction(CostSettings(context_cost=1e-3), CTX)
+    shallow, deep, hot = CachedBlock(1, 0, None, 1), CachedBlock(2, 40, None, 2), CachedBlock(3, 0, None, 3)
+    p.sagellm_blocks_cached(blocks=(shallow, deep, hot))
+    p.sagellm_blocks_released(blocks=(shallow, deep, hot))
+    for _ in range(2):
+        p.sagellm_blocks_touched(blocks=(hot,))
+        p.sagellm_blocks_released(blocks=(hot,))
+    # One use each, but the block at depth 40 costs 1.65x as much to recompute.
+    assert p.cost(40) == pytest.approx(1 + 1e-3 * 16 * 40.5)
+    assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (1, 2, 3)
+    # Evicting raises the clock to the victim's priority: a block released
+    # afterwards outranks one used as often before.
+    p.sagellm_blocks_evicted(blocks=(shallow,))
+    assert p.clock == pytest.approx(1.0 + 1e-3 * 16 * 0.5)
+    again = CachedBlock(4, 0, None, 1)  # the evicted content, cached again: its use is remembered
+    p.sagellm_blocks_cached(blocks=(again,))
+    p.sagellm_blocks_released(blocks=(again,))
+    assert p._meta[4][1] == 2
+    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (2,)
+
+
+def test_cost_evicts_leaves_only_and_choosing_changes_nothing():
+    p = CostAwareEviction(CostSettings(), CTX)
+    a = chain(0, 3)
+    p.sagellm_blocks_cached(blocks=a)
+    p.sagellm_blocks_released(blocks=a)
+    assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (2,)
+    assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (2,)
+    assert p.sagellm_select_victims(num_blocks=3, candidates={0, 1}).victim_ids == ()
+    p.sagellm_blocks_evicted(blocks=(a[2],))
+    assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (1,)
+
+
+def test_slo_keeps_the_prefix_of_a_waiting_request_until_its_deadline():
+    p = SLOEviction(None, CTX)
+    old, waited_for = chain(0, 2), chain(10, 2)
+    p.sagellm_blocks_released(blocks=waited_for, now_s=0.0)  # least recent: LRU's first victims
+    p.sagellm_blocks_released(blocks=old, now_s=1.0)
+    request = Request("r", list(range(40)), 1, arrival_s=2.0, deadline_s=7.0)
+    p.sagellm_request_arrived(request=request, prediction=None, match=PrefixMatch(waited_for))
+    assert p.deadline(10) == 7.0 and p.deadline(0) is None
+    assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
+    # Only protected blocks left: they go, leaf first, rather than nothing.
+    assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (1, 0, 11, 10)
+    # A request without a deadline protects nothing.
+    p.sagellm_request_arrived(request=Request("n", [1] * 40, 1, arrival_s=2.0), prediction=None,
+                              match=PrefixMatch(old))
+    assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
+    # Past its deadline the request can no longer be helped: LRU order again.
+    p.sagellm_blocks_touched(blocks=(), now_s=7.5)
+    assert p.deadline(10) is None
+    assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (11, 10)
+
+
+def test_slo_gives_up_the_most_slack_first_and_forgets_finished_requests():
+    p = SLOEviction(None, CTX)
+    urgent, relaxed = chain(0, 1), chain(10, 1)
+    p.sagellm_blocks_released(blocks=urgent + relaxed, now_s=0.0)
+    for rid, blocks, deadline in (("u", urgent, 3.0), ("r", relaxed, 30.0)):
+        p.sagellm_request_arrived(request=Request(rid, [1] * 40, 1, deadline_s=deadline), prediction=None,
+                                  match=PrefixMatch(blocks))
+    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (10,)
+    outcome = RequestOutcome(Request("r", [1] * 40, 1, deadline_s=30.0), 1, 0, 0.0, 1.0, 1.0, 0, None)
+    p.sagellm_request_finished(outcome=outcome)
+    assert p.deadline(10) is None and p._guarded.keys() == {"u"}
+    assert p.sagellm_request_arrived(request=Request("x", [1], 1, deadline_s=1.0), prediction=None,
+                                     match=EMPTY_MATCH) is None
+    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (10,)
+    p.sagellm_blocks_evicted(blocks=urgent)
+    assert p.deadline(0) is None

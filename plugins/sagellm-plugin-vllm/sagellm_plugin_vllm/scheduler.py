@@ -33,7 +33,7 @@ from operator import attrgetter
 from typing import Callable
 
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+from sagellm_core.types import PrefixMatch, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from sagellm_plugin_vllm.block_pool import attach
 from sagellm_plugin_vllm.compat import (
@@ -112,12 +112,15 @@ class SagellmDecisions:
         req = sagellm_request(request)
         prediction = self.sagellm.predict_lifetime(req)
         state = SequenceState(request=req, prediction=prediction)
-        _, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
+        computed, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
         state.cached_tokens_hint = num_hit_tokens
         # Kept on the request itself: each step maps every waiting request to
         # its state, and an attribute read through map() is C-speed.
         request.sagellm_state = state
-        self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction)
+        observer = getattr(self.kv_cache_manager.block_pool, "sagellm", None)
+        hit = computed.blocks[0] if computed.blocks and observer is not None else ()
+        match = PrefixMatch(tuple(observer.cached[b.block_id] for b in hit if b.block_id in observer.cached))
+        self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction, match=match)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)
