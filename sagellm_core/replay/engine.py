@@ -13,8 +13,10 @@ workload in simulated time.
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
+from collections import deque
 from typing import Callable, Iterator
 
 import attrs
@@ -50,6 +52,11 @@ class ReplaySettings:
     #: cache-only: blocks for this many tokens beyond the prompt are taken at
     #: admission, as LMDeploy's prefill reserves 16 tokens of decode room.
     prealloc_tokens: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: timed: a conversation's turn (same ``session_id``) is sent only once
+    #: its previous turn has finished, at the later of its own arrival and
+    #: that finish, as a user waits for the answer before writing again.
+    #: Off, turns arrive when the workload says, answered or not.
+    closed_loop: bool = field(default=False, validator=validators.instance_of(bool))
 
 
 @attrs.define
@@ -114,6 +121,65 @@ class Recorder:
             self._every *= 2
 
 
+class Arrivals:
+    """The workload's requests in arrival order; in a closed loop, a turn of
+    a conversation with a turn still in flight is held until that one is
+    :meth:`done`, then arrives at the later of its own time and then."""
+
+    def __init__(self, requests: Iterator[Request], closed_loop: bool):
+        self._upcoming = iter(requests)
+        self._next = next(self._upcoming, None)
+        self._closed_loop = closed_loop
+        self._released: list[tuple[float, int, Request]] = []  # heap: turns let go by done()
+        self._serial = 0
+        self._in_flight: set[str] = set()  # sessions with a turn sent and not finished
+        self._held: dict[str, deque[Request]] = {}
+
+    def next_arrival_s(self) -> float | None:
+        """When the next request may arrive (a held one does not count)."""
+        upcoming = self._next.arrival_s if self._next is not None else math.inf
+        released = self._released[0][0] if self._released else math.inf
+        when = min(upcoming, released)
+        return None if when == math.inf else when
+
+    def due(self, now_s: float) -> Iterator[Request]:
+        """The requests arriving by ``now_s``, in arrival order."""
+        while True:
+            upcoming, released = self._next, self._released
+            if released and (upcoming is None or released[0][0] <= upcoming.arrival_s) and released[0][0] <= now_s:
+                yield heapq.heappop(released)[2]  # its session is still marked in flight
+                continue
+            if upcoming is None or upcoming.arrival_s > now_s:
+                return
+            self._next = next(self._upcoming, None)
+            session = upcoming.session_id
+            if self._closed_loop and session is not None:
+                if session in self._in_flight:
+                    self._held.setdefault(session, deque()).append(upcoming)
+                    continue
+                self._in_flight.add(session)
+            yield upcoming
+
+    def done(self, request: Request, now_s: float) -> None:
+        """``request`` finished (or was rejected) at ``now_s``."""
+        session = request.session_id
+        if not self._closed_loop or session is None:
+            return
+        held = self._held.get(session)
+        if not held:
+            self._in_flight.discard(session)
+            return
+        turn = held.popleft()
+        if not held:
+            del self._held[session]
+        self._serial += 1
+        arrival = max(turn.arrival_s, now_s)
+        # A deadline is an SLO from arrival: it moves with the arrival.
+        deadline = None if turn.deadline_s is None else turn.deadline_s + arrival - turn.arrival_s
+        sent = attrs.evolve(turn, arrival_s=arrival, deadline_s=deadline)
+        heapq.heappush(self._released, (arrival, self._serial, sent))
+
+
 class ReplayEngine:
     """The embedded default engine."""
 
@@ -170,21 +236,20 @@ class ReplayEngine:
 
     def _timed(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
         s = self.settings
-        upcoming = iter(requests)
-        nxt = next(upcoming, None)
+        arrivals = Arrivals(requests, s.closed_loop)
         waiting: list[SequenceState] = []
         running: list[SequenceState] = []
         now = 0.0
         step = 0
         while True:
-            while nxt is not None and nxt.arrival_s <= now:
-                rt.now_s = nxt.arrival_s
-                waiting.append(rt.arrive(nxt))
-                nxt = next(upcoming, None)
+            for request in arrivals.due(now):
+                rt.now_s = request.arrival_s
+                waiting.append(rt.arrive(request))
             if not waiting and not running:
+                nxt = arrivals.next_arrival_s()
                 if nxt is None:
                     break
-                now = nxt.arrival_s
+                now = nxt
                 continue
             rt.now_s = now
             usage = rt.pool_usage()
@@ -207,6 +272,7 @@ class ReplayEngine:
                 # there are): it can never be served.
                 head = waiting.pop(0)
                 rt.reject(head)
+                arrivals.done(head.request, now)
                 on_request()
                 continue
             duration = self.cost.step_time(plan.chunks)
@@ -227,6 +293,7 @@ class ReplayEngine:
                     state.finish_s = now
                     running.remove(state)
                     recorder.record(rt.finish(state))
+                    arrivals.done(state.request, now)
                     on_request()
             step += 1
             recorder.steps = step

@@ -201,3 +201,65 @@ def test_blocks_evicted_while_a_request_waits_are_counted():
     c = tight.runtime.counters
     assert c.lost_waiting_blocks > 0 and tight.report["lost_waiting_blocks"] == c.lost_waiting_blocks
     assert run(blocks=4096, rate=50.0).report["lost_waiting_blocks"] == 0
+
+
+def test_closed_loop_sends_a_turn_only_after_the_previous_one_finished():
+    from sagellm_core import hookimpl
+    from sagellm_core.replay import workloads
+    from sagellm_core.runtime import Runtime
+
+    class Outcomes:
+        def __init__(self):
+            self.seen = []
+
+        @hookimpl
+        def sagellm_request_finished(self, outcome):
+            self.seen.append(outcome)
+
+    def replay(closed_loop):
+        text = TIMED.format(mode="timed", blocks=2048, eviction="lru", passes='["fcfs"]', budget=512, rate=50.0)
+        settings = settings_from_toml(text.replace('mode = "timed"', f'mode = "timed"\nclosed_loop = {str(closed_loop).lower()}'), "t.toml")
+        engine, _ = session.build_engine(settings)
+        rt, outcomes = Runtime(settings), Outcomes()
+        rt.pm.register(outcomes)
+        engine.run(rt, workloads.load(settings.workload))
+        return outcomes.seen
+
+    def overlaps(seen):
+        by_session = {}
+        for o in seen:
+            by_session.setdefault(o.request.session_id, []).append(o)
+        count = 0
+        for turns in by_session.values():
+            turns.sort(key=lambda o: o.arrival_s)
+            count += sum(b.arrival_s < a.finish_s for a, b in zip(turns, turns[1:]))
+        return count
+
+    open_loop, closed = replay(False), replay(True)
+    assert overlaps(open_loop) > 0  # at this load, turns are sent before the previous answer is back
+    assert overlaps(closed) == 0 and len(closed) == len(open_loop) == 54
+    trace = {o.request.request_id: o.request.arrival_s for o in open_loop}
+    assert all(o.arrival_s >= trace[o.request.request_id] for o in closed)  # held back, never earlier
+    assert any(o.arrival_s > trace[o.request.request_id] for o in closed)
+
+
+def test_arrivals_hold_a_turn_until_its_predecessor_is_done():
+    from sagellm_core.replay.engine import Arrivals
+    from sagellm_core.types import Request
+
+    turns = [Request("a1", [1], 1, arrival_s=0.0, session_id="a"), Request("b1", [1], 1, arrival_s=0.5),
+             Request("a2", [1], 1, arrival_s=1.0, session_id="a", deadline_s=3.0),
+             Request("a3", [1], 1, arrival_s=2.0, session_id="a")]
+    arrivals = Arrivals(iter(turns), closed_loop=True)
+    assert [r.request_id for r in arrivals.due(5.0)] == ["a1", "b1"]  # a2 and a3 wait for a1
+    assert arrivals.next_arrival_s() is None
+    arrivals.done(turns[0], 6.0)
+    assert arrivals.next_arrival_s() == 6.0
+    (a2,) = arrivals.due(6.0)
+    assert (a2.request_id, a2.arrival_s, a2.deadline_s) == ("a2", 6.0, 8.0)  # its 2 s SLO moves with it
+    arrivals.done(a2, 6.5)  # a3's own time, 2.0, has passed: it arrives at 6.5
+    assert [(r.request_id, r.arrival_s) for r in arrivals.due(7.0)] == [("a3", 6.5)]
+    arrivals.done(turns[3], 8.0)
+    assert list(arrivals.due(100.0)) == [] and arrivals.next_arrival_s() is None
+    open_loop = Arrivals(iter(turns), closed_loop=False)
+    assert [r.request_id for r in open_loop.due(5.0)] == ["a1", "b1", "a2", "a3"]
