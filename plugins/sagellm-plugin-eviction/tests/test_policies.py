@@ -349,7 +349,7 @@ def test_cost_evicts_leaves_only_and_choosing_changes_nothing():
     assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (1,)
 
 
-def test_slo_keeps_the_prefix_of_a_waiting_request_until_its_deadline():
+def test_slo_holds_back_waiting_prefixes_and_gives_up_those_without_a_chance_first():
     p = SLOEviction(None, CTX)
     old, waited_for = chain(0, 2), chain(10, 2)
     p.sagellm_blocks_released(blocks=waited_for, now_s=0.0)  # least recent: LRU's first victims
@@ -358,13 +358,14 @@ def test_slo_keeps_the_prefix_of_a_waiting_request_until_its_deadline():
     p.sagellm_request_arrived(request=request, prediction=None, match=PrefixMatch(waited_for))
     assert p.deadline(10) == 7.0 and p.deadline(0) is None
     assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
-    # Only protected blocks left: they go, leaf first, rather than nothing.
+    # Only held-back blocks left: they go, leaf first, rather than nothing.
     assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (1, 0, 11, 10)
-    # A request without a deadline protects nothing.
+    # A waiting request without a deadline holds its prefix back too, but
+    # gives it up before one that can still meet its deadline.
     p.sagellm_request_arrived(request=Request("n", [1] * 40, 1, arrival_s=2.0), prediction=None,
                               match=PrefixMatch(old))
     assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
-    # Past its deadline the request can no longer be helped: LRU order again.
+    # Past its deadline, r's prefix is worth no more than n's: LRU order among them.
     p.sagellm_blocks_touched(blocks=(), now_s=7.5)
     assert p.deadline(10) is None
     assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (11, 10)
@@ -372,17 +373,19 @@ def test_slo_keeps_the_prefix_of_a_waiting_request_until_its_deadline():
 
 def test_slo_gives_up_the_most_slack_first_and_forgets_finished_requests():
     p = SLOEviction(None, CTX)
-    urgent, relaxed = chain(0, 1), chain(10, 1)
+    urgent, relaxed, free = chain(0, 1), chain(10, 1), chain(20, 1)
     p.sagellm_blocks_released(blocks=urgent + relaxed, now_s=0.0)
     for rid, blocks, deadline in (("u", urgent, 3.0), ("r", relaxed, 30.0)):
         p.sagellm_request_arrived(request=Request(rid, [1] * 40, 1, deadline_s=deadline), prediction=None,
                                   match=PrefixMatch(blocks))
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (10,)
+    p.sagellm_blocks_released(blocks=free, now_s=1.0)
+    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (20,)
     outcome = RequestOutcome(Request("r", [1] * 40, 1, deadline_s=30.0), 1, 0, 0.0, 1.0, 1.0, 0, None)
-    p.sagellm_request_finished(outcome=outcome)
+    p.sagellm_request_finished(outcome=outcome)  # its prefix is LRU's again, just released
     assert p.deadline(10) is None and p._guarded.keys() == {"u"}
+    assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (20, 10, 0)
     assert p.sagellm_request_arrived(request=Request("x", [1], 1, deadline_s=1.0), prediction=None,
                                      match=EMPTY_MATCH) is None
-    assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (10,)
     p.sagellm_blocks_evicted(blocks=urgent)
-    assert p.deadline(0) is None
+    assert p.deadline(0) is None and 0 not in p._guards
