@@ -13,7 +13,8 @@ replay's LRU figure (0.2149 at 10,000 blocks). It prints:
 2. the hit rate of an oracle that evicts blocks that are never used again
    first (then LRU): how much a perfect dead-block predictor is worth;
 3. how far apart uses of a block are (in requests), by its number of
-   earlier uses, and how many distinct blocks are used only once;
+   earlier uses, how many distinct blocks are used only once, and how
+   often a block is used again by the depth at which it was first seen;
 4. the hazard of a conversation's next turn against the requests elapsed
    since its last one, by turns so far: whether recency predicts reuse.
 
@@ -104,6 +105,15 @@ def reuse_gaps(chains):
         print(f"{k}{'+' if k == 3 else ''} | {len(g)} | {g[len(g) // 2]} | {g[int(len(g) * 0.9)]}")
     once = sum(1 for n in uses.values() if n == 1)
     print(f"distinct full blocks: {len(uses)}, used once: {once} ({once / len(uses):.0%})")
+    # Whether depth tells reuse apart (the predictive policy's depth bands,
+    # and why weighing deep blocks up does not pay in the cost-aware one).
+    first_depth = {}
+    for chain in chains:
+        for depth, h in enumerate(chain):
+            first_depth.setdefault(h, depth)
+    for name, band in (("before depth 4", range(0, 4)), ("depth 4 to 15", range(4, 16)), ("depth 16 on", range(16, 1 << 30))):
+        blocks = [h for h, d in first_depth.items() if d in band]
+        print(f"blocks first seen {name}: {len(blocks)}, used again: {sum(uses[h] > 1 for h in blocks) / len(blocks):.0%}")
 
 
 def hazard(chains):
