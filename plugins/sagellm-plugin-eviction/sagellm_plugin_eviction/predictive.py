@@ -31,8 +31,9 @@ its leaf, and its parent becomes a leaf in turn.
 from __future__ import annotations
 
 import math
-import random
 from collections import OrderedDict
+
+import numpy
 
 from attrs import field, frozen, validators
 
@@ -73,21 +74,26 @@ class PredictiveEviction:
 
     def __init__(self, settings: PredictiveSettings, context: PluginContext):
         self.settings = settings
-        self.rng = random.Random(settings.seed)
+        self.rng = numpy.random.default_rng(settings.seed)
         self.ghost_limit = context.num_blocks
         # block -> [released at (s), uses, content key, parent, cached children, held, depth, class]
         self._meta: dict[int, list] = {}
         self._ghost: OrderedDict[int, int] = OrderedDict()  # content key -> uses
-        # The evictable leaves, indexable for sampling.
-        self._evictable: list[int] = []
-        self._position: dict[int, int] = {}
+        # The evictable leaves, for sampling: in arrays by position, the
+        # block, its release time and its class (fixed while it is
+        # evictable), so a choice ranks its sample in a few vectorised steps.
+        self._count = 0
+        self._position: dict[int, int] = {}  # block -> position
+        self._block_at = numpy.zeros(1024, dtype=numpy.int64)
+        self._released_at = numpy.zeros(1024)
+        self._class_of = numpy.zeros(1024, dtype=numpy.intp)
         n = 3 * settings.classes
         self._hits = [[0.0] * AGE_BINS for _ in range(n)]
         self._ends = [[0.0] * AGE_BINS for _ in range(n)]
         self._events = 0
         self._now = 0.0
         # Until a refit, favour the recently released (LRU).
-        self._density = [[1.0 / (1.0 + bin_age(b)) for b in range(AGE_BINS)] for _ in range(n)]
+        self._density = numpy.array([[1.0 / (1.0 + bin_age(b)) for b in range(AGE_BINS)] for _ in range(n)])
 
     # -------------------------------------------------------- bookkeeping --
 
@@ -98,17 +104,29 @@ class PredictiveEviction:
     def _add_evictable(self, block_id: int) -> None:
         meta = self._meta[block_id]
         if not meta[5] and meta[4] == 0 and block_id not in self._position:
-            self._position[block_id] = len(self._evictable)
-            self._evictable.append(block_id)
+            index = self._count
+            if index == len(self._block_at):
+                self._block_at = numpy.resize(self._block_at, 2 * index)
+                self._released_at = numpy.resize(self._released_at, 2 * index)
+                self._class_of = numpy.resize(self._class_of, 2 * index)
+            self._count += 1
+            self._position[block_id] = index
+            self._block_at[index] = block_id
+            self._released_at[index] = meta[0]
+            self._class_of[index] = meta[7]
 
     def _drop_evictable(self, block_id: int) -> None:
         index = self._position.pop(block_id, None)
         if index is None:
             return
-        last = self._evictable.pop()
-        if last != block_id:
-            self._evictable[index] = last
-            self._position[last] = index
+        self._count -= 1
+        last = self._count
+        if index != last:  # the last one fills the gap
+            moved = int(self._block_at[last])
+            self._position[moved] = index
+            self._block_at[index] = moved
+            self._released_at[index] = self._released_at[last]
+            self._class_of[index] = self._class_of[last]
 
     def _record(self, table: list[list[float]], cls: int, age_s: float) -> None:
         table[cls][age_bin(age_s)] += 1.0
@@ -189,14 +207,21 @@ class PredictiveEviction:
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
-        pool = self._evictable
-        n = len(pool)
-        if self.settings.samples + num_blocks < n:
-            draw = self.rng.random
-            sample = {pool[int(draw() * n)] for _ in range(self.settings.samples + num_blocks)}
-        else:
-            sample = pool
+        n = self._count
+        if n == 0:
+            return EvictionDecision(())
+        draws = self.settings.samples + num_blocks
+        sample = numpy.unique(self.rng.integers(0, n, size=draws)) if draws < n else numpy.arange(n)
         # density of each sampled leaf: its class's table at its age
-        now, meta, table = self._now, self._meta, self._density
-        ranked = sorted((table[meta[b][7]][age_bin(now - meta[b][0])], b) for b in sample if b in candidates)
-        return EvictionDecision(tuple(b for _, b in ranked[:num_blocks]))
+        ages = numpy.maximum(self._now - self._released_at[sample], 0.0)
+        bins = numpy.minimum(AGE_BINS - 1, (2.0 * numpy.log2(1.0 + ages / AGE_UNIT_S)).astype(numpy.intp))
+        density = self._density[self._class_of[sample], bins]
+        blocks = self._block_at[sample]
+        victims: list[int] = []
+        for i in numpy.lexsort((blocks, density)):  # lowest density first, ties by block id
+            block = int(blocks[i])
+            if block in candidates:
+                victims.append(block)
+                if len(victims) == num_blocks:
+                    break
+        return EvictionDecision(tuple(victims))
