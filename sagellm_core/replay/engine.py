@@ -122,9 +122,10 @@ class Recorder:
 
 
 class Arrivals:
-    """The workload's requests in arrival order; in a closed loop, a turn of
-    a conversation with a turn still in flight is held until that one is
-    :meth:`done`, then arrives at the later of its own time and then."""
+    """The workload's requests in arrival order. In a closed loop, a turn of
+    a conversation whose previous turn is still in flight is held until that
+    turn is :meth:`done`, and then arrives at the later of its own arrival
+    time and that turn's finish."""
 
     def __init__(self, requests: Iterator[Request], closed_loop: bool):
         self._upcoming = iter(requests)

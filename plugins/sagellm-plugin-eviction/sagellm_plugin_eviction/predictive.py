@@ -11,7 +11,8 @@ block 16, deeper: on the Mooncake trace 36%, 29% and 22% of the blocks first
 seen at those depths are used again, ``benchmarks/mooncake_study.py``). Per
 class, histograms over the age (seconds since the block was last released)
 count the hits that came at each age and the evictions that ended a block's
-life at each age, decayed so that the model follows the workload. From them, for every class and age::
+life at each age, decayed so that the model follows the workload. From
+them, for every class and age::
 
     density(class, age) = hits after age / (expected remaining life × blocks alive at age)
 
@@ -34,7 +35,6 @@ import math
 from collections import OrderedDict
 
 import numpy
-
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
