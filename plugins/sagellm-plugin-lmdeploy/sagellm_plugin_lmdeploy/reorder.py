@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from sagellm_core.types import EMPTY_MATCH, Request, RequestStatus, ScheduleIR, SequenceState
+from sagellm_core.types import Request, RequestStatus, ScheduleIR, SequenceState
 
 from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
 
@@ -63,9 +63,10 @@ class SagellmPrefillReorderer(_PrefillReorderer):
             state = self._states[id(seq)] = SequenceState(request=request, prediction=prediction)
             weakref.finalize(seq, self._states.pop, id(seq), None)
             state.cached_tokens_hint = trie._find_deepest_block_match_step(seq, trie._get_or_create_root(seq.adapter_name))
-            # LMDeploy's trie yields the matched length here, not its nodes:
-            # the arrival match is reported empty.
-            runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=EMPTY_MATCH)
+            # LMDeploy's lookup gives the matched length; the blocks are
+            # found by content key.
+            match = trie.sagellm.cached_prefix(seq.all_ids, seq.adapter_name, state.cached_tokens_hint // trie.block_size)
+            runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
         state.num_computed_tokens = seq.num_history_ids
         state.status = RequestStatus.WAITING
         return state

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import ROOT_KEY, CachedBlock, chain_key
+from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixMatch, chain_key
 
 from sagellm_plugin_lmdeploy.compat import BlockTrie, numpy
 
@@ -37,6 +37,7 @@ class TrieObserver:
         self.runtime = runtime
         self.block_size = block_size
         self.cached: dict[int, CachedBlock] = {}
+        self.by_key: dict[int, CachedBlock] = {}  # content key -> cached block (the trie holds one per key)
         self.nodes: dict[int, object] = {}
         self.evictable: set[int] = set()
 
@@ -82,6 +83,7 @@ class TrieObserver:
             known = self.cached.get(node.block_id)
             if known is None:
                 known = self.cached[node.block_id] = self._describe(node)
+                self.by_key[known.key] = known
                 self.nodes[node.block_id] = node
                 new.append(known)
                 if refs == 1:  # traversed, not taken (LMDeploy's recompute overlap)
@@ -104,7 +106,24 @@ class TrieObserver:
     def forget(self, block_id: int) -> CachedBlock:
         self.evictable.discard(block_id)
         self.nodes.pop(block_id)
-        return self.cached.pop(block_id)
+        block = self.cached.pop(block_id)
+        if self.by_key.get(block.key) is block:
+            del self.by_key[block.key]
+        return block
+
+    def cached_prefix(self, token_ids, adapter_name: str | None, num_blocks: int) -> PrefixMatch:
+        """The cached blocks holding the first ``num_blocks`` full blocks of
+        ``token_ids``, found by content key as :meth:`_describe` makes it."""
+        key = chain_key(ROOT_KEY, adapter_name.encode()) if adapter_name else ROOT_KEY
+        tokens = numpy.asarray(token_ids, dtype=numpy.int64)
+        blocks = []
+        for start in range(0, num_blocks * self.block_size, self.block_size):
+            key = chain_key(key, tokens[start:start + self.block_size].tobytes())
+            block = self.by_key.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixMatch(tuple(blocks))
 
 
 class SagellmPhysicalAllocator:

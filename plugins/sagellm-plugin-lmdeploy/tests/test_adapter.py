@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sagellm_core import session
+from sagellm_core import hookimpl, session
 from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.testing import declare_plugins, settings_from_toml
@@ -86,6 +86,15 @@ def test_the_passes_order_lmdeploys_prefills():
     the prefix-aware pass, the one whose prefix is cached goes first; in
     LMDeploy's own order (arrival) it would go last."""
     rt = runtime('[kv_pool]\nnum_blocks = 64\n[eviction]\nplugin = "lru"\n[scheduler]\npasses = ["prefix-aware"]\n')
+
+    class Arrivals:
+        matches = {}
+
+        @hookimpl
+        def sagellm_request_arrived(self, request, match):
+            self.matches[request.request_id] = match.block_ids
+
+    rt.pm.register(arrivals := Arrivals())
     with installed(rt):
         scheduler = build_scheduler(64, 16, max_batches=1)
         assert isinstance(scheduler.block_trie, SagellmBlockTrie)
@@ -101,6 +110,10 @@ def test_the_passes_order_lmdeploys_prefills():
         out = scheduler.schedule(is_prefill=True, prealloc_size=16)
     assert out.running == [seqs[2]]  # the cached 64-token prefix first
     assert seqs[2].num_history_ids == 64
+    # Each arrival was told the cached prefix it will hit: the warm prompt's 4 blocks.
+    warm_blocks = tuple(b.block_id for b in sorted(scheduler.block_trie.sagellm.cached.values(), key=lambda b: b.depth))
+    assert sorted(map(len, arrivals.matches.values())) == [0, 0, 4]
+    assert arrivals.matches[f"3/{seqs[2].seq_id}"] == warm_blocks
 
 
 @pytest.fixture
