@@ -28,12 +28,13 @@ Choosing k victims is O(k log n) on a heap of the evictable leaves.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
+
+from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, USES, VALUE, LeafChains
 
 
 @frozen
@@ -43,21 +44,18 @@ class CostSettings:
     context_cost: float = field(default=3.3e-5, converter=float, validator=validators.ge(0))
 
 
-class CostAwareEviction:
+class CostAwareEviction(LeafChains):
     """``[eviction] plugin = "cost"``"""
 
     Settings = CostSettings
 
     def __init__(self, settings: CostSettings, context: PluginContext):
+        super().__init__(context)  # records: [priority, uses, ...] (chains.py)
         self.settings = settings
         self.block_size = context.block_size
-        self.ghost_limit = context.num_blocks
         self.clock = 0.0
-        # block -> [priority, uses, content key, parent, cached children, held, depth]
-        self._meta: dict[int, list] = {}
-        self._ghost: OrderedDict[int, int] = OrderedDict()  # content key -> uses
         # (priority, push number, block): the evictable leaves, and stale
-        # entries that _valid() tells apart by push number.
+        # entries, told apart by their push number.
         self._heap: list[tuple[float, int, int]] = []
         self._pushed: dict[int, int] = {}  # block -> its live entry's push number
         self._pushes = 0
@@ -65,19 +63,19 @@ class CostAwareEviction:
     def cost(self, depth: int) -> float:
         return 1.0 + self.settings.context_cost * self.block_size * (depth + 0.5)
 
-    def _offer(self, block_id: int) -> None:
+    def _leaf(self, block_id: int) -> None:
         """Push the block if it is an evictable leaf."""
         meta = self._meta[block_id]
-        if not meta[5] and meta[4] == 0:
+        if not meta[HELD] and meta[CHILDREN] == 0:
             self._pushes += 1
             self._pushed[block_id] = self._pushes
-            heapq.heappush(self._heap, (meta[0], self._pushes, block_id))
+            heapq.heappush(self._heap, (meta[VALUE], self._pushes, block_id))
             if len(self._heap) > 2 * len(self._pushed) + 1024:
                 # Stale entries above the victims would stay forever: compact.
                 self._heap = [e for e in self._heap if self._pushed.get(e[2]) == e[1]]
                 heapq.heapify(self._heap)
 
-    def _withdraw(self, block_id: int) -> None:
+    def _not_leaf(self, block_id: int) -> None:
         self._pushed.pop(block_id, None)  # its heap entry goes stale
 
     # -------------------------------------------------------- observations --
@@ -85,46 +83,32 @@ class CostAwareEviction:
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
-            uses = self._ghost.pop(block.key, 0) + 1
-            self._meta[block.block_id] = [0.0, uses, block.key, block.parent_id, 0, True, block.depth]
-            parent = self._meta.get(block.parent_id) if block.parent_id is not None else None
-            if parent is not None:
-                parent[4] += 1
-                self._withdraw(block.parent_id)  # no longer a leaf
+            self._cache(block, 0.0)
 
     @hookimpl
     def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:
-                meta[1] += 1
-                meta[5] = True
-                self._withdraw(block.block_id)
+                meta[USES] += 1
+                meta[HELD] = True
+                self._not_leaf(block.block_id)
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:
-                meta[0] = self.clock + meta[1] * self.cost(meta[6])
-                meta[5] = False
-                self._offer(block.block_id)
+                meta[VALUE] = self.clock + meta[USES] * self.cost(meta[DEPTH])
+                meta[HELD] = False
+                self._leaf(block.block_id)
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
-            meta = self._meta.pop(block.block_id, None)
-            self._withdraw(block.block_id)
-            if meta is None:
-                continue
-            self.clock = max(self.clock, meta[0])
-            self._ghost[meta[2]] = meta[1]
-            if len(self._ghost) > self.ghost_limit:
-                self._ghost.popitem(last=False)
-            parent = self._meta.get(meta[3]) if meta[3] is not None else None
-            if parent is not None:
-                parent[4] -= 1
-                self._offer(meta[3])  # a leaf again, if unheld
+            meta = self._forget(block.block_id)
+            if meta is not None:
+                self.clock = max(self.clock, meta[VALUE])
 
     # ------------------------------------------------------------ decision --
 

@@ -32,13 +32,14 @@ its leaf, and its parent becomes a leaf in turn.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import numpy
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
+
+from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, USES, VALUE, LeafChains
 
 #: Age bins: bin b holds ages up to ``AGE_UNIT_S * (2 ** (b / 2) - 1)``.
 AGE_BINS = 48
@@ -67,18 +68,19 @@ class PredictiveSettings:
     seed: int = field(default=0, validator=validators.instance_of(int))
 
 
-class PredictiveEviction:
+#: The record's field after chains.py's: the block's class.
+CLASS = DEPTH + 1
+
+
+class PredictiveEviction(LeafChains):
     """``[eviction] plugin = "predictive"``"""
 
     Settings = PredictiveSettings
 
     def __init__(self, settings: PredictiveSettings, context: PluginContext):
+        super().__init__(context)  # records: [released at (s), uses, ..., depth, class] (chains.py)
         self.settings = settings
         self.rng = numpy.random.default_rng(settings.seed)
-        self.ghost_limit = context.num_blocks
-        # block -> [released at (s), uses, content key, parent, cached children, held, depth, class]
-        self._meta: dict[int, list] = {}
-        self._ghost: OrderedDict[int, int] = OrderedDict()  # content key -> uses
         # The evictable leaves, for sampling: in arrays by position, the
         # block, its release time and its class (fixed while it is
         # evictable), so a choice ranks its sample in a few vectorised steps.
@@ -101,9 +103,9 @@ class PredictiveEviction:
         band = 0 if depth < 4 else 1 if depth < 16 else 2
         return band * self.settings.classes + min(uses, self.settings.classes) - 1
 
-    def _add_evictable(self, block_id: int) -> None:
+    def _leaf(self, block_id: int) -> None:
         meta = self._meta[block_id]
-        if not meta[5] and meta[4] == 0 and block_id not in self._position:
+        if not meta[HELD] and meta[CHILDREN] == 0 and block_id not in self._position:
             index = self._count
             if index == len(self._block_at):
                 self._block_at = numpy.resize(self._block_at, 2 * index)
@@ -112,10 +114,10 @@ class PredictiveEviction:
             self._count += 1
             self._position[block_id] = index
             self._block_at[index] = block_id
-            self._released_at[index] = meta[0]
-            self._class_of[index] = meta[7]
+            self._released_at[index] = meta[VALUE]
+            self._class_of[index] = meta[CLASS]
 
-    def _drop_evictable(self, block_id: int) -> None:
+    def _not_leaf(self, block_id: int) -> None:
         index = self._position.pop(block_id, None)
         if index is None:
             return
@@ -157,13 +159,8 @@ class PredictiveEviction:
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         for block in blocks:
-            uses = self._ghost.pop(block.key, 0) + 1
-            self._meta[block.block_id] = [now_s, uses, block.key, block.parent_id, 0, True, block.depth,
-                                          self._class(uses, block.depth)]
-            parent = self._meta.get(block.parent_id) if block.parent_id is not None else None
-            if parent is not None:
-                parent[4] += 1
-                self._drop_evictable(block.parent_id)  # no longer a leaf
+            meta = self._cache(block, now_s)
+            meta.append(self._class(meta[USES], meta[DEPTH]))
 
     @hookimpl
     def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -171,11 +168,11 @@ class PredictiveEviction:
             meta = self._meta.get(block.block_id)
             if meta is None:
                 continue
-            self._record(self._hits, meta[7], now_s - meta[0])
-            meta[1] += 1
-            meta[7] = self._class(meta[1], meta[6])
-            meta[5] = True
-            self._drop_evictable(block.block_id)
+            self._record(self._hits, meta[CLASS], now_s - meta[VALUE])
+            meta[USES] += 1
+            meta[CLASS] = self._class(meta[USES], meta[DEPTH])
+            meta[HELD] = True
+            self._not_leaf(block.block_id)
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -183,25 +180,16 @@ class PredictiveEviction:
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:
-                meta[0] = now_s
-                meta[5] = False
-                self._add_evictable(block.block_id)
+                meta[VALUE] = now_s
+                meta[HELD] = False
+                self._leaf(block.block_id)
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         for block in blocks:
-            meta = self._meta.pop(block.block_id, None)
-            self._drop_evictable(block.block_id)
-            if meta is None:
-                continue
-            self._record(self._ends, meta[7], now_s - meta[0])
-            self._ghost[meta[2]] = meta[1]
-            if len(self._ghost) > self.ghost_limit:
-                self._ghost.popitem(last=False)
-            parent = self._meta.get(meta[3]) if meta[3] is not None else None
-            if parent is not None:
-                parent[4] -= 1
-                self._add_evictable(meta[3])  # a leaf again, if unheld
+            meta = self._forget(block.block_id)
+            if meta is not None:
+                self._record(self._ends, meta[CLASS], now_s - meta[VALUE])
 
     # ------------------------------------------------------------ decision --
 
