@@ -261,10 +261,12 @@ def plot(reports: Sequence[dict], timelines: Sequence[list], path: str | Path) -
 
 def _sweep_rows(runs, values, figure: str) -> tuple[list[str], list[list[str]]]:
     labels = list(dict.fromkeys(label for label, _, _ in runs))
-    cell = {(label, value): _get(r.report, figure) for label, value, r in runs}
+    # Keyed by repr: a swept value may be a list (scheduler.passes).
+    cell = {(label, repr(value)): _get(r.report, figure) for label, value, r in runs}
     rows = []
     for label in labels:
-        rows.append([label, *(_fmt(cell.get((label, v)), "{:.4f}" if isinstance(cell.get((label, v)), float) else "{}") for v in values)])
+        figures = [cell.get((label, repr(v))) for v in values]
+        rows.append([label, *(_fmt(f, "{:.4f}" if isinstance(f, float) else "{}") for f in figures)])
     return labels, rows
 
 

@@ -142,6 +142,16 @@ def test_sweep_over_pool_size(tmp_path, capsys):
     assert [r["sweep"]["value"] for r in json.loads(out.read_text())] == [1, 3]
 
 
+def test_sweep_over_a_list_valued_key(tmp_path):
+    md = tmp_path / "s.md"
+    args = ["sweep", "--config", "sagellm_core/default.toml", "--set", 'scheduler.passes=["fcfs"],["fcfs","prefix-aware"]',
+            "--max-requests", "40", "--quiet", "--markdown", str(md)]
+    assert main(args) == 0
+    header, _, row = md.read_text().splitlines()[:3]
+    assert header == "| block_hit_rate \\ scheduler.passes | ['fcfs'] | ['fcfs', 'prefix-aware'] |"
+    assert all(cell.strip() != "-" for cell in row.split("|")[2:-1])
+
+
 def test_tenant_fairness_in_the_report(tmp_path):
     out = tmp_path / "r.json"
     assert main(["replay", *SMALL, "--json", str(out)]) == 0

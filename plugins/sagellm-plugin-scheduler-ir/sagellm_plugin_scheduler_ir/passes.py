@@ -107,3 +107,38 @@ class ShortestPredictedPass:
         ir.waiting.sort(key=lambda state: self._remaining(state) - aging * (ir.now_s - state.request.arrival_s))
         if self.settings.order_running:
             ir.running.sort(key=self._remaining)
+
+
+@frozen
+class EarliestDeadlineSettings:
+    #: Requests already past their deadline go after those that can still
+    #: meet theirs: their deadline is lost either way, and serving the others
+    #: first saves more. Under sustained overload they can wait long (the
+    #: report's longest wait shows it). False: plain earliest deadline first.
+    late_last: bool = field(default=True, validator=validators.instance_of(bool))
+
+
+class EarliestDeadlinePass:
+    """``passes = ["edf"]``: earliest TTFT deadline first
+    (``Request.deadline_s``, from ``[workload] ttft_slo_s``). Requests whose
+    first token is out (preempted ones) go first, their deadline settled;
+    requests without a deadline go last, in arrival order."""
+
+    Settings = EarliestDeadlineSettings
+
+    def __init__(self, settings: EarliestDeadlineSettings, context: PluginContext):
+        self.late_last = settings.late_last
+
+    @hookimpl
+    def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
+        now, late_last = ir.now_s, self.late_last
+
+        def rank(state) -> tuple[int, float]:
+            deadline = state.request.deadline_s
+            if state.first_token_s is not None:
+                return (0, state.request.arrival_s)
+            if deadline is None:
+                return (3, state.request.arrival_s)
+            return (2 if late_last and deadline < now else 1, deadline)
+
+        ir.waiting.sort(key=rank)

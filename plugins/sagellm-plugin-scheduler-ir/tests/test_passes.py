@@ -1,5 +1,12 @@
 import pytest
-from sagellm_plugin_scheduler_ir.passes import FCFSPass, PrefixAwarePass, PrefixAwareSettings, PriorityPass
+from sagellm_plugin_scheduler_ir.passes import (
+    EarliestDeadlinePass,
+    EarliestDeadlineSettings,
+    FCFSPass,
+    PrefixAwarePass,
+    PrefixAwareSettings,
+    PriorityPass,
+)
 
 from sagellm_core import PluginContext
 from sagellm_core.types import Request, ScheduleIR, SequenceState
@@ -131,3 +138,19 @@ def test_sjf_never_starves(lengths, aging):
         waiting.append(predicted(f"n{i}", now, shortest))  # a newcomer every second
         i += 1
         assert now <= bound
+
+
+def test_edf_serves_the_deadlines_that_can_still_be_met_first():
+    def waiting(rid, arrival, deadline=None, started=False):
+        s = SequenceState(Request(rid, [1, 2], 1, arrival_s=arrival, deadline_s=deadline))
+        s.first_token_s = 9.0 if started else None
+        return s
+
+    states = [waiting("none", 0.0), waiting("late", 1.0, 4.0), waiting("soon", 3.0, 6.0),
+              waiting("later", 2.0, 8.0), waiting("preempted", 5.0, 5.5, started=True)]
+    x = ScheduleIR(5.0, 0, list(states), [], 100, 8, 16, 100, 0)  # now = 5 s: "late" has missed its deadline
+    EarliestDeadlinePass(EarliestDeadlineSettings(), CTX).sagellm_schedule_pass(ir=x)
+    assert ids(x.waiting) == ["preempted", "soon", "later", "late", "none"]
+    plain = ScheduleIR(5.0, 0, list(states), [], 100, 8, 16, 100, 0)
+    EarliestDeadlinePass(EarliestDeadlineSettings(late_last=False), CTX).sagellm_schedule_pass(ir=plain)
+    assert ids(plain.waiting) == ["preempted", "late", "soon", "later", "none"]
