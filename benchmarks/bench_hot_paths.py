@@ -30,6 +30,7 @@ from sagellm_plugin_eviction.slo import SLOEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
+from sagellm_core.testing import BlockIds, serve_prompt
 from sagellm_core.timing import HookTimer
 from sagellm_core.types import CachedBlock, PrefixMatch, Request
 
@@ -53,17 +54,11 @@ def build_cache():
     cache = RadixPrefixCache(RadixSettings(), ctx)
     rng = random.Random(0)
     head = [rng.randrange(32000) for _ in range(1024)]
-    next_block = 0
+    block_ids = BlockIds()
     prompts = []
-    while next_block < NUM_BLOCKS - 400:
+    while block_ids.next < NUM_BLOCKS - 400:
         tokens = head + [rng.randrange(32000) for _ in range(6400 - 1024)]
-        r = Request(f"r{next_block}", tokens, 1)
-        match = cache.sagellm_acquire_prefix(request=r)
-        n = len(tokens) // BS
-        ids = list(match.block_ids) + list(range(next_block, next_block + n - match.num_blocks))
-        next_block += n - match.num_blocks
-        cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids, block_ids=ids)
-        cache.sagellm_release_prefix(request=r)
+        serve_prompt(cache, Request(f"r{block_ids.next}", tokens, 1), BS, block_ids)
         prompts.append(tokens)
     return cache, prompts
 

@@ -465,7 +465,7 @@ class Runtime:
         host tier holds (a run from the first one), leaving one token to
         compute. Empty without ``offload_evicted``, or without keys from the
         prefix cache (``sagellm_block_keys`` is optional)."""
-        if self._host is None:
+        if not self._host:  # no tier, or nothing on it yet: no keys to compute
             return ()
         limit = (request.num_prompt_tokens - 1) // self.block_size
         if limit <= match.num_blocks:

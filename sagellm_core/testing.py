@@ -17,7 +17,7 @@ import tomllib
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.hookspecs import hookimpl
-from sagellm_core.types import EvictionDecision
+from sagellm_core.types import CachedBlock, EvictionDecision, Request
 
 
 def declare_plugins(folder: Path, entry_points: dict[str, dict[str, str]], name: str = "sagellm-test-plugins") -> None:
@@ -71,3 +71,27 @@ class StrangerVictims:
     @hookimpl
     def sagellm_select_victims(self, num_blocks, candidates):
         return EvictionDecision((10_000,))
+
+
+class BlockIds:
+    """Fresh block ids in order, as an empty pool hands them out."""
+
+    def __init__(self, first: int = 0):
+        self.next = first
+
+    def take(self, n: int) -> list[int]:
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def serve_prompt(cache, request: Request, block_size: int, block_ids: BlockIds) -> tuple[CachedBlock, ...]:
+    """Serve ``request`` through a prefix-cache plugin as the runtime does,
+    without a pool: acquire its cached prefix, insert its full blocks (the
+    uncached ones from ``block_ids``), release it. Returns the released
+    blocks (what an eviction policy is told became evictable)."""
+    match = cache.sagellm_acquire_prefix(request=request)
+    full = request.num_prompt_tokens // block_size
+    ids = [*match.block_ids, *block_ids.take(full - match.num_blocks)]
+    cache.sagellm_insert_prefix(request=request, token_ids=request.prompt_token_ids, block_ids=ids)
+    return cache.sagellm_release_prefix(request=request)

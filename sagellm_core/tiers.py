@@ -7,8 +7,9 @@ from typing import Hashable, Sequence
 
 
 class HostTierIndex:
-    """Which blocks the host tier holds, by content key, and in which slot. The transport chooses the slots (and reuses them
-    when the tier is full): recording a slot forgets the key it held."""
+    """Which blocks the host tier holds, by content key, and in which slot.
+    The transport chooses the slots (and reuses them when the tier is
+    full): recording a slot forgets the key it held."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity

@@ -20,3 +20,9 @@ def req(rid, tokens, tenant="default", salt=None):
 
 def prompt(shared, tail, base):
     return [base * 100 + i for i in range(shared)] + tail
+
+
+def drawn_request(serial, shared, tail, base, tenant, salt):
+    """The request a ``SERVE`` draw makes, or ``None`` when its prompt is empty."""
+    tokens = prompt(shared, tail, base)
+    return req(f"r{serial}", tokens, tenant, salt) if tokens else None

@@ -10,9 +10,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sagellm_plugin_prefix_cache.hashindex import HashPrefixCache, HashSettings, block_hashes, none_hash, sha256
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
-from prefix_cache_strategies import SERVE, prompt, req
+from prefix_cache_strategies import SERVE, drawn_request, req
 
 from sagellm_core import PluginContext
+from sagellm_core.testing import BlockIds
 
 BS = 4
 
@@ -53,7 +54,7 @@ class SideBySide(RuleBasedStateMachine):
         ctx = PluginContext("p", BS, 1000)
         self.radix = RadixPrefixCache(RadixSettings(isolate="tenant"), ctx)
         self.hash = HashPrefixCache(HashSettings(isolate="tenant"), ctx)
-        self.next_block = 0
+        self.blocks = BlockIds()
         self.holding: dict[str, set[int]] = {}
         self.serial = 0
 
@@ -63,21 +64,19 @@ class SideBySide(RuleBasedStateMachine):
         return a, b
 
     @rule(**SERVE)
-    def serve(self, shared, tail, base, tenant, salt):
-        tokens = prompt(shared, tail, base)
-        if not tokens:
-            return
+    def serve(self, **draw):
         self.serial += 1
-        r = req(f"r{self.serial}", tokens, tenant, salt)
+        r = drawn_request(self.serial, **draw)
+        if r is None:
+            return
         looked = self.both("sagellm_lookup_prefix", request=r)
         assert looked[0].block_ids == looked[1].block_ids
         m_radix, m_hash = self.both("sagellm_acquire_prefix", request=r)
         assert m_radix.block_ids == m_hash.block_ids
         assert [b.depth for b in m_radix.blocks] == [b.depth for b in m_hash.blocks]
         assert [b.parent_id for b in m_radix.blocks] == [b.parent_id for b in m_hash.blocks]
-        n_full = len(tokens) // BS
-        ids = list(m_radix.block_ids) + list(range(self.next_block, self.next_block + n_full - m_radix.num_blocks))
-        self.next_block += n_full - m_radix.num_blocks
+        n_full = r.num_prompt_tokens // BS
+        ids = list(m_radix.block_ids) + self.blocks.take(n_full - m_radix.num_blocks)
         i_radix, i_hash = self.both("sagellm_insert_prefix", request=r, token_ids=r.prompt_token_ids[: n_full * BS],
                                     block_ids=ids)
         for field in ("adopted", "locked"):

@@ -5,9 +5,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
-from prefix_cache_strategies import SERVE, prompt, req
+from prefix_cache_strategies import SERVE, drawn_request, req
 
 from sagellm_core import PluginContext
+from sagellm_core.testing import BlockIds
 from sagellm_core.types import chain_key
 
 BS = 4
@@ -15,16 +16,6 @@ BS = 4
 
 def make():
     return RadixPrefixCache(RadixSettings(), PluginContext("radix", block_size=BS, num_blocks=1000))
-
-
-class Blocks:
-    def __init__(self):
-        self.next = 0
-
-    def take(self, n):
-        ids = list(range(self.next, self.next + n))
-        self.next += n
-        return ids
 
 
 def serve(cache, blocks, rid, tokens):
@@ -38,7 +29,7 @@ def serve(cache, blocks, rid, tokens):
 
 
 def test_match_reuses_inserted_blocks_and_leaves_one_token():
-    cache, blocks = make(), Blocks()
+    cache, blocks = make(), BlockIds()
     a = serve(cache, blocks, "a", list(range(12)))  # 3 blocks
     released = cache.sagellm_release_prefix(request=a)
     assert [b.block_id for b in released] == [0, 1, 2]  # chain order, root first
@@ -51,7 +42,7 @@ def test_match_reuses_inserted_blocks_and_leaves_one_token():
 
 
 def test_divergence_splits_the_edge_and_locks_per_node():
-    cache, blocks = make(), Blocks()
+    cache, blocks = make(), BlockIds()
     a = serve(cache, blocks, "a", list(range(16)))  # blocks 0..3, one edge
     b = serve(cache, blocks, "b", list(range(8)) + [99] * 8)  # shares 2 blocks
     assert [cache.refcount(i) for i in range(4)] == [2, 2, 1, 1]
@@ -65,7 +56,7 @@ def test_divergence_splits_the_edge_and_locks_per_node():
 
 
 def test_evicting_a_block_drops_its_descendants():
-    cache, blocks = make(), Blocks()
+    cache, blocks = make(), BlockIds()
     for rid, tokens in (("a", list(range(16))), ("b", list(range(8)) + [99] * 8)):
         cache.sagellm_release_prefix(request=serve(cache, blocks, rid, tokens))
     removed = cache.sagellm_remove_blocks(block_ids=[1])
@@ -75,7 +66,7 @@ def test_evicting_a_block_drops_its_descendants():
 
 
 def test_locked_blocks_cannot_be_removed():
-    cache, blocks = make(), Blocks()
+    cache, blocks = make(), BlockIds()
     serve(cache, blocks, "a", list(range(8)))
     try:
         cache.sagellm_remove_blocks(block_ids=[0])
@@ -87,7 +78,7 @@ def test_locked_blocks_cannot_be_removed():
 
 
 def test_insert_of_cached_pages_reports_replacements_and_locks():
-    cache, blocks = make(), Blocks()
+    cache, blocks = make(), BlockIds()
     cache.sagellm_release_prefix(request=serve(cache, blocks, "a", list(range(8))))
     # "b" computed the same two pages into its own blocks 50, 51 (it was
     # admitted before "a" cached them), then one more page.
@@ -108,25 +99,24 @@ class TreeMachine(RuleBasedStateMachine):
         super().__init__()
         settings = RadixSettings(isolate="tenant", pin_after_hits=2, max_pinned_share=0.02)
         self.cache = RadixPrefixCache(settings, PluginContext("radix", BS, 1000))
-        self.blocks = Blocks()
+        self.blocks = BlockIds()
         self.holding: dict[str, set[int]] = {}
         self.content: dict[int, bytes] = {}
         self.serial = 0
 
     @rule(**SERVE)
-    def serve(self, shared, tail, base, tenant, salt):
-        tokens = prompt(shared, tail, base)
-        if not tokens:
-            return
+    def serve(self, **draw):
         self.serial += 1
-        rid = f"r{self.serial}"
-        r = req(rid, tokens, tenant, salt)
+        r = drawn_request(self.serial, **draw)
+        if r is None:
+            return
+        rid = r.request_id
         namespace = self.cache._namespace(r)
         match = self.cache.sagellm_acquire_prefix(request=r)
         assert all(b.namespace == namespace for b in match.blocks)  # namespaces never cross
         for i, block in enumerate(match.blocks):  # a match is the prompt's own pages
             assert self.content[block.block_id] == r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes()
-        n_full = len(tokens) // BS
+        n_full = r.num_prompt_tokens // BS
         ids = list(match.block_ids) + self.blocks.take(n_full - match.num_blocks)
         result = self.cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids[: n_full * BS], block_ids=ids)
         for given, cached in result.replaced:
@@ -215,7 +205,7 @@ def test_kv_events_let_a_router_track_the_cache(tmp_path):
 
     events = tmp_path / "events.jsonl"
     cache = RadixPrefixCache(RadixSettings(events=str(events)), PluginContext("radix", BS, 100))
-    blocks = Blocks()
+    blocks = BlockIds()
     cache.sagellm_release_prefix(request=serve(cache, blocks, "a", list(range(12))))
     cache.sagellm_release_prefix(request=serve(cache, blocks, "b", list(range(8)) + [7] * 8))
     key_of_block_1 = cache._info[1].key  # "b" shares blocks 0 and 1 with "a"
@@ -233,7 +223,7 @@ def test_kv_events_let_a_router_track_the_cache(tmp_path):
 
 def test_a_prefix_matched_often_is_pinned_within_the_cap():
     cache = RadixPrefixCache(RadixSettings(pin_after_hits=2, max_pinned_share=0.003), PluginContext("radix", BS, 1000))
-    blocks = Blocks()
+    blocks = BlockIds()
     system = list(range(8))  # two blocks every request shares
     first = serve(cache, blocks, "a", system + [50, 51, 52, 53, 54])
     cache.sagellm_release_prefix(request=first)

@@ -29,6 +29,7 @@ from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
+from sagellm_core.testing import BlockIds, serve_prompt
 from sagellm_core.types import Request
 
 from sagellm_plugin_vllm import compat as v
@@ -60,15 +61,9 @@ def prompts() -> list[list[int]]:
 def sagellm_side(all_prompts):
     cache = RadixPrefixCache(RadixSettings(), PluginContext("radix", BS, NUM_BLOCKS + 1000))
     lru = LRUEviction(None, PluginContext("lru", BS, NUM_BLOCKS + 1000))
-    next_block = 0
+    block_ids = BlockIds()
     for i, tokens in enumerate(all_prompts):
-        r = Request(f"r{i}", tokens, 1)
-        match = cache.sagellm_acquire_prefix(request=r)
-        n = len(tokens) // BS
-        ids = list(match.block_ids) + list(range(next_block, next_block + n - match.num_blocks))
-        next_block += n - match.num_blocks
-        cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids, block_ids=ids)
-        lru.sagellm_blocks_released(blocks=cache.sagellm_release_prefix(request=r))
+        lru.sagellm_blocks_released(blocks=serve_prompt(cache, Request(f"r{i}", tokens, 1), BS, block_ids))
     return cache, lru
 
 
