@@ -274,6 +274,68 @@ class Runtime:
         if len(set(ids)) != len(ids) or not self._cached.issuperset(ids):
             raise self._bad("prefix_cache", hook_name, f"matched blocks that are not cached: {ids}")
 
+    # The prefix cache's lifecycle, each answer checked. The runtime's own
+    # admit / cache / release use them; so does an engine adapter whose
+    # engine keeps its own block lifecycle but lets the prefix-cache plugin
+    # decide the matches (LMDeploy's).
+
+    def acquire_prefix(self, request: Request) -> PrefixMatch:
+        """Match ``request``'s prompt and lock the matched blocks for it."""
+        match = self._call("prefix_cache", "sagellm_acquire_prefix", request=request) or EMPTY_MATCH
+        try:
+            self._check_match(request, match, "sagellm_acquire_prefix")
+        except PluginError:
+            self._call("prefix_cache", "sagellm_release_prefix", request=request)
+            raise
+        return match
+
+    def release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
+        """Drop ``request``'s locks; return the blocks now evictable."""
+        return self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
+
+    def insert_prefix(self, request: Request, token_ids, block_ids: Sequence[int]) -> PrefixInsert | None:
+        """Cache the full blocks of ``token_ids``, held in ``block_ids``
+        (the matched prefix first, then blocks not cached yet). Checked: the
+        plugin adopts or replaces only given blocks that were not cached, and
+        replaces and locks only cached ones."""
+        result = self._call(
+            "prefix_cache", "sagellm_insert_prefix", request=request, token_ids=token_ids, block_ids=block_ids
+        )
+        if result is None:
+            return None
+        if not isinstance(result, PrefixInsert):
+            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"returned {result!r}, not a PrefixInsert")
+        given = set(block_ids)
+        adopted = [b.block_id for b in result.adopted]
+        if any(b not in given or b in self._cached for b in adopted) or any(
+            g not in given or g in self._cached or b.block_id not in self._cached for g, b in result.replaced
+        ):
+            raise self._bad(
+                "prefix_cache", "sagellm_insert_prefix",
+                f"adopted {adopted} / replaced {[g for g, _ in result.replaced]} of blocks {list(block_ids)}"
+                " it was not given or that were cached",
+            )
+        stray = [b.block_id for b in result.locked if b.block_id not in self._cached]
+        if stray:
+            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"locked blocks that are not cached: {stray[:8]}")
+        self._cached.update(adopted)
+        return result
+
+    def remove_cached(self, victims: Sequence[int]) -> tuple[CachedBlock, ...]:
+        """Drop the evictable ``victims`` (and their cached descendants) from
+        the prefix cache; return every block removed. The caller frees them."""
+        removed = self._call("prefix_cache", "sagellm_remove_blocks", block_ids=victims)
+        if not isinstance(removed, tuple) or not all(isinstance(b, CachedBlock) for b in removed):
+            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"returned {removed!r}, not CachedBlocks")
+        ids = [b.block_id for b in removed]
+        if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
+            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
+        self._cached.difference_update(ids)
+        return removed
+
+    def pinned_blocks(self) -> Collection[int]:
+        return self._call("prefix_cache", "sagellm_pinned_blocks") or ()
+
     def select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> tuple[int, ...]:
         """Ask the eviction policy for up to ``num_blocks`` of ``candidates``,
         checked: distinct, no more than asked, every one a candidate."""
@@ -310,19 +372,14 @@ class Runtime:
         return True
 
     def _evict(self, victims: Sequence[int]) -> int:
-        removed = self._call("prefix_cache", "sagellm_remove_blocks", block_ids=victims)
-        if not isinstance(removed, tuple) or not all(isinstance(b, CachedBlock) for b in removed):
-            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"returned {removed!r}, not CachedBlocks")
+        removed = self.remove_cached(victims)
         ids = [b.block_id for b in removed]
-        if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
-            raise self._bad("prefix_cache", "sagellm_remove_blocks", f"removed {ids} for victims {list(victims)}")
         if self.settings.offload_evicted:
             keys = tuple(b.key for b in removed)
             result = self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size, block_keys=keys))
             if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
                 self._host.record(keys, result.dst_block_ids)
         self.free_blocks(ids)
-        self._cached.difference_update(ids)
         self.counters.evicted_blocks += len(ids)
         self.observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
         return len(ids)
@@ -420,12 +477,7 @@ class Runtime:
         does). Return the tokens scheduled, or 0 (nothing changed) when
         memory does not allow it."""
         request = state.request
-        match = self._call("prefix_cache", "sagellm_acquire_prefix", request=request) or EMPTY_MATCH
-        try:
-            self._check_match(request, match, "sagellm_acquire_prefix")
-        except PluginError:
-            self._call("prefix_cache", "sagellm_release_prefix", request=request)
-            raise
+        match = self.acquire_prefix(request)
         cached = match.num_blocks * self.block_size
         host_keys = self._on_host(request, match) if state.num_preemptions == 0 else ()
         loaded = len(host_keys) * self.block_size
@@ -435,7 +487,7 @@ class Runtime:
         if num_new <= 0 or need > free + len(self.evictable()):
             # Roll back the lock only: the policy has not been told of it, so
             # there is nothing to observe and its order is untouched.
-            self._call("prefix_cache", "sagellm_release_prefix", request=request)
+            self.release_prefix(request)
             return 0
         if match.blocks:
             # Before any eviction, so the policy never picks a locked block.
@@ -510,7 +562,7 @@ class Runtime:
             c.reprefill_tokens += state.num_tokens - cached
 
     def _unlock_after_touch(self, request: Request) -> None:
-        released = self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
+        released = self.release_prefix(request)
         if released:
             self.observe("sagellm_blocks_released", blocks=released, now_s=self.now_s)
 
@@ -536,32 +588,11 @@ class Runtime:
         if num_full == 0:
             return
         given = state.block_ids[:num_full]
-        result = self._call(
-            "prefix_cache",
-            "sagellm_insert_prefix",
-            request=request,
-            token_ids=token_ids[: num_full * self.block_size],
-            block_ids=given,
-        )
+        result = self.insert_prefix(request, token_ids[: num_full * self.block_size], given)
         if result is None:
             return
-        if not isinstance(result, PrefixInsert):
-            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"returned {result!r}, not a PrefixInsert")
-        adopted = [b.block_id for b in result.adopted]
         position = {block_id: i for i, block_id in enumerate(given)}
-        if not state.private_block_ids.issuperset(adopted) or any(
-            g not in position or g not in state.private_block_ids or b.block_id not in self._cached
-            for g, b in result.replaced
-        ):
-            raise self._bad(
-                "prefix_cache", "sagellm_insert_prefix",
-                f"adopted {adopted} / replaced {[g for g, _ in result.replaced]} of blocks {given} it was not given",
-            )
-        stray = [b.block_id for b in result.locked if b.block_id not in self._cached]
-        if stray:
-            raise self._bad("prefix_cache", "sagellm_insert_prefix", f"locked blocks that are not cached: {stray[:8]}")
-        state.private_block_ids.difference_update(adopted)
-        self._cached.update(adopted)
+        state.private_block_ids.difference_update(b.block_id for b in result.adopted)
         if result.replaced:
             for given_id, cached in result.replaced:
                 state.block_ids[position[given_id]] = cached.block_id
@@ -585,7 +616,7 @@ class Runtime:
     def release(self, state: SequenceState) -> None:
         """Free the request's private blocks and drop its cache locks."""
         self.free_blocks(state.private_block_ids)
-        released = self._call("prefix_cache", "sagellm_release_prefix", request=state.request) or ()
+        released = self.release_prefix(state.request)
         state.block_ids = []
         state.private_block_ids = set()
         self._active.pop(state.request_id, None)
@@ -681,7 +712,7 @@ class Runtime:
         assert not (private & self._cached), "a block is both private and cached"
         assert private | self._cached == self._in_use, "a block is leaked (in use, owned by nobody)"
         evictable = set(self.evictable())
-        pinned = set(self._call("prefix_cache", "sagellm_pinned_blocks") or ())
+        pinned = set(self.pinned_blocks())
         assert evictable <= self._cached, "an evictable block is not cached"
         assert not (evictable & referenced), "a block held by a request is evictable"
         assert not (evictable & pinned), "a pinned block is evictable"

@@ -1,5 +1,6 @@
 """First-party plugins made to break their contract, one way each."""
 
+import attrs
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_kv_pool.paged import PagedPool
 from sagellm_plugin_lifetime.stat import StatLifetime
@@ -57,6 +58,17 @@ class OverMatching(RadixPrefixCache):
         from sagellm_core.types import CachedBlock
 
         return PrefixMatch(tuple(CachedBlock(900 + i, i, None) for i in range(n)))
+
+
+class AdoptingStrangers(RadixPrefixCache):
+    """Says it cached a block it was not given."""
+
+    @hookimpl
+    def sagellm_insert_prefix(self, request, token_ids, block_ids):
+        result = super().sagellm_insert_prefix(request, token_ids, block_ids)
+        from sagellm_core.types import CachedBlock
+
+        return attrs.evolve(result, adopted=(*result.adopted, CachedBlock(777, 0, None)))
 
 
 class CrashingLifetime(StatLifetime):

@@ -22,7 +22,10 @@ def bad_plugins(tmp_path, monkeypatch):
                 "not-a-decision": "bad_plugins:NotADecision",
             },
             "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
-            "sagellm.prefix_cache": {"over-matching": "bad_plugins:OverMatching"},
+            "sagellm.prefix_cache": {
+                "over-matching": "bad_plugins:OverMatching",
+                "adopting-strangers": "bad_plugins:AdoptingStrangers",
+            },
             "sagellm.lifetime": {
                 "crashing": "bad_plugins:CrashingLifetime",
                 "negative": "bad_plugins:NegativeLifetime",

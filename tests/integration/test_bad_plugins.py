@@ -103,6 +103,17 @@ def test_prefix_cache_claiming_uncached_blocks(bad_plugins):
     rt.check_invariants()  # the lock the plugin took was rolled back
 
 
+def test_prefix_cache_adopting_a_block_it_was_not_given(bad_plugins):
+    rt = runtime(cache="adopting-strangers")
+    state = rt.arrive(request("a", list(range(9))))
+    assert rt.admit(state, 64) == 9
+    state.num_computed_tokens = 9
+    before = set(rt._cached)
+    with pytest.raises(PluginError, match=r"^prefix_cache plugin 'adopting-strangers' .* sagellm_insert_prefix adopted \[0, 1, 777\] .* it was not given or that were cached$"):
+        rt.cache(state)
+    assert rt._cached == before  # nothing recorded as cached
+
+
 def test_plugin_that_raises_is_named(bad_plugins):
     rt = runtime(lifetime="crashing")
     with pytest.raises(PluginError) as err:

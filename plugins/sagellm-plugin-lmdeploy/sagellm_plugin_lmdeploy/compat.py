@@ -6,9 +6,20 @@ looks its builders up as module attributes when a ``Scheduler`` is built.
 The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
 
 * ``lmdeploy.pytorch.paging.scheduler.BlockTrie``: the prefix-cache trie,
-  replaced by ``SagellmBlockTrie`` (a subclass: LMDeploy's matching and
-  block identity stay; sagellm observes caching, hits and frees, and its
-  eviction policy chooses the blocks ``evict`` frees).
+  replaced by ``SagellmBlockTrie`` (a subclass overriding
+  ``_match_block_prefix``, ``allocate`` and ``evict``: sagellm observes
+  caching, hits and frees, and its eviction policy chooses the blocks
+  ``evict`` frees). Without a ``[prefix_cache] plugin`` LMDeploy's matching
+  and block identity stay (the subclass reads ``Node`` paths from
+  ``seq.prefix_cache.trie_cursor``). With one, the plugin matches
+  (``matching.PluginMatcher``), reading ``seq.history_cache``,
+  ``get_prefix_cache_max_match_step``, ``num_history_ids``,
+  ``num_valid_ids``, ``kv_token_limit`` and the multimodal / routed-expert /
+  recompute-overlap fields that rule a sequence out; the trie then does
+  what LMDeploy's walk does with a match: ``logical_blocks.append`` (and
+  ``[i] =`` for a folded duplicate), ``set_step``, the allocator's
+  ``update_access_time`` / ``add_ref_count`` / ``free`` and
+  ``BlockTrie._record_match_stats``.
 * ``lmdeploy.pytorch.paging.prefill_scheduler._PrefillReorderer``: the
   waiting-prefill order, replaced by ``SagellmPrefillReorderer`` (sagellm's
   scheduling passes). A new one is built every prefill turn, so the module

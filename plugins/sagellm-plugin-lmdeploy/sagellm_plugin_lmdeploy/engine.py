@@ -33,6 +33,9 @@ from sagellm_core.runtime import Runtime, blocks_for
 from sagellm_core.types import PoolUsage, Request, SequenceState
 
 SCHEDULERS = ("sagellm", "stock")
+#: LMDeploy's trie matches prefixes and its allocator picks physical blocks,
+#: unless the config names a prefix-cache / kv-pool plugin to decide them.
+OWNS_UNLESS_CONFIGURED = ("prefix_cache", "kv_pool")
 
 
 @frozen
@@ -84,10 +87,7 @@ class LmdeployEngine:
     """The engine entry point ``lmdeploy`` (``sagellm.engines``)."""
 
     Settings = LmdeployEngineSettings
-    #: LMDeploy's trie matches prefixes; its allocator picks physical blocks
-    #: unless the config names a kv-pool plugin.
-    owns = ("prefix_cache",)
-    owns_unless_configured = ("kv_pool",)
+    owns_unless_configured = OWNS_UNLESS_CONFIGURED
 
     def __init__(self, settings: LmdeployEngineSettings, context: PluginContext):
         from sagellm_plugin_lmdeploy import compat  # fails here, with the install hint, without LMDeploy

@@ -20,27 +20,23 @@ from sagellm_core.runtime import Runtime
 
 from sagellm_plugin_lmdeploy import compat
 from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
+from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
-#: LMDeploy's trie matches prefixes; its physical blocks come from the
-#: config's kv-pool plugin when it names one, else from LMDeploy's allocator.
-ENGINE_OWNS = ("prefix_cache",)
-
-
 def runtime_for(settings) -> Runtime:
     """The runtime of a harness's ``settings``, with the sections LMDeploy serves."""
-    return Runtime(settings, engine_owns=engine_sections(settings, ENGINE_OWNS, ("kv_pool",)))
+    return Runtime(settings, engine_owns=engine_sections(settings, (), OWNS_UNLESS_CONFIGURED))
 
 
 def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> Runtime:
     return load_engine_runtime(
         num_blocks,
         block_size,
-        engine_owns=ENGINE_OWNS,
+        engine_owns=(),
         path=path,
         where="sagellm-plugin-lmdeploy",
-        unless_configured=("kv_pool",),
+        unless_configured=OWNS_UNLESS_CONFIGURED,
     )
 
 

@@ -62,10 +62,8 @@ class SagellmPrefillReorderer(_PrefillReorderer):
             prediction = runtime.predict_lifetime(request)
             state = self._states[id(seq)] = SequenceState(request=request, prediction=prediction)
             weakref.finalize(seq, self._states.pop, id(seq), None)
-            state.cached_tokens_hint = trie._find_deepest_block_match_step(seq, trie._get_or_create_root(seq.adapter_name))
-            # LMDeploy's lookup gives the matched length; the blocks are
-            # found by content key.
-            match = trie.sagellm.cached_prefix(seq.all_ids, seq.adapter_name, state.cached_tokens_hint // trie.block_size)
+            match = trie.arrival_match(seq)
+            state.cached_tokens_hint = match.num_blocks * trie.block_size
             runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
         state.num_computed_tokens = seq.num_history_ids
         state.status = RequestStatus.WAITING

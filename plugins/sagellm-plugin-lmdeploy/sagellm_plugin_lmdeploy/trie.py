@@ -1,17 +1,22 @@
-"""LMDeploy's prefix-cache trie with sagellm choosing what to evict.
+"""LMDeploy's prefix-cache trie with sagellm choosing what to evict, and,
+with a ``[prefix_cache] plugin`` in the config, what matches.
 
-``SagellmBlockTrie`` is LMDeploy's ``BlockTrie``: its matching, block
-identity, de-duplication and reference counts stay. What changes:
+``SagellmBlockTrie`` is LMDeploy's ``BlockTrie``. Without a prefix-cache
+plugin its matching, block identity, de-duplication and reference counts
+stay. What changes:
 
 * the observation hooks see what the trie does: a match touches the blocks
   it reuses, ``allocate`` caches new full blocks (or touches the cached one
   a duplicate was folded into), and a free that leaves a block referenced by
-  the trie alone releases it;
+  the cache alone releases it;
 * ``evict`` frees the blocks sagellm's eviction policy names (with their
   cached descendants, which no lookup reaches once their parent is gone)
   instead of LMDeploy's least-recently-accessed leaves;
 * with a ``[kv_pool] plugin`` in the config, that plugin chooses the physical
-  GPU blocks LMDeploy's allocator hands out.
+  GPU blocks LMDeploy's allocator hands out;
+* with a ``[prefix_cache] plugin``, that plugin matches and caches in place
+  of LMDeploy's trie walk (:mod:`sagellm_plugin_lmdeploy.matching`), and its
+  pinned blocks are never offered to the policy.
 
 Blocks are described as the radix prefix cache describes them
 (:class:`CachedBlock`: depth, parent, the chained BLAKE2b content key over
@@ -22,11 +27,12 @@ match.
 
 from __future__ import annotations
 
-from sagellm_core.errors import ConfigError
+from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixMatch, chain_key
 
 from sagellm_plugin_lmdeploy.compat import BlockTrie, numpy
+from sagellm_plugin_lmdeploy.matching import PluginMatcher
 
 
 class TrieObserver:
@@ -72,24 +78,35 @@ class TrieObserver:
         out.reverse()
         return out
 
-    def on_matched(self, nodes: list, ref_counts) -> None:
-        hit = [self.cached[n.block_id] for n, refs in zip(nodes, ref_counts) if refs > 1 and n.block_id in self.cached]
+    def on_matched(self, blocks: list[CachedBlock], ref_counts) -> None:
+        hit = [b for b, refs in zip(blocks, ref_counts) if refs > 1 and b.block_id in self.cached]
         self.evictable.difference_update(b.block_id for b in hit)
         self._observe("sagellm_blocks_touched", hit)
 
-    def on_allocated(self, nodes: list, ref_counts) -> None:
-        new, folded = [], []
+    def on_trie_extended(self, nodes: list, ref_counts) -> None:
+        """LMDeploy's trie walked ``nodes`` to attach a sequence's blocks."""
+        new, new_refs, folded = [], [], []
         for node, refs in zip(nodes, ref_counts):
             known = self.cached.get(node.block_id)
             if known is None:
-                known = self.cached[node.block_id] = self._describe(node)
-                self.by_key[known.key] = known
                 self.nodes[node.block_id] = node
+                # Cached now: the next node's description reads its parent's key.
+                known = self.cached[node.block_id] = self._describe(node)
                 new.append(known)
-                if refs == 1:  # traversed, not taken (LMDeploy's recompute overlap)
-                    self.evictable.add(node.block_id)
+                new_refs.append(refs)
             elif refs > 1 and node.block_id in self.evictable:
                 folded.append(known)  # a duplicate folded into this cached block
+        self.on_inserted(new, new_refs, folded)
+
+    def on_inserted(self, new: list[CachedBlock], ref_counts, folded: list[CachedBlock]) -> None:
+        """``new`` blocks were cached; sequences' duplicates were folded into
+        the cached ``folded`` ones."""
+        for block, refs in zip(new, ref_counts):
+            self.cached[block.block_id] = block
+            self.by_key[block.key] = block
+            if refs == 1:  # traversed, not taken (LMDeploy's recompute overlap)
+                self.evictable.add(block.block_id)
+        folded = [b for b in folded if b.block_id in self.evictable]
         self.evictable.difference_update(b.block_id for b in folded)
         self._observe("sagellm_blocks_touched", folded)
         self._observe("sagellm_blocks_cached", new)
@@ -105,7 +122,7 @@ class TrieObserver:
 
     def forget(self, block_id: int) -> CachedBlock:
         self.evictable.discard(block_id)
-        self.nodes.pop(block_id)
+        self.nodes.pop(block_id, None)
         block = self.cached.pop(block_id)
         if self.by_key.get(block.key) is block:
             del self.by_key[block.key]
@@ -150,20 +167,55 @@ class SagellmPhysicalAllocator:
         return self.runtime.pool_usage().num_free_blocks
 
 
+class Unpinned:
+    """The evictable blocks less the pinned ones: the candidates a policy
+    may name (a live view; O(1) membership, O(pinned) size)."""
+
+    def __init__(self, evictable: set[int], pinned: set[int]):
+        self.evictable = evictable
+        self.pinned = pinned
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self.evictable and block_id not in self.pinned
+
+    def __len__(self) -> int:
+        return len(self.evictable) - sum(1 for b in self.pinned if b in self.evictable)
+
+    def __iter__(self):
+        return (b for b in self.evictable if b not in self.pinned)
+
+
 class SagellmBlockTrie(BlockTrie):
-    """``BlockTrie`` reporting to sagellm; sagellm's policy picks victims."""
+    """``BlockTrie`` reporting to sagellm; sagellm's policy picks victims,
+    and with a ``[prefix_cache] plugin`` that plugin decides the matches."""
 
     #: Set by :func:`sagellm_plugin_lmdeploy.install.installed` (a harness's
     #: runtime), else built from ``$SAGELLM_CONFIG`` for each trie.
     runtime: Runtime | None = None
 
-    def __init__(self, *, allocator, block_size: int, enabled: bool, **kwargs):
-        super().__init__(allocator=allocator, block_size=block_size, enabled=enabled, **kwargs)
+    def __init__(self, *, allocator, block_size: int, enabled: bool, checkpoint_state_manager=None, **kwargs):
         runtime = type(self).runtime
         if runtime is None:
             from sagellm_plugin_lmdeploy.install import load_runtime
 
             runtime = load_runtime(allocator._gpu_allocator.get_num_free_blocks(), block_size)
+        #: The prefix-cache plugin deciding matches (None: LMDeploy's trie walk).
+        self.matcher: PluginMatcher | None = None
+        if "prefix_cache" not in runtime.engine_owns:
+            if checkpoint_state_manager is not None:
+                raise ConfigError(
+                    f"sagellm-plugin-lmdeploy: {runtime.who('prefix_cache')} matches token blocks, and this model"
+                    " reuses SSM state checkpoints, which only LMDeploy's trie matches: leave out"
+                    " [prefix_cache] plugin"
+                )
+            self.matcher = PluginMatcher(runtime, block_size)
+        super().__init__(
+            allocator=allocator,
+            block_size=block_size,
+            enabled=enabled,
+            checkpoint_state_manager=checkpoint_state_manager,
+            **kwargs,
+        )
         self.sagellm = TrieObserver(runtime, block_size)
         if "kv_pool" not in runtime.engine_owns:
             # The config names a kv-pool plugin: it chooses LMDeploy's
@@ -187,58 +239,128 @@ class SagellmBlockTrie(BlockTrie):
         if len(blocks):
             self.sagellm.on_freed(blocks, self.allocator.get_ref_count(blocks))
 
-    def _refs(self, nodes: list):
-        if not nodes:
+    def _refs(self, block_ids: list[int]) -> list[int]:
+        if not block_ids:
             return []
-        return self.allocator.get_ref_count(numpy.array([n.block_id for n in nodes])).tolist()
+        return self.allocator.get_ref_count(numpy.array(block_ids, dtype=numpy.int64)).tolist()
+
+    def arrival_match(self, seq) -> PrefixMatch:
+        """The cached prefix ``seq`` would reuse now, changing nothing."""
+        if self.matcher is not None:
+            return self.matcher.lookup(seq)
+        # LMDeploy's lookup gives the matched length; the blocks are found
+        # by content key.
+        step = self._find_deepest_block_match_step(seq, self._get_or_create_root(seq.adapter_name))
+        return self.sagellm.cached_prefix(seq.all_ids, seq.adapter_name, step // self.block_size)
 
     def _match_block_prefix(self, seq) -> None:
-        start = seq.prefix_cache.trie_cursor
-        super()._match_block_prefix(seq)
-        nodes = self.sagellm.path(seq.prefix_cache.trie_cursor, start)
-        self.sagellm.on_matched(nodes, self._refs(nodes))
+        if self.matcher is None:
+            start = seq.prefix_cache.trie_cursor
+            super()._match_block_prefix(seq)
+            nodes = self.sagellm.path(seq.prefix_cache.trie_cursor, start)
+            blocks = [self.sagellm.cached[n.block_id] for n in nodes if n.block_id in self.sagellm.cached]
+            self.sagellm.on_matched(blocks, self._refs([b.block_id for b in blocks]))
+            return
+        # What LMDeploy's walk does with the blocks it matched, with the
+        # plugin's blocks: the sequence takes a reference to each and starts
+        # after them.
+        start = seq.num_history_ids
+        blocks = self.matcher.match(seq)
+        ids = [b.block_id for b in blocks]
+        if ids:
+            array = numpy.array(ids, dtype=numpy.int64)
+            self.allocator.update_access_time(array)
+            self.allocator.add_ref_count(array, 1)
+            seq.logical_blocks.append(array)
+            seq.set_step(start + len(ids) * self.block_size)
+        self._record_match_stats(seq, query_tokens=seq.num_all_ids - start, hit_tokens=len(ids) * self.block_size)
+        self.sagellm.on_matched(blocks, self._refs(ids))
 
     def allocate(self, seq) -> None:
-        start = seq.prefix_cache.trie_cursor
-        super().allocate(seq)
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self.matcher is None:
+            start = seq.prefix_cache.trie_cursor
+            super().allocate(seq)
             nodes = self.sagellm.path(seq.prefix_cache.trie_cursor, start)
-            self.sagellm.on_allocated(nodes, self._refs(nodes))
+            self.sagellm.on_trie_extended(nodes, self._refs([n.block_id for n in nodes]))
+            return
+        inserted = self.matcher.insert(seq)
+        if inserted is None:
+            return
+        result, positions = inserted
+        # As LMDeploy's trie: a new cached block takes one reference for the
+        # cache; a duplicate of a cached page is swapped for the cached block
+        # (the sequence's reference moves to it) and freed.
+        refs = [b.block_id for b in result.adopted]
+        for given, held in result.replaced:
+            seq.logical_blocks[positions[given]] = held.block_id
+            refs.append(held.block_id)
+        if refs:
+            self.allocator.add_ref_count(numpy.array(refs, dtype=numpy.int64), 1)
+        if result.replaced:
+            self.allocator.free(numpy.array([given for given, _ in result.replaced], dtype=numpy.int64))
+        self.sagellm.on_inserted(
+            list(result.adopted), self._refs([b.block_id for b in result.adopted]), [held for _, held in result.replaced]
+        )
 
     def evict(self, max_num_blocks: int) -> int:
         if not self.enabled:
             return 0
         evicted = self._state_checkpoints.evict_frozen_checkpoints(max_num_blocks)
         observer = self.sagellm
-        leaves = self._kv_lifecycle.leaves
+        pinned = set(observer.runtime.pinned_blocks()) if self.matcher is not None else set()
         removed: list[CachedBlock] = []
-        pinned: set[int] = set()
-        while evicted + len(removed) < max_num_blocks and len(observer.evictable) > len(pinned):
-            candidates = observer.evictable - pinned if pinned else observer.evictable
+        while evicted + len(removed) < max_num_blocks:
+            # The plain set while nothing is pinned: the policy probes it often.
+            candidates = Unpinned(observer.evictable, pinned) if pinned else observer.evictable
+            if not len(candidates):
+                break
             victims = observer.runtime.select_victims(max_num_blocks - evicted - len(removed), candidates)
-            if not victims or all(v in pinned for v in victims):
+            if not victims:
                 break  # the policy keeps the rest; the caller makes do with fewer
-            for victim in victims:
-                if victim not in observer.evictable:
-                    continue  # went with an ancestor chosen before it
-                node = observer.nodes[victim]
-                subtree = self._subtree_leaves_first(node)
-                if any(self._state_checkpoints.is_pinned(n) for n in subtree):
-                    pinned.add(victim)  # an SSM checkpoint copy is reading it: not now
-                    continue
-                parent = node.parent
-                for gone in subtree:
-                    self._state_checkpoints.release_checkpoint(gone)
-                    gone.detach_leaf()
-                    leaves.discard(gone)
-                    removed.append(observer.forget(gone.block_id))
-                if parent is not None and parent.parent is not None and not parent.children:
-                    leaves.add(parent)
+            gone = self._remove_from_plugin(victims) if self.matcher is not None else self._remove_from_trie(victims, pinned)
+            if not gone:
+                break  # every victim is pinned by an SSM checkpoint copy
+            removed.extend(gone)
         if removed:
             self._allocator_free(numpy.array([b.block_id for b in removed]))
             observer.runtime.counters.evicted_blocks += len(removed)
             observer._observe("sagellm_blocks_evicted", removed)
         return evicted + len(removed)
+
+    def _remove_from_plugin(self, victims) -> list[CachedBlock]:
+        gone = self.sagellm.runtime.remove_cached(victims)
+        held = [b.block_id for b, refs in zip(gone, self._refs([b.block_id for b in gone])) if refs != 1]
+        if held:
+            # Checked before any is freed: LMDeploy's sequences would read freed KV.
+            raise PluginError(
+                f"{self.sagellm.runtime.who('prefix_cache')} removed blocks that sequences hold: {held[:8]}"
+            )
+        return [self.sagellm.forget(b.block_id) for b in gone]
+
+    def _remove_from_trie(self, victims, pinned: set[int]) -> list[CachedBlock]:
+        """Detach each victim's subtree from LMDeploy's trie (its cached
+        descendants go with it: no lookup reaches them once it is gone)."""
+        observer, leaves = self.sagellm, self._kv_lifecycle.leaves
+        removed: list[CachedBlock] = []
+        for victim in victims:
+            if victim not in observer.evictable:
+                continue  # went with an ancestor chosen before it
+            node = observer.nodes[victim]
+            subtree = self._subtree_leaves_first(node)
+            if any(self._state_checkpoints.is_pinned(n) for n in subtree):
+                pinned.add(victim)  # an SSM checkpoint copy is reading it: not now
+                continue
+            parent = node.parent
+            for gone in subtree:
+                self._state_checkpoints.release_checkpoint(gone)
+                gone.detach_leaf()
+                leaves.discard(gone)
+                removed.append(observer.forget(gone.block_id))
+            if parent is not None and parent.parent is not None and not parent.children:
+                leaves.add(parent)
+        return removed
 
     def _subtree_leaves_first(self, node) -> list:
         order, stack = [], [node]

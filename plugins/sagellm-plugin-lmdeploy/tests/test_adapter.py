@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from sagellm_core import hookimpl, session
-from sagellm_core.errors import PluginError
+from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.testing import declare_plugins, settings_from_toml
 
@@ -18,13 +20,19 @@ from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 from .conftest import HERE
 
 
-def mooncake_config(trace, engine: str, policy: str, *, scheduler: str = "sagellm", n=300, blocks=3000) -> str:
+def mooncake_config(
+    trace, engine: str, policy: str, *, scheduler: str = "sagellm", matching: str | None = None, n=300, blocks=3000
+) -> str:
+    """``matching``: the prefix-cache plugin (replay needs one; inside
+    LMDeploy it replaces LMDeploy's trie walk)."""
     replay = engine == "replay"
+    if replay:
+        matching = matching or "radix"
     return (
         f'[engine]\nname = "{engine}"\n'
         + ('mode = "cache-only"\nprealloc_tokens = 16\n' if replay else f'scheduler = "{scheduler}"\n')
         + f'[workload]\nsource = "mooncake"\npath = "{trace}"\nmax_requests = {n}\n'
-        + "[prefix_cache]\nblock_size = 16\n" + ('plugin = "radix"\n' if replay else "")
+        + "[prefix_cache]\nblock_size = 16\n" + (f'plugin = "{matching}"\n' if matching else "")
         # sagellm's paged pool also picks LMDeploy's physical blocks when sagellm decides.
         + f"[kv_pool]\nnum_blocks = {blocks}\n" + ('plugin = "paged"\n' if replay or scheduler == "sagellm" else "")
         + f'[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
@@ -51,6 +59,100 @@ def test_lmdeploy_and_replay_hit_the_same_blocks(mooncake, policy):
     if policy == "lru":
         stock = counts(mooncake_config(mooncake, "lmdeploy", "lru", scheduler="stock"))
         assert stock[:2] == replay[:2]  # stock LMDeploy reports no evictions to sagellm
+
+
+@pytest.mark.parametrize("plugin", ["radix", "hash"])
+def test_the_prefix_cache_plugin_decides_lmdeploys_matches(mooncake, plugin):
+    """With ``[prefix_cache] plugin`` named, the plugin's index and not
+    LMDeploy's trie walk decides every match inside LMDeploy's scheduler:
+    LMDeploy's trie stays empty, the plugin holds exactly the blocks sagellm
+    sees cached, and LMDeploy's own hit statistics are the plugin's hits.
+    The hits and evictions equal replay with the plugin, and LMDeploy's own
+    trie with the same policy (both match exactly)."""
+    text = mooncake_config(mooncake, "lmdeploy", "s3fifo", matching=plugin)
+    settings = settings_from_toml(text)
+    engine, _ = session.build_engine(settings)
+    rt = runtime_for(settings)
+    engine.run(rt, session.workloads.load(settings.workload))
+    trie = engine.block_trie
+    assert trie.matcher is not None
+    assert not any(root.children for root in trie._roots.values()), "LMDeploy's trie walk cached blocks"
+    assert rt.num_cached_blocks == len(trie.sagellm.cached) > 0
+    assert set(rt.evictable()) == trie.sagellm.evictable  # every sequence ended: only the cache holds blocks
+    assert trie.stats.num_hit_tokens == rt.counters.hit_tokens > 0
+    inside = counts(text)
+    assert inside == counts(mooncake_config(mooncake, "replay", "s3fifo", matching=plugin))
+    assert inside == counts(mooncake_config(mooncake, "lmdeploy", "s3fifo"))
+    assert inside[2] > 0
+
+
+def test_kv_events_from_inside_lmdeploy(tmp_path):
+    """The radix plugin's KV events (blocks stored / removed, for a router)
+    describe LMDeploy's cache: replayed in order they leave exactly the
+    blocks cached at the end."""
+    events = tmp_path / "events.jsonl"
+    text = (
+        f'[engine]\nname = "lmdeploy"\n[prefix_cache]\nplugin = "radix"\nevents = "{events}"\n'
+        '[kv_pool]\nnum_blocks = 400\n[eviction]\nplugin = "lru"\n[report]\nhook_timing = false\n'
+    )
+    settings = settings_from_toml(text)
+    engine, _ = session.build_engine(settings)
+    rt = runtime_for(settings)
+    engine.run(rt, session.workloads.load(settings.workload))
+    held: set[int] = set()
+    removed = 0
+    for line in events.read_text().splitlines():
+        event = json.loads(line)
+        if event["type"] == "stored":
+            held.update(event["keys"])
+        else:
+            removed += len(event["keys"])
+            held.difference_update(event["keys"])
+    assert removed == rt.counters.evicted_blocks > 0
+    assert held == {b.key for b in engine.block_trie.sagellm.cached.values()}
+
+
+@pytest.mark.parametrize("pin_after_hits", [0, 2])
+def test_pinned_prefixes_survive_inside_lmdeploy(pin_after_hits):
+    """The radix plugin pins a prefix once it has been matched often enough;
+    inside LMDeploy a pinned block is never offered to the policy. System
+    prompt A is matched twice (pinned), then B once, then a long unrelated
+    prompt flushes all but two blocks of the pool: LRU keeps B's (used
+    last), so the next request of A misses, unless A is pinned."""
+    rt = runtime(f'[prefix_cache]\nplugin = "radix"\npin_after_hits = {pin_after_hits}\nmax_pinned_share = 0.25\n'
+                 '[kv_pool]\nnum_blocks = 32\n[eviction]\nplugin = "lru"\n')
+
+    def prompt(system: int, n: int):  # a 2-block system prompt, then 200 tokens of the request's own
+        return np.concatenate([np.arange(system, system + 32), np.arange(100 * n, 100 * n + 200)]).astype(np.int64)
+
+    flush = np.arange(50_000, 50_464, dtype=np.int64)  # 29 blocks, 30 with LMDeploy's decode reserve
+    order = [prompt(5000, 0), prompt(5000, 1), prompt(5000, 2), prompt(7000, 3), prompt(7000, 4), flush, prompt(5000, 5)]
+    hits = []
+    with installed(rt):
+        scheduler = build_scheduler(32, 16, max_batches=1)
+        for number, tokens in enumerate(order):
+            seq = scheduler.add_session(number).add_sequence(tokens, sampling_param=lm.SamplingParam(max_new_tokens=1))
+            out = scheduler.schedule(is_prefill=True, prealloc_size=16)
+            assert out.running == [seq]
+            hits.append(seq.num_history_ids)
+            scheduler.activate_seqs(out.running)
+            seq.update_token_ids(np.array([0]), mode=lm.UpdateTokenMode.PREFILL)
+            seq.finish()
+            scheduler.end_session(number)
+    assert hits[:6] == [0, 32, 32, 0, 32, 0]
+    pinned = set(rt.pinned_blocks())
+    if pin_after_hits:
+        assert len(pinned) == 2 and pinned <= set(scheduler.block_trie.sagellm.cached)
+        assert hits[6] == 32
+    else:
+        assert not pinned and hits[6] == 0
+
+
+def test_a_model_with_ssm_checkpoints_keeps_lmdeploys_matching():
+    rt = runtime('[prefix_cache]\nplugin = "radix"\n[kv_pool]\nnum_blocks = 16\n[eviction]\nplugin = "lru"\n')
+    allocator = build_scheduler(16, 16, max_batches=1).block_manager.allocator
+    with installed(rt), pytest.raises(ConfigError, match="radix.*SSM state checkpoints.*leave out"):
+        SagellmBlockTrie(allocator=allocator, block_size=16, enabled=True, checkpoint_state_manager=object())
 
 
 def test_policies_change_lmdeploys_hits():
