@@ -17,7 +17,7 @@ import tomllib
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.hookspecs import hookimpl
-from sagellm_core.types import CachedBlock, EvictionDecision, Request
+from sagellm_core.types import CachedBlock, EvictionDecision, PreemptionDecision, Request
 
 
 def declare_plugins(folder: Path, entry_points: dict[str, dict[str, str]], name: str = "sagellm-test-plugins") -> None:
@@ -57,6 +57,40 @@ def junit_results(report: Path, name=lambda case: f"{case.get('classname', '')}:
             message = (problem.get("message") or "").strip().splitlines()
             failed[name(case)] = message[0][:160] if message else problem.tag
     return total, failed
+
+
+class OldestFirstPreemption:
+    """An eviction plugin that preempts the running request that arrived
+    first (vLLM and LMDeploy take the last), and evicts in LRU order: for
+    checking that an engine adapter hands the preemption choice over.
+    Declare it with :func:`declare_plugins` as
+    ``"sagellm_core.testing:OldestFirstPreemption"``."""
+
+    def __init__(self, settings, context):
+        self.order = {}
+
+    @hookimpl
+    def sagellm_blocks_released(self, blocks):
+        for block in reversed(blocks):
+            self.order[block.block_id] = None
+
+    @hookimpl
+    def sagellm_blocks_touched(self, blocks):
+        for block in blocks:
+            self.order.pop(block.block_id, None)
+
+    @hookimpl
+    def sagellm_blocks_evicted(self, blocks):
+        for block in blocks:
+            self.order.pop(block.block_id, None)
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision(tuple(b for b in self.order if b in candidates)[:num_blocks])
+
+    @hookimpl
+    def sagellm_select_preemption(self, running, needed_by):
+        return PreemptionDecision(min(running, key=lambda s: s.request.arrival_s).request_id)
 
 
 class StrangerVictims:

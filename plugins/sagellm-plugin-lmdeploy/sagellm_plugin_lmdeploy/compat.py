@@ -27,6 +27,12 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   hint it calls ``BlockTrie._find_deepest_block_match_step`` (a lookup that
   changes nothing) from ``BlockTrie._get_or_create_root``.
 
+* ``lmdeploy.pytorch.paging.scheduler.build_eviction_helper``: builds
+  ``SagellmEvictionHelper``, a ``RecomputeEvictionHelper`` subclass
+  (``try_make_capacity_for``), in place of LMDeploy's; and
+  ``Scheduler.schedule_running``, wrapped to tell it the decode batch, so
+  sagellm chooses which running sequence is preempted
+  (``Scheduler.preempt_seqs``, ``MessageStatus.RUNNING``).
 * ``LogicalAllocator._gpu_allocator`` (``paging.block_manager``): LMDeploy's
   physical GPU-block allocator (``allocate``/``free``/``get_num_free_blocks``),
   replaced by ``SagellmPhysicalAllocator`` when the config names a kv-pool
@@ -64,12 +70,17 @@ from lmdeploy.pytorch.kv_connector.base import (  # noqa: E402
     KVLoadResult,
     KVSaveBlockLease,
 )
-from lmdeploy.pytorch.messages import SamplingParam, SequenceMeta, UpdateTokenMode  # noqa: E402
+from lmdeploy.pytorch.messages import MessageStatus, SamplingParam, SequenceMeta, UpdateTokenMode  # noqa: E402
 from lmdeploy.pytorch.paging import prefill_scheduler as prefill_scheduler_module  # noqa: E402
 from lmdeploy.pytorch.paging import scheduler as scheduler_module  # noqa: E402
 from lmdeploy.pytorch.paging.block_trie import BlockTrie  # noqa: E402
+from lmdeploy.pytorch.paging.eviction_helper import build_eviction_helper  # noqa: E402
+from lmdeploy.pytorch.paging.eviction_helper.recompute_eviction_helper import RecomputeEvictionHelper  # noqa: E402
 from lmdeploy.pytorch.paging.prefill_scheduler import _PrefillReorderer  # noqa: E402
 from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
+
+#: LMDeploy's own, kept before ``install`` wraps it.
+stock_schedule_running = Scheduler.schedule_running
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
 
 def connector_factory_users() -> list:
@@ -95,16 +106,20 @@ __all__ = [
     "KVLoadResult",
     "KVSaveBlockLease",
     "KVTransferConfig",
+    "MessageStatus",
+    "RecomputeEvictionHelper",
     "SamplingParam",
     "Scheduler",
     "SchedulerConfig",
     "SequenceMeta",
     "UpdateTokenMode",
     "_PrefillReorderer",
+    "build_eviction_helper",
     "build_kv_connector",
     "connector_factory_users",
     "numpy",
     "prefill_scheduler_module",
     "scheduler_module",
+    "stock_schedule_running",
     "torch",
 ]

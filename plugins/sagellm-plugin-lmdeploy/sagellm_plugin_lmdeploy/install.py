@@ -1,8 +1,9 @@
 """Installing sagellm's decisions into LMDeploy.
 
-LMDeploy has no plugin mechanism: the adapter rebinds the two module
-attributes ``compat`` names, before a ``Scheduler`` is built, in the process
-that builds it (with ``enable_mp_engine``, the engine process: import
+LMDeploy has no plugin mechanism: the adapter rebinds the module
+attributes ``compat`` names (and wraps ``Scheduler.schedule_running``)
+before a ``Scheduler`` is built, in the process that builds it (with
+``enable_mp_engine``, the engine process: import
 ``sagellm_plugin_lmdeploy.install`` and call :func:`install` there, e.g.
 from a ``sitecustomize`` module).
 
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from sagellm_core.adapters import engine_sections, load_engine_runtime
 from sagellm_core.runtime import Runtime
 
-from sagellm_plugin_lmdeploy import compat
+from sagellm_plugin_lmdeploy import compat, preemption
 from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
 from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
@@ -49,13 +50,15 @@ def build_kv_connector(role, cache_config, **kwargs):
 
 
 def install(runtime: Runtime | None = None) -> None:
-    """Make every ``Scheduler`` built from now on use sagellm's trie and
-    reorderer (with ``runtime``, or one per trie from ``$SAGELLM_CONFIG``),
-    and ``--kv-transfer-config '{"kv_connector": "SagellmConnector", ...}'``
+    """Make every ``Scheduler`` built from now on use sagellm's trie,
+    eviction helper (preemption victims) and reorderer (with ``runtime``, or
+    one per trie from ``$SAGELLM_CONFIG``), and ``--kv-transfer-config '{"kv_connector": "SagellmConnector", ...}'``
     build sagellm's connector (the engine and its model workers hold their
     own reference to LMDeploy's factory: both are rebound)."""
     SagellmBlockTrie.runtime = runtime
     compat.scheduler_module.BlockTrie = SagellmBlockTrie
+    compat.scheduler_module.build_eviction_helper = preemption.build_eviction_helper
+    compat.Scheduler.schedule_running = preemption.schedule_running
     compat.prefill_scheduler_module._PrefillReorderer = SagellmPrefillReorderer
     for module in compat.connector_factory_users():
         module.build_kv_connector = build_kv_connector
@@ -64,6 +67,8 @@ def install(runtime: Runtime | None = None) -> None:
 def uninstall() -> None:
     SagellmBlockTrie.runtime = None
     compat.scheduler_module.BlockTrie = compat.BlockTrie
+    compat.scheduler_module.build_eviction_helper = compat.build_eviction_helper
+    compat.Scheduler.schedule_running = compat.stock_schedule_running
     compat.prefill_scheduler_module._PrefillReorderer = compat._PrefillReorderer
     for module in compat.connector_factory_users():
         module.build_kv_connector = compat.build_kv_connector

@@ -18,11 +18,33 @@ from sagellm_core.types import Request, RequestStatus, ScheduleIR, SequenceState
 from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
 
 
-class SagellmPrefillReorderer(_PrefillReorderer):
-    #: id(sequence) -> its state, dropped when LMDeploy drops the sequence
-    #: (sequences are unhashable dataclasses: no WeakKeyDictionary).
-    _states: dict[int, SequenceState] = {}
+#: id(sequence) -> its state, dropped when LMDeploy drops the sequence
+#: (sequences are unhashable dataclasses: no WeakKeyDictionary).
+_states: dict[int, SequenceState] = {}
 
+
+def sequence_state(seq, runtime, trie) -> SequenceState:
+    """sagellm's state of an LMDeploy sequence, made (with a lifetime
+    prediction, the cached prefix as the hint, and the arrival observed)
+    the first time sagellm sees it, kept while it lives."""
+    state = _states.get(id(seq))
+    if state is None:
+        request = Request(
+            request_id=f"{seq.session_id}/{seq.seq_id}",
+            prompt_token_ids=seq.all_ids,
+            output_tokens=seq.sampling_param.max_new_tokens,
+            arrival_s=seq.arrive_time,
+        )
+        prediction = runtime.predict_lifetime(request)
+        state = _states[id(seq)] = SequenceState(request=request, prediction=prediction)
+        weakref.finalize(seq, _states.pop, id(seq), None)
+        match = trie.arrival_match(seq)
+        state.cached_tokens_hint = match.num_blocks * trie.block_size
+        runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
+    return state
+
+
+class SagellmPrefillReorderer(_PrefillReorderer):
     def reorder(self, waiting, turn_policy):
         trie = self.prefill_scheduler.block_trie
         observer = getattr(trie, "sagellm", None)
@@ -34,7 +56,10 @@ class SagellmPrefillReorderer(_PrefillReorderer):
         rest = sorted((seq for seq in waiting if not load.is_remote_ready(seq)), key=lambda seq: seq.arrive_time)
         if len(rest) < 2:
             return ready + rest
-        states = [self._state(seq, runtime, trie) for seq in rest]
+        states = [sequence_state(seq, runtime, trie) for seq in rest]
+        for state, seq in zip(states, rest):
+            state.num_computed_tokens = seq.num_history_ids
+            state.status = RequestStatus.WAITING
         by_state = {id(state): seq for state, seq in zip(states, rest)}
         ir = ScheduleIR(
             now_s=runtime.now_s,
@@ -49,22 +74,3 @@ class SagellmPrefillReorderer(_PrefillReorderer):
         )
         runtime.schedule(ir)
         return ready + [by_state[id(state)] for state in ir.waiting]
-
-    def _state(self, seq, runtime, trie) -> SequenceState:
-        state = self._states.get(id(seq))
-        if state is None:
-            request = Request(
-                request_id=f"{seq.session_id}/{seq.seq_id}",
-                prompt_token_ids=seq.all_ids,
-                output_tokens=seq.sampling_param.max_new_tokens,
-                arrival_s=seq.arrive_time,
-            )
-            prediction = runtime.predict_lifetime(request)
-            state = self._states[id(seq)] = SequenceState(request=request, prediction=prediction)
-            weakref.finalize(seq, self._states.pop, id(seq), None)
-            match = trie.arrival_match(seq)
-            state.cached_tokens_hint = match.num_blocks * trie.block_size
-            runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
-        state.num_computed_tokens = seq.num_history_ids
-        state.status = RequestStatus.WAITING
-        return state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -221,8 +222,50 @@ def test_the_passes_order_lmdeploys_prefills():
 @pytest.fixture
 def test_policies(tmp_path):
     declare_plugins(
-        tmp_path, {"sagellm.eviction": {"stranger": "sagellm_core.testing:StrangerVictims"}}, name="sagellm-lmdeploy-test-policies"
+        tmp_path,
+        {
+            "sagellm.eviction": {
+                "stranger": "sagellm_core.testing:StrangerVictims",
+                "oldest-first": "sagellm_core.testing:OldestFirstPreemption",
+            }
+        },
+        name="sagellm-lmdeploy-test-policies",
     )
+
+
+def decode_until_preempted(policy: str | None):
+    """Two sequences prefilled into a full 6-block pool: A (40 tokens, room
+    to grow in its 3 blocks) and B (48 tokens, its 3 blocks full). One
+    sampled token each; LMDeploy's decode admission (``schedule_running``)
+    must then find B a 4th block. Returns the batch's valid mask, and the
+    sequences."""
+    rt = runtime(f'[kv_pool]\nnum_blocks = 6\n[eviction]\nplugin = "{policy}"\n') if policy else None
+    with installed(rt) if rt else contextlib.nullcontext():
+        scheduler = build_scheduler(6, 16, max_batches=2)
+        a = scheduler.add_session(0).add_sequence(np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8))
+        b = scheduler.add_session(1).add_sequence(np.arange(100, 148, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8))
+        out = scheduler.schedule(is_prefill=True, prealloc_size=0)
+        assert out.running == [a, b] and scheduler.block_manager.get_num_free_gpu_blocks() == 0
+        scheduler.activate_seqs(out.running)
+        for seq in (a, b):
+            seq.update_token_ids(np.array([7]), mode=lm.UpdateTokenMode.PREFILL)
+        valid = scheduler.schedule_running([a, b], num_required_tokens=1, prealloc_size=1)
+    return valid, a, b
+
+
+def test_the_hook_chooses_lmdeploys_preemption_victim(test_policies):
+    """Stock LMDeploy preempts the sequence that cannot grow (B), and so
+    does sagellm's LRU (vLLM's FCFS rule: the last of the batch). A policy
+    that preempts the oldest request instead makes LMDeploy preempt A, whose
+    blocks B then grows into; A waits to be recomputed."""
+    stock, lru, oldest = (decode_until_preempted(policy) for policy in (None, "lru", "oldest-first"))
+    for valid, a, b in (stock, lru):
+        assert valid == [True, False]
+        assert a.status == lm.MessageStatus.RUNNING and b.status != lm.MessageStatus.RUNNING
+    valid, a, b = oldest
+    assert valid == [False, True]
+    assert b.status == lm.MessageStatus.RUNNING and b.num_blocks == 4
+    assert a.status == lm.MessageStatus.WAITING and a.num_blocks == 0
 
 
 def test_a_victim_that_is_not_evictable_is_named(test_policies):

@@ -114,11 +114,10 @@ def small_scheduler(rt: Runtime, num_blocks: int, max_num_seqs: int = 8):
 
 
 @pytest.fixture
-def test_policies(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(HERE))
+def test_policies(tmp_path):
     declare_plugins(
         tmp_path,
-        {"sagellm.eviction": {"oldest-first": "policies:OldestFirstPreemption", "stranger": "sagellm_core.testing:StrangerVictims"}},
+        {"sagellm.eviction": {"oldest-first": "sagellm_core.testing:OldestFirstPreemption", "stranger": "sagellm_core.testing:StrangerVictims"}},
         name="sagellm-vllm-test-policies",
     )
 
