@@ -33,6 +33,12 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   ``Scheduler.schedule_running``, wrapped to tell it the decode batch, so
   sagellm chooses which running sequence is preempted
   (``Scheduler.preempt_seqs``, ``MessageStatus.RUNNING``).
+* ``SequenceLifecycle.add_sequence`` / ``remove_sequence``
+  (``paging.seq_states``), wrapped to observe a live engine's arrivals and
+  finishes (``lifecycle``; the trie is found through
+  ``SequenceLifecycle._block_manager.allocator``), reading a sequence's
+  ``arrive_time``, ``all_ids``, ``num_new_tokens``, ``session_id``,
+  ``seq_id`` and ``sampling_param.max_new_tokens``.
 * ``LogicalAllocator._gpu_allocator`` (``paging.block_manager``): LMDeploy's
   physical GPU-block allocator (``allocate``/``free``/``get_num_free_blocks``),
   replaced by ``SagellmPhysicalAllocator`` when the config names a kv-pool
@@ -78,9 +84,12 @@ from lmdeploy.pytorch.paging.eviction_helper import build_eviction_helper  # noq
 from lmdeploy.pytorch.paging.eviction_helper.recompute_eviction_helper import RecomputeEvictionHelper  # noqa: E402
 from lmdeploy.pytorch.paging.prefill_scheduler import _PrefillReorderer  # noqa: E402
 from lmdeploy.pytorch.paging.scheduler import Scheduler  # noqa: E402
+from lmdeploy.pytorch.paging.seq_states import SequenceLifecycle  # noqa: E402
 
-#: LMDeploy's own, kept before ``install`` wraps it.
+# LMDeploy's own methods, kept before ``install`` wraps them.
 stock_schedule_running = Scheduler.schedule_running
+stock_add_sequence = SequenceLifecycle.add_sequence
+stock_remove_sequence = SequenceLifecycle.remove_sequence
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
 
 def connector_factory_users() -> list:
@@ -111,6 +120,7 @@ __all__ = [
     "SamplingParam",
     "Scheduler",
     "SchedulerConfig",
+    "SequenceLifecycle",
     "SequenceMeta",
     "UpdateTokenMode",
     "_PrefillReorderer",
@@ -120,6 +130,8 @@ __all__ = [
     "numpy",
     "prefill_scheduler_module",
     "scheduler_module",
+    "stock_add_sequence",
+    "stock_remove_sequence",
     "stock_schedule_running",
     "torch",
 ]

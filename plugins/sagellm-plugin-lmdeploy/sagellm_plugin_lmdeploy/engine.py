@@ -100,7 +100,7 @@ class LmdeployEngine:
 
         if self.settings.scheduler == "stock":
             return self._serve(rt, requests, on_request)
-        with installed(rt):
+        with installed(rt, observe_requests=False):  # the driver counts its requests
             return self._serve(rt, requests, on_request)
 
     def _serve(self, rt: Runtime, requests, on_request) -> Recorder:

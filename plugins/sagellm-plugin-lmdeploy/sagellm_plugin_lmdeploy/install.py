@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from sagellm_core.adapters import engine_sections, load_engine_runtime
 from sagellm_core.runtime import Runtime
 
-from sagellm_plugin_lmdeploy import compat, preemption
+from sagellm_plugin_lmdeploy import compat, lifecycle, preemption
 from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
 from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
@@ -49,13 +49,18 @@ def build_kv_connector(role, cache_config, **kwargs):
     return compat.build_kv_connector(role, cache_config, **kwargs)
 
 
-def install(runtime: Runtime | None = None) -> None:
+def install(runtime: Runtime | None = None, *, observe_requests: bool = True) -> None:
     """Make every ``Scheduler`` built from now on use sagellm's trie,
     eviction helper (preemption victims) and reorderer (with ``runtime``, or
     one per trie from ``$SAGELLM_CONFIG``), and ``--kv-transfer-config '{"kv_connector": "SagellmConnector", ...}'``
     build sagellm's connector (the engine and its model workers hold their
-    own reference to LMDeploy's factory: both are rebound)."""
+    own reference to LMDeploy's factory: both are rebound). With
+    ``observe_requests``, sequences arriving and leaving are observed
+    (:mod:`sagellm_plugin_lmdeploy.lifecycle`)."""
     SagellmBlockTrie.runtime = runtime
+    SagellmBlockTrie.observe_requests = observe_requests
+    compat.SequenceLifecycle.add_sequence = lifecycle.add_sequence
+    compat.SequenceLifecycle.remove_sequence = lifecycle.remove_sequence
     compat.scheduler_module.BlockTrie = SagellmBlockTrie
     compat.scheduler_module.build_eviction_helper = preemption.build_eviction_helper
     compat.Scheduler.schedule_running = preemption.schedule_running
@@ -66,6 +71,9 @@ def install(runtime: Runtime | None = None) -> None:
 
 def uninstall() -> None:
     SagellmBlockTrie.runtime = None
+    SagellmBlockTrie.observe_requests = True
+    compat.SequenceLifecycle.add_sequence = compat.stock_add_sequence
+    compat.SequenceLifecycle.remove_sequence = compat.stock_remove_sequence
     compat.scheduler_module.BlockTrie = compat.BlockTrie
     compat.scheduler_module.build_eviction_helper = compat.build_eviction_helper
     compat.Scheduler.schedule_running = compat.stock_schedule_running
@@ -75,9 +83,9 @@ def uninstall() -> None:
 
 
 @contextmanager
-def installed(runtime: Runtime | None = None):
+def installed(runtime: Runtime | None = None, *, observe_requests: bool = True):
     """:func:`install` for the ``with`` block; LMDeploy's own classes after."""
-    install(runtime)
+    install(runtime, observe_requests=observe_requests)
     try:
         yield
     finally:

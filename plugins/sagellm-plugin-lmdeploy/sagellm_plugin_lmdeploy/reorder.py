@@ -26,9 +26,11 @@ _states: dict[int, SequenceState] = {}
 def sequence_state(seq, runtime, trie) -> SequenceState:
     """sagellm's state of an LMDeploy sequence, made (with a lifetime
     prediction, the cached prefix as the hint, and the arrival observed)
-    the first time sagellm sees it, kept while it lives."""
+    the first time sagellm sees it, kept while it lives. A session's next
+    turn (LMDeploy's interactive mode gives the sequence new input tokens
+    and a new ``arrive_time``) is a new request."""
     state = _states.get(id(seq))
-    if state is None:
+    if state is None or state.request.arrival_s != seq.arrive_time:
         request = Request(
             request_id=f"{seq.session_id}/{seq.seq_id}",
             prompt_token_ids=seq.all_ids,
@@ -36,12 +38,18 @@ def sequence_state(seq, runtime, trie) -> SequenceState:
             arrival_s=seq.arrive_time,
         )
         prediction = runtime.predict_lifetime(request)
+        if state is None:
+            weakref.finalize(seq, _states.pop, id(seq), None)
         state = _states[id(seq)] = SequenceState(request=request, prediction=prediction)
-        weakref.finalize(seq, _states.pop, id(seq), None)
         match = trie.arrival_match(seq)
         state.cached_tokens_hint = match.num_blocks * trie.block_size
         runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
     return state
+
+
+def forget_state(seq) -> SequenceState | None:
+    """Drop (and return) the state of a sequence LMDeploy lets go of."""
+    return _states.pop(id(seq), None)
 
 
 class SagellmPrefillReorderer(_PrefillReorderer):

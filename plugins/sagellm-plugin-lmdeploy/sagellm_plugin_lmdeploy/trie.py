@@ -192,6 +192,10 @@ class SagellmBlockTrie(BlockTrie):
     #: Set by :func:`sagellm_plugin_lmdeploy.install.installed` (a harness's
     #: runtime), else built from ``$SAGELLM_CONFIG`` for each trie.
     runtime: Runtime | None = None
+    #: Whether LMDeploy's arrivals and finishes are observed
+    #: (:mod:`sagellm_plugin_lmdeploy.lifecycle`); off for a harness that
+    #: counts its own requests.
+    observe_requests: bool = True
 
     def __init__(self, *, allocator, block_size: int, enabled: bool, checkpoint_state_manager=None, **kwargs):
         runtime = type(self).runtime
@@ -232,6 +236,7 @@ class SagellmBlockTrie(BlockTrie):
         # block manager and the trie: watch it for blocks left to the trie.
         self._allocator_free = allocator.free
         allocator.free = self._free
+        allocator.sagellm_trie = self  # how the sequence lifecycle finds it
 
     def _free(self, blocks) -> None:
         blocks = numpy.asarray(blocks)

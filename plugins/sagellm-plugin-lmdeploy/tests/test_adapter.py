@@ -215,8 +215,54 @@ def test_the_passes_order_lmdeploys_prefills():
     assert seqs[2].num_history_ids == 64
     # Each arrival was told the cached prefix it will hit: the warm prompt's 4 blocks.
     warm_blocks = tuple(b.block_id for b in sorted(scheduler.block_trie.sagellm.cached.values(), key=lambda b: b.depth))
-    assert sorted(map(len, arrivals.matches.values())) == [0, 0, 4]
+    assert sorted(map(len, arrivals.matches.values())) == [0, 0, 0, 4]  # the warm-up request arrived too
     assert arrivals.matches[f"3/{seqs[2].seq_id}"] == warm_blocks
+
+
+def test_lmdeploys_requests_are_observed_arriving_and_finishing():
+    """A live engine's sequences, through LMDeploy's scheduler: each arrives
+    once (told its cached prefix) and, when its session ends, finishes once
+    with the tokens LMDeploy generated (what online lifetime predictors
+    learn from); sagellm keeps no state for it after."""
+    from sagellm_plugin_lmdeploy import reorder
+
+    rt = runtime('[kv_pool]\nnum_blocks = 64\n[eviction]\nplugin = "lru"\n')
+
+    class Requests:
+        arrived, finished = {}, {}
+
+        @hookimpl
+        def sagellm_request_arrived(self, request, match):
+            self.arrived[request.request_id] = match.num_blocks
+
+        @hookimpl
+        def sagellm_request_finished(self, outcome):
+            self.finished[outcome.request.request_id] = outcome.num_output_tokens
+
+    rt.pm.register(seen := Requests())
+    seqs = []
+    with installed(rt):
+        scheduler = build_scheduler(64, 16, max_batches=2)
+        for number, generated in enumerate([3, 5, 2]):
+            seq = scheduler.add_session(number).add_sequence(
+                np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8)
+            )
+            seqs.append(seq)
+            assert id(seq) in reorder._states
+            out = scheduler.schedule(is_prefill=True, prealloc_size=0)
+            scheduler.activate_seqs(out.running)
+            seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.PREFILL)
+            for _ in range(generated - 1):
+                assert scheduler.schedule_running([seq], num_required_tokens=1, prealloc_size=1) == [True]
+                seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.DECODE)
+            seq.finish()
+            scheduler.end_session(number)
+    ids = [f"{n}/{n}" for n in range(3)]
+    assert list(seen.arrived) == list(seen.finished) == ids
+    assert list(seen.arrived.values()) == [0, 2, 2]  # the 40-token prompt's 2 full blocks, cached by the first
+    assert list(seen.finished.values()) == [3, 5, 2]
+    assert rt.counters.requests_finished == 3
+    assert not any(id(seq) in reorder._states for seq in seqs)
 
 
 @pytest.fixture
