@@ -104,11 +104,13 @@ def sagellm_evictable_blocks() -> EvictionCandidates | None:
 
 
 @hookspec(firstresult=True)
-def sagellm_block_keys(request: Request, num_blocks: int) -> tuple[int, ...] | None:
-    """Optional: the content keys (:attr:`CachedBlock.key`) that the first
-    ``num_blocks`` full blocks of ``request``'s prompt have, or would have,
-    in this cache. With ``[transport] offload_evicted`` the runtime finds
-    evicted blocks on the host tier by them."""
+def sagellm_block_keys(request: Request, start: int, num_blocks: int) -> tuple[int, ...] | None:
+    """Optional: the content keys (:attr:`CachedBlock.key`) that full blocks
+    ``start`` to ``num_blocks - 1`` of ``request``'s prompt have, or would
+    have, in this cache. With ``[transport] offload_evicted`` the runtime
+    finds evicted blocks on the host tier by them; it asks from the end of
+    the cached prefix (``start``), one key first, so that a chained key
+    costs one hash per block looked at, not per block of the prompt."""
 
 
 @hookspec(firstresult=True)

@@ -519,12 +519,18 @@ class Runtime:
         prefix cache (``sagellm_block_keys`` is optional)."""
         if not self._host:  # no tier, or nothing on it yet: no keys to compute
             return ()
-        limit = (request.num_prompt_tokens - 1) // self.block_size
-        if limit <= match.num_blocks:
+        start, limit = match.num_blocks, (request.num_prompt_tokens - 1) // self.block_size
+        if limit <= start:
             return ()
-        keys = self._call("prefix_cache", "sagellm_block_keys", request=request, num_blocks=limit) or ()
+        # The first key alone first: most admissions stop at it.
+        for end in (start + 1, limit):
+            keys = self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=end) or ()
+            if not keys or keys[0] not in self._host:
+                return ()
+            if end == limit:
+                break
         run = []
-        for key in keys[match.num_blocks : limit]:
+        for key in keys[: limit - start]:
             if key not in self._host:
                 break
             run.append(key)

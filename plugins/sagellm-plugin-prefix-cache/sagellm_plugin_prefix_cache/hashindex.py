@@ -232,10 +232,10 @@ class HashPrefixCache:
         return self._view
 
     @hookimpl
-    def sagellm_block_keys(self, request: Request, num_blocks: int) -> tuple[int, ...]:
+    def sagellm_block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[int, ...]:
         num_blocks = min(num_blocks, request.num_prompt_tokens // self.block_size)
-        hashes = self._request_hashes(request, request.prompt_token_ids, num_blocks)
-        return tuple(int.from_bytes(h[:8], "little") for h in hashes)
+        hashes = self._request_hashes(request, request.prompt_token_ids, num_blocks)  # memoised per request
+        return tuple(int.from_bytes(h[:8], "little") for h in hashes[start:])
 
     @hookimpl
     def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:

@@ -309,13 +309,21 @@ class RadixPrefixCache:
         return self._view
 
     @hookimpl
-    def sagellm_block_keys(self, request: Request, num_blocks: int) -> tuple[int, ...]:
+    def sagellm_block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[int, ...]:
         namespace = self._namespace(request)
-        key, keys = self._root_key(namespace), []
-        for page in range(min(num_blocks, request.num_prompt_tokens // self.block_size)):
-            key = chain_key(key, self._key(request.prompt_token_ids, page))
-            keys.append(key)
-        return tuple(keys)
+        tokens = request.prompt_token_ids
+        num_blocks = min(num_blocks, request.num_prompt_tokens // self.block_size)
+        # The cached part of the chain is read off the tree (a byte compare
+        # per page); only the pages after it are hashed.
+        root = self._roots.get(namespace)
+        _, cached = self._walk(root, tokens, start, split=False) if root is not None and start else (None, [])
+        key, first = (cached[-1].key, len(cached)) if cached else (self._root_key(namespace), 0)
+        out = []
+        for page in range(first, num_blocks):
+            key = chain_key(key, self._key(tokens, page))
+            if page >= start:
+                out.append(key)
+        return tuple(out)
 
     @hookimpl
     def sagellm_pinned_blocks(self) -> tuple[int, ...]:

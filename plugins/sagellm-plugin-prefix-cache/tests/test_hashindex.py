@@ -85,6 +85,16 @@ class SideBySide(RuleBasedStateMachine):
         for given, cached in i_radix.replaced:
             ids[ids.index(given)] = cached.block_id
         self.holding[r.request_id] = set(ids)
+        # Block keys: the whole chain names the path just cached, block for
+        # block; asked from any start (the runtime asks from the end of the
+        # match), the same keys.
+        for cache in (self.radix, self.hash):
+            probe = req(f"probe-{r.request_id}", list(r.prompt_token_ids) + [-1], r.tenant, r.cache_salt)
+            path = cache.sagellm_lookup_prefix(request=probe)
+            chain = cache.sagellm_block_keys(request=r, start=0, num_blocks=n_full)
+            assert chain == tuple(b.key for b in path.blocks) and len(chain) == n_full
+            for start in {m_radix.num_blocks, n_full // 2, n_full}:
+                assert cache.sagellm_block_keys(request=r, start=start, num_blocks=n_full) == chain[start:]
 
     @precondition(lambda self: self.holding)
     @rule(index=st.integers(0, 50))
