@@ -33,9 +33,9 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   ``Scheduler.schedule_running``, wrapped to tell it the decode batch, so
   sagellm chooses which running sequence is preempted
   (``Scheduler.preempt_seqs``, ``MessageStatus.RUNNING``).
-* ``SequenceLifecycle.add_sequence`` / ``remove_sequence``
+* ``SequenceLifecycle.add_sequence`` / ``transition`` / ``remove_sequence``
   (``paging.seq_states``), wrapped to observe a live engine's arrivals and
-  finishes (``lifecycle``; the trie is found through
+  finishes (``MessageStatus.STOPPED`` / ``WAITING``) (``lifecycle``; the trie is found through
   ``SequenceLifecycle._block_manager.allocator``), reading a sequence's
   ``arrive_time``, ``all_ids``, ``num_new_tokens``, ``session_id``,
   ``seq_id`` and ``sampling_param.max_new_tokens``.
@@ -89,6 +89,7 @@ from lmdeploy.pytorch.paging.seq_states import SequenceLifecycle  # noqa: E402
 # LMDeploy's own methods, kept before ``install`` wraps them.
 stock_schedule_running = Scheduler.schedule_running
 stock_add_sequence = SequenceLifecycle.add_sequence
+stock_transition = SequenceLifecycle.transition
 stock_remove_sequence = SequenceLifecycle.remove_sequence
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
 
@@ -132,6 +133,7 @@ __all__ = [
     "scheduler_module",
     "stock_add_sequence",
     "stock_remove_sequence",
+    "stock_transition",
     "stock_schedule_running",
     "torch",
 ]

@@ -60,6 +60,7 @@ def install(runtime: Runtime | None = None, *, observe_requests: bool = True) ->
     SagellmBlockTrie.runtime = runtime
     SagellmBlockTrie.observe_requests = observe_requests
     compat.SequenceLifecycle.add_sequence = lifecycle.add_sequence
+    compat.SequenceLifecycle.transition = lifecycle.transition
     compat.SequenceLifecycle.remove_sequence = lifecycle.remove_sequence
     compat.scheduler_module.BlockTrie = SagellmBlockTrie
     compat.scheduler_module.build_eviction_helper = preemption.build_eviction_helper
@@ -73,6 +74,7 @@ def uninstall() -> None:
     SagellmBlockTrie.runtime = None
     SagellmBlockTrie.observe_requests = True
     compat.SequenceLifecycle.add_sequence = compat.stock_add_sequence
+    compat.SequenceLifecycle.transition = compat.stock_transition
     compat.SequenceLifecycle.remove_sequence = compat.stock_remove_sequence
     compat.scheduler_module.BlockTrie = compat.BlockTrie
     compat.scheduler_module.build_eviction_helper = compat.build_eviction_helper

@@ -1,14 +1,20 @@
 """Requests arriving at and leaving a live LMDeploy engine, told to sagellm.
 
 LMDeploy registers every new sequence through
-``SequenceLifecycle.add_sequence`` and lets it go through
-``SequenceLifecycle.remove_sequence`` (after it ended, or when its session
-is dropped). The adapter wraps both: at arrival the sequence gets its
-:class:`SequenceState` (a lifetime prediction, the cached prefix it would
-hit) and ``sagellm_request_arrived`` is observed; at removal, once LMDeploy
-has freed its blocks, the runtime concludes it and
-``sagellm_request_finished`` is observed with the tokens it generated. So
-online lifetime predictors learn from LMDeploy's finished requests, and
+``SequenceLifecycle.add_sequence``, moves it between states through
+``SequenceLifecycle.transition``, and lets it go through
+``SequenceLifecycle.remove_sequence``. The adapter wraps the three:
+
+* a request arrives when a sequence is added, or when a stopped one is
+  woken with a session's next turn (STOPPED to WAITING: LMDeploy's
+  interactive mode gives it new input tokens first). It gets its
+  :class:`SequenceState` (a lifetime prediction, the cached prefix it would
+  hit) and ``sagellm_request_arrived`` is observed;
+* it finishes when its sequence stops (generation done, or the session
+  stopped) or is removed before that: the runtime concludes it and
+  ``sagellm_request_finished`` is observed with the tokens it generated.
+
+So online lifetime predictors learn from LMDeploy's finished requests, and
 policies that hold state per request (``slo``) let go of it.
 
 Times are LMDeploy's own clock (``time.perf_counter``, as its
@@ -30,22 +36,45 @@ def _sagellm_trie(lifecycle):
     return trie if trie is not None and trie.observe_requests else None
 
 
-def add_sequence(lifecycle, seq, status) -> None:
-    compat.stock_add_sequence(lifecycle, seq, status)
-    trie = _sagellm_trie(lifecycle)
-    if trie is not None:
-        runtime = trie.sagellm.runtime
-        runtime.now_s = time.perf_counter()
-        sequence_state(seq, runtime, trie)
+def _arrive(trie, seq) -> None:
+    runtime = trie.sagellm.runtime
+    runtime.now_s = time.perf_counter()
+    sequence_state(seq, runtime, trie)
 
 
-def remove_sequence(lifecycle, seq) -> None:
-    compat.stock_remove_sequence(lifecycle, seq)
+def _finish(trie, seq) -> None:
     state = forget_state(seq)
-    trie = _sagellm_trie(lifecycle)
-    if trie is None or state is None:
+    if state is None:
         return
     runtime = trie.sagellm.runtime
     runtime.now_s = state.finish_s = time.perf_counter()
     state.num_output_tokens = seq.num_new_tokens
     runtime.conclude(state)
+
+
+def add_sequence(lifecycle, seq, status) -> None:
+    compat.stock_add_sequence(lifecycle, seq, status)
+    trie = _sagellm_trie(lifecycle)
+    if trie is not None:
+        _arrive(trie, seq)
+
+
+def transition(lifecycle, seq, new_state) -> None:
+    before = seq.status
+    compat.stock_transition(lifecycle, seq, new_state)
+    trie = _sagellm_trie(lifecycle)
+    if trie is None or before == new_state.status:
+        return
+    if new_state.status == compat.MessageStatus.STOPPED:
+        _finish(trie, seq)
+    elif before == compat.MessageStatus.STOPPED and new_state.status == compat.MessageStatus.WAITING:
+        _arrive(trie, seq)
+
+
+def remove_sequence(lifecycle, seq) -> None:
+    compat.stock_remove_sequence(lifecycle, seq)
+    trie = _sagellm_trie(lifecycle)
+    if trie is not None:
+        _finish(trie, seq)  # removed before it stopped
+    else:
+        forget_state(seq)

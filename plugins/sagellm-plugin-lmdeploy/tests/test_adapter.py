@@ -220,47 +220,57 @@ def test_the_passes_order_lmdeploys_prefills():
 
 
 def test_lmdeploys_requests_are_observed_arriving_and_finishing():
-    """A live engine's sequences, through LMDeploy's scheduler: each arrives
-    once (told its cached prefix) and, when its session ends, finishes once
-    with the tokens LMDeploy generated (what online lifetime predictors
-    learn from); sagellm keeps no state for it after."""
+    """A live engine's requests, through LMDeploy's scheduler: each arrives
+    once (told its cached prefix) and finishes once, when its sequence
+    stops, with the tokens LMDeploy generated (what online lifetime
+    predictors learn from). A session's second turn (LMDeploy's interactive
+    mode: new input tokens, the stopped sequence woken) is a request of its
+    own. sagellm keeps no state for a sequence LMDeploy let go of."""
     from sagellm_plugin_lmdeploy import reorder
 
     rt = runtime('[kv_pool]\nnum_blocks = 64\n[eviction]\nplugin = "lru"\n')
 
     class Requests:
-        arrived, finished = {}, {}
+        arrived, finished = [], []
 
         @hookimpl
         def sagellm_request_arrived(self, request, match):
-            self.arrived[request.request_id] = match.num_blocks
+            self.arrived.append((request.request_id, request.num_prompt_tokens, match.num_blocks))
 
         @hookimpl
         def sagellm_request_finished(self, outcome):
-            self.finished[outcome.request.request_id] = outcome.num_output_tokens
+            self.finished.append((outcome.request.request_id, outcome.num_output_tokens))
+
+    def generate(scheduler, seq, tokens: int) -> None:
+        out = scheduler.schedule(is_prefill=True, prealloc_size=0)
+        assert out.running == [seq]
+        scheduler.activate_seqs(out.running)
+        seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.PREFILL)
+        for _ in range(tokens - 1):
+            assert scheduler.schedule_running([seq], num_required_tokens=1, prealloc_size=1) == [True]
+            seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.DECODE)
+        seq.finish()
 
     rt.pm.register(seen := Requests())
     seqs = []
     with installed(rt):
         scheduler = build_scheduler(64, 16, max_batches=2)
-        for number, generated in enumerate([3, 5, 2]):
+        for number, generated in enumerate([3, 5]):
             seq = scheduler.add_session(number).add_sequence(
                 np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8)
             )
             seqs.append(seq)
             assert id(seq) in reorder._states
-            out = scheduler.schedule(is_prefill=True, prealloc_size=0)
-            scheduler.activate_seqs(out.running)
-            seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.PREFILL)
-            for _ in range(generated - 1):
-                assert scheduler.schedule_running([seq], num_required_tokens=1, prealloc_size=1) == [True]
-                seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.DECODE)
-            seq.finish()
+            generate(scheduler, seq, generated)
+            assert id(seq) not in reorder._states
+        # Session 1's second turn: 20 new tokens after its 45.
+        seq.update_token_ids(np.arange(500, 520, dtype=np.int64), mode=lm.UpdateTokenMode.INPUTS)
+        seq.activate()
+        generate(scheduler, seq, 2)
+        for number in range(2):
             scheduler.end_session(number)
-    ids = [f"{n}/{n}" for n in range(3)]
-    assert list(seen.arrived) == list(seen.finished) == ids
-    assert list(seen.arrived.values()) == [0, 2, 2]  # the 40-token prompt's 2 full blocks, cached by the first
-    assert list(seen.finished.values()) == [3, 5, 2]
+    assert seen.arrived == [("0/0", 40, 0), ("1/1", 40, 2), ("1/1", 65, 2)]  # 2 full blocks cached by the first
+    assert seen.finished == [("0/0", 3), ("1/1", 5), ("1/1", 2)]
     assert rt.counters.requests_finished == 3
     assert not any(id(seq) in reorder._states for seq in seqs)
 
