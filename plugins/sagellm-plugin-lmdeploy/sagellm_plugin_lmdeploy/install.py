@@ -25,6 +25,7 @@ from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
+
 def runtime_for(settings) -> Runtime:
     """The runtime of a harness's ``settings``, with the sections LMDeploy serves."""
     return Runtime(settings, engine_owns=engine_sections(settings, (), OWNS_UNLESS_CONFIGURED))
