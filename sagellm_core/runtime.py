@@ -522,19 +522,15 @@ class Runtime:
         start, limit = match.num_blocks, (request.num_prompt_tokens - 1) // self.block_size
         if limit <= start:
             return ()
-        # The first key alone first: most admissions stop at it.
-        for end in (start + 1, limit):
-            keys = self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=end) or ()
-            if not keys or keys[0] not in self._host:
-                return ()
-            if end == limit:
-                break
-        run = []
-        for key in keys[: limit - start]:
-            if key not in self._host:
-                break
-            run.append(key)
-        return tuple(run)
+
+        def keys(end: int) -> tuple:
+            return self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=end) or ()
+
+        first = keys(start + 1)  # most admissions stop at the first key
+        if not first or first[0] not in self._host:
+            return ()
+        run = keys(limit) if limit > start + 1 else first
+        return tuple(takewhile(self._host.__contains__, run[: limit - start]))
 
     def _load(self, keys: tuple, block_ids: Sequence[int]) -> bool:
         """Copy blocks back from the host tier into ``block_ids``."""

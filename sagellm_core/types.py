@@ -20,11 +20,21 @@ TOKEN_ARRAY_TYPECODE = "q"
 
 def as_token_array(values: Sequence[int] | None) -> array | None:
     """Token ids are stored as a compact int64 ``array``: a 100k-token prompt as
-    a tuple of Python ints costs 3.6 MB, as an array 0.8 MB."""
+    a tuple of Python ints costs 3.6 MB, as an array 0.8 MB. A 1-d buffer of
+    64-bit integers (an engine's numpy token ids) is taken in one copy, not
+    element by element."""
     if values is None:
         return None
     if isinstance(values, array) and values.typecode == TOKEN_ARRAY_TYPECODE:
         return values
+    try:
+        view = memoryview(values)
+    except TypeError:
+        return array(TOKEN_ARRAY_TYPECODE, values)
+    out = array(TOKEN_ARRAY_TYPECODE)
+    if view.ndim == 1 and view.itemsize == out.itemsize and view.format.lstrip("@=<") in ("q", "l"):
+        out.frombytes(view.cast("B") if view.c_contiguous else view.tobytes())
+        return out
     return array(TOKEN_ARRAY_TYPECODE, values)
 
 

@@ -27,21 +27,10 @@ placeholder tokens), and a model with SSM state checkpoints is refused.
 
 from __future__ import annotations
 
-from array import array
-
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import TOKEN_ARRAY_TYPECODE, CachedBlock, PrefixInsert, PrefixMatch, Request
-
-from sagellm_plugin_lmdeploy.compat import numpy
+from sagellm_core.types import CachedBlock, PrefixInsert, PrefixMatch, Request
 
 EMPTY = PrefixMatch()
-
-
-def tokens(values) -> array:
-    """LMDeploy's int64 token ids as a request's token array, in one copy."""
-    out = array(TOKEN_ARRAY_TYPECODE)
-    out.frombytes(numpy.ascontiguousarray(values, dtype=numpy.int64).tobytes())
-    return out
 
 
 class PluginMatcher:
@@ -65,7 +54,7 @@ class PluginMatcher:
         # (a cache salt) does the same here.
         return Request(
             request_id=f"{seq.session_id}/{seq.seq_id}",
-            prompt_token_ids=tokens(seq.history_cache[:num_tokens]),
+            prompt_token_ids=seq.history_cache[:num_tokens],  # int64: taken in one copy
             output_tokens=seq.sampling_param.max_new_tokens,
             cache_salt=f"adapter={seq.adapter_name}" if seq.adapter_name else None,
         )
