@@ -136,8 +136,9 @@ def machine(policy: str, cache: str = "radix"):
 @pytest.mark.parametrize(
     "policy, cache",
     [("lru", "radix"), ("lfu", "radix"), ("s3fifo", "radix"), ("arc", "radix"), ("predictive", "radix"),
-     ("cost", "radix"), ("slo", "radix"), ("fair", "radix isolate = \"tenant\""), ("lru", "hash"), ("s3fifo", "hash"),
-     ("lru", "radix pin_after_hits = 2"), ("predictive", "radix pin_after_hits = 2")],
+     ("continuation", "radix"), ("cost", "radix"), ("slo", "radix"), ("fair", "radix isolate = \"tenant\""),
+     ("lru", "hash"), ("s3fifo", "hash"), ("continuation", "hash"), ("lru", "radix pin_after_hits = 2"),
+     ("predictive", "radix pin_after_hits = 2"), ("continuation", "radix pin_after_hits = 2")],
 )
 def test_runtime_block_accounting(policy, cache):
     case = machine(policy, cache).TestCase

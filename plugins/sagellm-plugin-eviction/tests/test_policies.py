@@ -2,9 +2,11 @@ import inspect
 from array import array
 
 import hypothesis.strategies as st
+import numpy
 import pytest
 from hypothesis import given
 from sagellm_plugin_eviction.arc import ARCEviction
+from sagellm_plugin_eviction.continuation import ContinuationEviction, ContinuationSettings
 from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
 from sagellm_plugin_eviction.fair import FairEviction, FairSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
@@ -88,6 +90,10 @@ def predictive(settings, context):
     return PredictiveEviction(PredictiveSettings(samples=4, refit_every=8), context)
 
 
+def continuation(settings, context):
+    return ContinuationEviction(ContinuationSettings(), context)
+
+
 def fair(settings, context):
     return FairEviction(FairSettings(), context)
 
@@ -96,8 +102,8 @@ def cost(settings, context):
     return CostAwareEviction(CostSettings(), context)
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, fair, cost,
-                                        SLOEviction])
+@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, continuation,
+                                        fair, cost, SLOEviction])
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
@@ -279,6 +285,92 @@ def test_predictive_learns_which_blocks_come_back():
     p.sagellm_blocks_cached(blocks=(reused, once), now_s=now)
     p.sagellm_blocks_released(blocks=(reused, once), now_s=now)
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (2,)
+
+
+class Conversations:
+    """Drives a policy as the runtime does a request: its cached prefix is
+    hit, its new blocks cached, then the whole chain released."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.next_id = 1
+
+    def turn(self, now, previous=(), new_blocks=1):
+        parent = previous[-1].block_id if previous else None
+        new = []
+        for depth in range(len(previous), len(previous) + new_blocks):
+            new.append(CachedBlock(self.next_id, depth, parent, key=self.next_id))
+            parent, self.next_id = self.next_id, self.next_id + 1
+        if previous:
+            self.policy.sagellm_blocks_touched(blocks=previous, now_s=now)
+        self.policy.sagellm_blocks_cached(blocks=tuple(new), now_s=now)
+        chain = tuple(previous) + tuple(new)
+        self.policy.sagellm_blocks_released(blocks=chain, now_s=now)
+        return chain
+
+
+def test_continuation_learns_which_conversations_come_back():
+    """Short first turns are continued 50 s later, long ones never. Offered
+    the leaf of a fresh one of each, released together, the policy evicts
+    the long one's: it has learnt that such turns end conversations."""
+    p = ContinuationEviction(ContinuationSettings(), CTX)
+    talk = Conversations(p)
+    for round_ in range(200):
+        now = 100.0 * round_
+        short = talk.turn(now, new_blocks=2)
+        talk.turn(now, new_blocks=8)  # never continued: labelled ended 600 s on
+        talk.turn(now + 50.0, previous=short)
+    now = 100.0 * 200
+    short, long = talk.turn(now, new_blocks=2), talk.turn(now, new_blocks=8)
+    talk.turn(now + 10.0, new_blocks=1)  # time moves on
+    probability = p.continuation_probability(numpy.array([p._meta[c[-1].block_id][0].features for c in (short, long)]))
+    assert probability[0] > 0.6 > 0.3 > probability[1]
+    offered = {short[-1].block_id, long[-1].block_id}
+    assert p.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (long[-1].block_id,)
+    # Asked for more, it takes the long chain from its leaf up, then the other's leaf.
+    offered = {b.block_id for b in short + long}
+    victims = p.sagellm_select_victims(num_blocks=9, candidates=offered).victim_ids
+    assert victims == tuple(b.block_id for b in reversed(long)) + (short[-1].block_id,)
+
+
+def test_continuation_keeps_a_turn_whose_next_one_is_due():
+    """Every conversation's next turn comes 50 s after the last one. Of two
+    first turns alike, one released 46 s ago and one 1 s ago, the policy
+    evicts the fresh one, whose next turn is not due within its 20 s
+    window; LRU would evict the older one, just before its reuse."""
+    p = ContinuationEviction(ContinuationSettings(reuse_window_s=20.0), CTX)
+    talk = Conversations(p)
+    for round_ in range(200):
+        now = 100.0 * round_
+        talk.turn(now + 50.0, previous=talk.turn(now, new_blocks=3))
+    now = 100.0 * 200
+    due, fresh = talk.turn(now, new_blocks=3), talk.turn(now + 45.0, new_blocks=3)
+    talk.turn(now + 46.0, new_blocks=1)
+    offered = {due[-1].block_id, fresh[-1].block_id}
+    assert p.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (fresh[-1].block_id,)
+    lru = LRUEviction(None, CTX)
+    lru.sagellm_blocks_released(blocks=due)
+    lru.sagellm_blocks_released(blocks=fresh)
+    assert lru.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (due[-1].block_id,)
+
+
+def test_continuation_does_not_take_a_shared_prefix_for_a_conversation():
+    """Once a system prompt has been extended two ways, a prompt that
+    extends it is a first turn, not its next one, and a prompt that is the
+    system prompt alone is no turn to label: every prompt reuses it."""
+    p = ContinuationEviction(ContinuationSettings(), CTX)
+    talk = Conversations(p)
+
+    def turns(chain):
+        return p._meta[chain[-1].block_id][0].turns
+
+    system = talk.turn(0.0, new_blocks=1)
+    # The first prompt to extend it cannot be told from a next turn.
+    assert turns(talk.turn(1.0, previous=system, new_blocks=2)) == 2
+    assert turns(talk.turn(2.0, previous=system, new_blocks=2)) == 1  # a branch
+    talk.turn(3.0, previous=system, new_blocks=0)
+    assert system[-1].key not in p._pending
+    assert turns(talk.turn(4.0, previous=system, new_blocks=2)) == 1
 
 
 def tenant_chain(first, n, tenant):

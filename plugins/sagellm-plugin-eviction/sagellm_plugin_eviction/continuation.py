@@ -1,0 +1,261 @@
+"""Continuation-aware eviction: keep the prefixes whose conversation is likely
+to send its next turn soon, with the likelihood learned online.
+
+On a conversation trace, a released chain is used again almost only by the
+next turn of its conversation, whose prompt extends it; and the whole gap
+between LRU and the offline optimum is blocks that are never used again
+(``benchmarks/mooncake_study.py``). Recency says little about which those
+are: a next turn comes a median 123 s after the last one and rarely within
+40 s, so the hazard of reuse rises with idle time before it falls. What
+does tell ended conversations apart, if weakly, is the conversation itself:
+how many turns it has had, how many blocks its last turn added, how long it
+is, and how long its user took before the last turn.
+
+Every release of a chain (a request's blocks losing their last reference)
+opens a *turn* with those features and its release time. A later release
+whose chain passes through a pending turn's last block continues that turn:
+a positive label, and its gap joins a histogram. A turn not continued within
+``label_after_s`` is a negative label. A logistic regression learns
+``p = P(continued)`` from the labels by stochastic gradient steps, and the
+histogram gives ``S(a) = P(gap > a | continued)``. A turn's blocks are worth,
+at age ``a``, the chance that its next turn comes within the next
+``reuse_window_s`` (``H``) given that none came so far::
+
+    alive(a) = p S(a) / (1 - p + p S(a))        (Bayes: still to come at age a)
+    value(a) = alive(a) × (1 - S(a + H) / S(a))
+
+so an ended conversation loses value as it outstays the gaps seen, a turn
+of a conversation that keeps coming back keeps it, and one released a moment
+ago is not yet worth much when next turns never come that fast. A turn older
+than ``label_after_s`` is worth nothing; such turns go first, oldest first,
+in LRU's order (ranking them by ``p`` instead loses hits on Mooncake).
+
+A chain that ends inside others' (a shared system prompt) is reused by every
+prompt that extends it; it is not a conversation's turn and is not
+labelled, and a prompt that branches off a pending turn's last block does
+not continue it.
+
+Victims are the blocks of the turns with the least value, each turn's chain
+shrunk from its leaves: evicting an inner block would drop its descendants
+with it, and a hit takes only the leading run of cached blocks, so a
+conversation kept in part still hits that part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+
+import numpy
+from attrs import field, frozen, validators
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
+
+from sagellm_plugin_eviction.chains import CHILDREN, HELD, KEY, PARENT, VALUE, LeafChains
+from sagellm_plugin_eviction.predictive import AGE_BINS, AGE_UNIT_S, age_bin, bin_age
+
+
+@frozen
+class ContinuationSettings:
+    #: H: how soon a next turn must come to be worth keeping a turn's blocks for.
+    reuse_window_s: float = field(default=100.0, validator=[validators.instance_of(float), validators.gt(0)])
+    #: A turn not continued within this long is labelled ended.
+    label_after_s: float = field(default=600.0, validator=[validators.instance_of(float), validators.gt(0)])
+    #: Step size of the logistic regression's gradient steps.
+    learning_rate: float = field(default=0.05, validator=[validators.instance_of(float), validators.ge(0)])
+
+
+class Turn:
+    """A released chain: what its conversation looked like, and its leaves."""
+
+    __slots__ = ("features", "released_at", "turns", "end_key", "end_depth", "leaves")
+
+    def __init__(self, features, released_at: float, turns: int, end_key: int, end_depth: int):
+        self.features = features
+        self.released_at = released_at
+        self.turns = turns
+        self.end_key = end_key
+        self.end_depth = end_depth
+        self.leaves: set[int] = set()  # its blocks that are evictable leaves now
+
+
+def turn_features(turns: int, new_blocks: int, blocks: int, previous_gap_s: float | None):
+    """Bias, log turns so far, log blocks the turn added, log chain length,
+    log gap before this turn (0 with a flag on a first turn)."""
+    first = previous_gap_s is None
+    return numpy.array([1.0, math.log(turns), math.log1p(new_blocks), math.log1p(blocks),
+                        0.0 if first else math.log1p(previous_gap_s), float(first)])
+
+
+class ContinuationEviction(LeafChains):
+    """``[eviction] plugin = "continuation"``"""
+
+    Settings = ContinuationSettings
+
+    def __init__(self, settings: ContinuationSettings, context: PluginContext):
+        super().__init__(context)  # records: [turn, uses, key, parent, children, held, depth] (chains.py)
+        self.settings = settings
+        self.weights = numpy.zeros(6)
+        # Gaps are observed only within the label window: a pseudo-count in
+        # each of its bins is the prior, a uniform gap on the log scale.
+        self.gaps = numpy.array([1.0 if bin_age(b) <= settings.label_after_s else 0.0 for b in range(AGE_BINS)])
+        self._edges = numpy.arange(AGE_BINS + 1, dtype=float)
+        self._pending: OrderedDict[int, Turn] = OrderedDict()  # last block's key -> turn, oldest first
+        self._leaf_turn: dict[int, Turn] = {}  # evictable leaf -> its turn
+        self._with_leaves: dict[Turn, None] = {}
+        self._now = 0.0
+
+    # -------------------------------------------------------------- model --
+
+    def continuation_probability(self, features) -> numpy.ndarray:
+        return 1.0 / (1.0 + numpy.exp(-(features @ self.weights)))
+
+    def _learn(self, turn: Turn, continued: bool) -> None:
+        p = float(self.continuation_probability(turn.features))
+        self.weights += self.settings.learning_rate * (float(continued) - p) * turn.features
+
+    def _survival(self, ages: numpy.ndarray) -> numpy.ndarray:
+        """S(age) = P(gap > age | continued), from the histogram, linear
+        between bin edges on the bins' log scale: bins are a factor of √2
+        wide, too coarse to step S by a window of ``reuse_window_s``."""
+        tail = numpy.append(numpy.cumsum(self.gaps[::-1])[::-1], 0.0) / self.gaps.sum()
+        position = 2.0 * numpy.log2(1.0 + ages / AGE_UNIT_S)  # bin b spans [b, b + 1)
+        return numpy.maximum(numpy.interp(position, self._edges, tail), 1e-9)
+
+    def _expire(self, now_s: float) -> None:
+        horizon = now_s - self.settings.label_after_s
+        pending = self._pending
+        while pending:
+            turn = next(iter(pending.values()))
+            if turn.released_at >= horizon and len(pending) <= self.ghost_limit:
+                break
+            pending.popitem(last=False)
+            if turn.released_at < horizon:
+                self._learn(turn, continued=False)
+
+    # -------------------------------------------------------- bookkeeping --
+
+    def _leaf(self, block_id: int) -> None:
+        meta = self._meta[block_id]
+        turn = meta[VALUE]
+        if turn is not None and not meta[HELD] and meta[CHILDREN] == 0 and block_id not in self._leaf_turn:
+            self._leaf_turn[block_id] = turn
+            turn.leaves.add(block_id)
+            self._with_leaves[turn] = None
+
+    def _not_leaf(self, block_id: int) -> None:
+        turn = self._leaf_turn.pop(block_id, None)
+        if turn is not None:
+            turn.leaves.discard(block_id)
+            if not turn.leaves:
+                del self._with_leaves[turn]
+
+    def _reused(self, block: CachedBlock) -> tuple[Turn | None, bool]:
+        """The deepest pending turn whose last block is on ``block``'s chain,
+        and whether this chain continues it: it does unless that block is a
+        branch point (has other cached children), as a prompt that only
+        shares a system prompt with other conversations is."""
+        meta = self._meta.get(block.block_id)
+        while meta is not None:
+            turn = self._pending.get(meta[KEY])
+            if turn is not None:
+                return turn, meta[CHILDREN] <= 1
+            meta = self._meta.get(meta[PARENT]) if meta[PARENT] is not None else None
+        return None, False
+
+    # -------------------------------------------------------- observations --
+
+    @hookimpl
+    def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        self._now = now_s
+        for block in blocks:
+            self._cache(block, None)
+
+    @hookimpl
+    def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        self._now = now_s
+        for block in blocks:
+            meta = self._meta.get(block.block_id)
+            if meta is not None:
+                meta[HELD] = True
+                self._not_leaf(block.block_id)
+
+    @hookimpl
+    def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        self._now = now_s
+        if not blocks:
+            return
+        self._expire(now_s)
+        end = blocks[-1]  # chain order: the request's deepest block
+        previous, continues = self._reused(end)
+        if previous is not None:
+            del self._pending[previous.end_key]
+            self._learn(previous, continued=True)
+        if not continues:
+            turn = Turn(turn_features(1, end.depth + 1, end.depth + 1, None), now_s, 1, end.key, end.depth)
+        else:
+            gap = now_s - previous.released_at
+            self.gaps[age_bin(gap)] += 1.0
+            new_blocks = end.depth - previous.end_depth
+            turn = Turn(turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
+                        now_s, previous.turns + 1, end.key, end.depth)
+        end_meta = self._meta.get(end.block_id)
+        if end_meta is not None and end_meta[CHILDREN] == 0:
+            # A chain that ends inside others' (a shared system prompt) is
+            # reused by every prompt that extends it: that says nothing about
+            # conversations ending, and its blocks are not leaves to weigh.
+            self._pending[end.key] = turn
+        for block in blocks:
+            meta = self._meta.get(block.block_id)
+            if meta is not None:
+                meta[VALUE] = turn
+                meta[HELD] = False
+                self._leaf(block.block_id)
+
+    @hookimpl
+    def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+        self._now = now_s
+        for block in blocks:
+            self._forget(block.block_id)
+
+    # ------------------------------------------------------------ decision --
+
+    def values(self, turns: list[Turn]) -> numpy.ndarray:
+        """value(a) of each turn now (the module's docstring)."""
+        features = numpy.array([t.features for t in turns])
+        ages = numpy.maximum(self._now - numpy.array([t.released_at for t in turns]), 0.0)
+        p = self.continuation_probability(features)
+        still = self._survival(ages)
+        alive = p * still / (1.0 - p + p * still)
+        return alive * (1.0 - self._survival(ages + self.settings.reuse_window_s) / still)
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
+        turns = list(self._with_leaves)
+        if not turns:
+            return EvictionDecision(())
+        values = self.values(turns)
+        released = numpy.array([t.released_at for t in turns])
+        victims: list[int] = []
+        chosen: set[int] = set()
+        children_taken: Counter[int] = Counter()
+        for i in numpy.lexsort((released, values)):  # least value first, then the oldest
+            turn = turns[i]
+            stack = sorted(turn.leaves)
+            while stack:
+                block = stack.pop()
+                if block in chosen or block not in candidates:
+                    continue
+                victims.append(block)
+                chosen.add(block)
+                if len(victims) == num_blocks:
+                    return EvictionDecision(tuple(victims))
+                # Its parent is next if this turn owns it and nothing else hangs from it.
+                parent = self._meta[block][PARENT]
+                meta = self._meta.get(parent) if parent is not None else None
+                if meta is not None:
+                    children_taken[parent] += 1
+                    if meta[VALUE] is turn and not meta[HELD] and meta[CHILDREN] == children_taken[parent]:
+                        stack.append(parent)
+        return EvictionDecision(tuple(victims))
