@@ -16,9 +16,12 @@ replay's LRU figure (0.2149 at 10,000 blocks). It prints:
    earlier uses, how many distinct blocks are used only once, and how
    often a block is used again by the depth at which it was first seen;
 4. the hazard of a conversation's next turn against the requests elapsed
-   since its last one, by turns so far: whether recency predicts reuse.
+   since its last one, by turns so far: whether recency predicts reuse;
+5. how well a predictor of a conversation's end must tell ended chains from
+   continued ones (AUC) to reach a hit rate, and how well what is
+   observable about a request does.
 
-Plain Python, no project imports: about 15 s.
+Python and numpy, no project imports: about 25 s.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from __future__ import annotations
 import collections
 import json
 import math
+import random
 import sys
 from pathlib import Path
+
+import numpy
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
 
@@ -48,9 +54,10 @@ def load(path, partial_blocks=False):
     return chains, next_use, total
 
 
-def simulate(chains, next_use, total, capacity, dead_first=False):
+def simulate(chains, next_use, total, capacity, dead_first=False, predicted_dead=None):
     """LRU over evictable leaves; with ``dead_first`` blocks never used again
-    go first (an oracle)."""
+    go first (an oracle); with ``predicted_dead`` (request, depth) -> bool,
+    the blocks a predictor calls dead go first."""
     cached, parent, children = set(), {}, collections.Counter()
     live, dead = collections.OrderedDict(), collections.OrderedDict()
     hits = 0
@@ -83,7 +90,10 @@ def simulate(chains, next_use, total, capacity, dead_first=False):
             if d:
                 children[chain[d - 1]] += 1
         for h, nxt in zip(reversed(chain), reversed(next_use[i])):  # leaves first
-            queue = dead if dead_first and nxt == math.inf else live
+            if predicted_dead is not None:
+                queue = dead if predicted_dead(i, chain, nxt) else live
+            else:
+                queue = dead if dead_first and nxt == math.inf else live
             queue[h] = None
             queue.move_to_end(h)
     return hits / total
@@ -138,6 +148,76 @@ def hazard(chains):
         print(f"{t}{'+' if t == 4 else ''} | {len(g)} | {ever:.2f} | " + " | ".join(cells))
 
 
+def auc(scores, labels):
+    """Area under the ROC curve: the chance a positive outscores a negative."""
+    order = sorted(range(len(scores)), key=scores.__getitem__)
+    ranks, i = [0.0] * len(scores), 0
+    while i < len(order):  # average ranks over ties
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    positives = sum(labels)
+    negatives = len(labels) - positives
+    return (sum(r for r, y in zip(ranks, labels) if y) - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def continuation_needed(chains, next_use, total, capacity=10_000):
+    """How good must a prediction of a chain's end be? A request's last block
+    is used again when its conversation goes on. The oracle's knowledge of
+    that, seen through noise (score = continued × separation + N(0, 1), one
+    draw per request), is used as the dead-first oracle uses its own: the
+    request's private blocks go first when the score says it ended. Beside
+    it, how well what is observable tells continued chains apart: turns so
+    far, blocks the turn added, chain length, and a logistic regression on
+    those and the gap before the turn (the ``continuation`` eviction
+    policy's features; the gap here in requests, not seconds)."""
+    rng = random.Random(0)
+    ends = [i for i, c in enumerate(chains) if len(c) > 1]
+    continued = {i: next_use[i][-1] < math.inf for i in ends}
+    print("\ncontinuation predictor quality (AUC) against the hit rate its dead-first use gives at "
+          f"{capacity} blocks")
+    print("separation | AUC | block hit rate")
+    for separation in (0.0, 1.0, 2.0, 3.0):
+        score = {i: continued[i] * separation + rng.gauss(0.0, 1.0) for i in ends}
+
+        def predicted_dead(i, chain, nxt, score=score, separation=separation):
+            # private blocks only: a shared block's use says nothing of this request's conversation
+            return i in score and score[i] < separation / 2 and nxt == next_use[i][-1]
+
+        rate = simulate(chains, next_use, total, capacity, predicted_dead=predicted_dead)
+        a = auc([score[i] for i in ends], [continued[i] for i in ends])
+        print(f"{separation} | {a:.3f} | {rate:.4f}", flush=True)
+    # What is observable, per request: its predecessor is the latest request
+    # whose whole chain (two blocks or more) this one extends.
+    end_at, turns, gap, added = {}, {}, {}, {}
+    for j, chain in enumerate(chains):
+        previous = next((end_at[h] for h in reversed(chain[1:]) if h in end_at and len(chains[end_at[h]]) == chain.index(h) + 1), None)
+        turns[j] = turns[previous] + 1 if previous is not None else 1
+        gap[j] = j - previous if previous is not None else None
+        added[j] = len(chain) - (len(chains[previous]) if previous is not None else 0)
+        if chain:
+            end_at[chain[-1]] = j
+    labels = [continued[i] for i in ends]
+    print("observable | AUC")
+    print(f"turns so far | {auc([turns[i] for i in ends], labels):.3f}")
+    print(f"fewer blocks added by the turn | {auc([-added[i] for i in ends], labels):.3f}")
+    print(f"shorter chain | {auc([-len(chains[i]) for i in ends], labels):.3f}")
+    # Fitted to the whole trace in hindsight (Newton's method), so a bound
+    # on what a linear model of these features can tell apart.
+    x = numpy.array([[1.0, math.log(turns[i]), math.log1p(added[i]), math.log1p(len(chains[i])),
+                      0.0 if gap[i] is None else math.log1p(gap[i]), float(gap[i] is None)] for i in ends])
+    y = numpy.array(labels, dtype=float)
+    w = numpy.zeros(x.shape[1])
+    for _ in range(25):
+        p = 1.0 / (1.0 + numpy.exp(-(x @ w)))
+        w += numpy.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + 1e-6 * numpy.eye(len(w)), x.T @ (y - p))
+    print(f"logistic regression on all of them and the gap before the turn, fitted in hindsight | "
+          f"{auc(list(x @ w), labels):.3f}")
+
+
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else DEFAULT
     chains, next_use, total = load(path)
@@ -150,6 +230,7 @@ def main() -> None:
     print(f"LRU at 10000 with partial last blocks cacheable (the trace README's model): {simulate(*partial, 10000):.4f}")
     reuse_gaps(chains)
     hazard(chains)
+    continuation_needed(chains, next_use, total)
 
 
 if __name__ == "__main__":

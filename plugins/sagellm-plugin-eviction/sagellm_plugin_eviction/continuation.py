@@ -69,15 +69,17 @@ class ContinuationSettings:
 class Turn:
     """A released chain: what its conversation looked like, and its leaves."""
 
-    __slots__ = ("features", "released_at", "turns", "end_key", "end_depth", "leaves")
+    __slots__ = ("features", "released_at", "opened", "turns", "end_key", "end_depth", "leaves", "slot")
 
-    def __init__(self, features, released_at: float, turns: int, end_key: int, end_depth: int):
+    def __init__(self, features, released_at: float, opened: int, turns: int, end_key: int, end_depth: int):
         self.features = features
         self.released_at = released_at
+        self.opened = opened  # turns opened before it: the order among equal release times
         self.turns = turns
         self.end_key = end_key
         self.end_depth = end_depth
         self.leaves: set[int] = set()  # its blocks that are evictable leaves now
+        self.slot = -1  # its row in the policy's arrays while it has leaves
 
 
 def turn_features(turns: int, new_blocks: int, blocks: int, previous_gap_s: float | None):
@@ -103,7 +105,13 @@ class ContinuationEviction(LeafChains):
         self._edges = numpy.arange(AGE_BINS + 1, dtype=float)
         self._pending: OrderedDict[int, Turn] = OrderedDict()  # last block's key -> turn, oldest first
         self._leaf_turn: dict[int, Turn] = {}  # evictable leaf -> its turn
-        self._with_leaves: dict[Turn, None] = {}
+        # The turns with evictable leaves, in rows of arrays, so a choice
+        # values them all in a few vectorised steps.
+        self._with_leaves: list[Turn] = []
+        self._features = numpy.zeros((256, 6))
+        self._released_at = numpy.zeros(256)
+        self._opened = numpy.zeros(256, dtype=numpy.int64)
+        self._turns_opened = 0
         self._now = 0.0
 
     # -------------------------------------------------------------- model --
@@ -142,14 +150,30 @@ class ContinuationEviction(LeafChains):
         if turn is not None and not meta[HELD] and meta[CHILDREN] == 0 and block_id not in self._leaf_turn:
             self._leaf_turn[block_id] = turn
             turn.leaves.add(block_id)
-            self._with_leaves[turn] = None
+            if turn.slot < 0:
+                row = turn.slot = len(self._with_leaves)
+                if row == len(self._released_at):
+                    self._features = numpy.resize(self._features, (2 * row, 6))
+                    self._released_at = numpy.resize(self._released_at, 2 * row)
+                    self._opened = numpy.resize(self._opened, 2 * row)
+                self._with_leaves.append(turn)
+                self._features[row] = turn.features
+                self._released_at[row] = turn.released_at
+                self._opened[row] = turn.opened
 
     def _not_leaf(self, block_id: int) -> None:
         turn = self._leaf_turn.pop(block_id, None)
         if turn is not None:
             turn.leaves.discard(block_id)
-            if not turn.leaves:
-                del self._with_leaves[turn]
+            if not turn.leaves:  # the last row fills its place
+                row, last = turn.slot, self._with_leaves.pop()
+                turn.slot = -1
+                if last is not turn:
+                    self._with_leaves[row] = last
+                    last.slot = row
+                    self._features[row] = self._features[len(self._with_leaves)]
+                    self._released_at[row] = self._released_at[len(self._with_leaves)]
+                    self._opened[row] = self._opened[len(self._with_leaves)]
 
     def _reused(self, block: CachedBlock) -> tuple[Turn | None, bool]:
         """The deepest pending turn whose last block is on ``block``'s chain,
@@ -192,14 +216,16 @@ class ContinuationEviction(LeafChains):
         if previous is not None:
             del self._pending[previous.end_key]
             self._learn(previous, continued=True)
+        self._turns_opened += 1
         if not continues:
-            turn = Turn(turn_features(1, end.depth + 1, end.depth + 1, None), now_s, 1, end.key, end.depth)
+            turn = Turn(turn_features(1, end.depth + 1, end.depth + 1, None),
+                        now_s, self._turns_opened, 1, end.key, end.depth)
         else:
             gap = now_s - previous.released_at
             self.gaps[age_bin(gap)] += 1.0
             new_blocks = end.depth - previous.end_depth
             turn = Turn(turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
-                        now_s, previous.turns + 1, end.key, end.depth)
+                        now_s, self._turns_opened, previous.turns + 1, end.key, end.depth)
         end_meta = self._meta.get(end.block_id)
         if end_meta is not None and end_meta[CHILDREN] == 0:
             # A chain that ends inside others' (a shared system prompt) is
@@ -221,26 +247,23 @@ class ContinuationEviction(LeafChains):
 
     # ------------------------------------------------------------ decision --
 
-    def values(self, turns: list[Turn]) -> numpy.ndarray:
-        """value(a) of each turn now (the module's docstring)."""
-        features = numpy.array([t.features for t in turns])
-        ages = numpy.maximum(self._now - numpy.array([t.released_at for t in turns]), 0.0)
-        p = self.continuation_probability(features)
+    def values(self) -> numpy.ndarray:
+        """value(a) now of each turn with leaves, by row (the module's docstring)."""
+        n = len(self._with_leaves)
+        ages = numpy.maximum(self._now - self._released_at[:n], 0.0)
+        p = self.continuation_probability(self._features[:n])
         still = self._survival(ages)
         alive = p * still / (1.0 - p + p * still)
         return alive * (1.0 - self._survival(ages + self.settings.reuse_window_s) / still)
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
-        turns = list(self._with_leaves)
-        if not turns:
-            return EvictionDecision(())
-        values = self.values(turns)
-        released = numpy.array([t.released_at for t in turns])
+        turns, n = self._with_leaves, len(self._with_leaves)  # by row, as the values are
         victims: list[int] = []
         chosen: set[int] = set()
         children_taken: Counter[int] = Counter()
-        for i in numpy.lexsort((released, values)):  # least value first, then the oldest
+        # least value first, then the oldest
+        for i in numpy.lexsort((self._opened[:n], self._released_at[:n], self.values())) if n else ():
             turn = turns[i]
             stack = sorted(turn.leaves)
             while stack:
