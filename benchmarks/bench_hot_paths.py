@@ -8,7 +8,7 @@
 * prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
   100,000 cached blocks, and the share of it spent building page keys;
 * choosing 64 victims among 100,000 evictable blocks: LRU, LFU, the
-  predictive, cost-aware and SLO-aware policies.
+  predictive, continuation-aware, cost-aware and SLO-aware policies.
 Prints p50 per call and the ratios.
 """
 
@@ -22,6 +22,7 @@ import time
 import pluggy
 from rich.console import Console
 from rich.table import Table
+from sagellm_plugin_eviction.continuation import ContinuationEviction, ContinuationSettings
 from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
@@ -86,13 +87,14 @@ def main() -> None:
     ]
 
     ctx = PluginContext("p", BS, NUM_BLOCKS)
-    blocks = tuple(CachedBlock(i, i % 64, None) for i in range(NUM_BLOCKS))
+    blocks = tuple(CachedBlock(i, i % 64, None, key=i) for i in range(NUM_BLOCKS))
     every_block = set(range(NUM_BLOCKS))
     results = {}
     policies = (
         ("LRU", LRUEviction(None, ctx)),
         ("LFU", LFUEviction(None, ctx)),
         ("predictive (512 samples)", PredictiveEviction(PredictiveSettings(), ctx)),
+        ("continuation-aware, 1,563 turns of 64 blocks", ContinuationEviction(ContinuationSettings(), ctx)),
         ("cost-aware (GDSF)", CostAwareEviction(CostSettings(), ctx)),
         ("SLO-aware, the 10k least recent protected", SLOEviction(None, ctx)),
     )

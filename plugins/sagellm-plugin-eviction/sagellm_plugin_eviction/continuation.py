@@ -5,8 +5,8 @@ On a conversation trace, a released chain is used again almost only by the
 next turn of its conversation, whose prompt extends it; and the whole gap
 between LRU and the offline optimum is blocks that are never used again
 (``benchmarks/mooncake_study.py``). Recency says little about which those
-are: a next turn comes a median 123 s after the last one and rarely within
-40 s, so the hazard of reuse rises with idle time before it falls. What
+are: a next turn comes a median 123 s after the last one, one in ten within
+42 s, so the hazard of reuse rises with idle time before it falls. What
 does tell ended conversations apart, if weakly, is the conversation itself:
 how many turns it has had, how many blocks its last turn added, how long it
 is, and how long its user took before the last turn.
@@ -223,7 +223,7 @@ class ContinuationEviction(LeafChains):
         else:
             gap = now_s - previous.released_at
             self.gaps[age_bin(gap)] += 1.0
-            new_blocks = end.depth - previous.end_depth
+            new_blocks = max(0, end.depth - previous.end_depth)  # 0: the same prompt again
             turn = Turn(turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
                         now_s, self._turns_opened, previous.turns + 1, end.key, end.depth)
         end_meta = self._meta.get(end.block_id)

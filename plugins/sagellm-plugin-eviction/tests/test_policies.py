@@ -119,7 +119,9 @@ def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
 
     cached, evictable = set(), set()
     for op, i in ops:
-        block = CachedBlock(i, 0, None, key=i)
+        # Content keys and depths that do not fit a prefix tree: a policy
+        # must not trust the observations further than they go.
+        block = CachedBlock(i, i % 3, None, key=i % 5)
         if op == "c" and i not in cached:
             cached.add(i)
             observe("sagellm_blocks_cached", block)
@@ -138,7 +140,7 @@ def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
         assert len(set(victims)) == len(victims) and set(victims) <= evictable
         if victims and op == "e":
             # Evict what was chosen, as the runtime does.
-            observe("sagellm_blocks_evicted", *(CachedBlock(v, 0, None, key=v) for v in victims))
+            observe("sagellm_blocks_evicted", *(CachedBlock(v, v % 3, None, key=v % 5) for v in victims))
             evictable.difference_update(victims)
             cached.difference_update(victims)
 
@@ -371,6 +373,19 @@ def test_continuation_does_not_take_a_shared_prefix_for_a_conversation():
     talk.turn(3.0, previous=system, new_blocks=0)
     assert system[-1].key not in p._pending
     assert turns(talk.turn(4.0, previous=system, new_blocks=2)) == 1
+
+
+def test_continuation_takes_observations_that_do_not_fit_a_tree():
+    """A chain released after a pending turn with its content key but deeper
+    (keys that do not fit a prefix tree, as a benchmark's made-up blocks) is
+    a next turn that added nothing, not an error."""
+    p = ContinuationEviction(ContinuationSettings(), CTX)
+    deep, shallow = CachedBlock(1, 5, None, key=7), CachedBlock(2, 0, None, key=7)
+    for now, block in enumerate((deep, shallow)):
+        p.sagellm_blocks_cached(blocks=(block,), now_s=float(now))
+        p.sagellm_blocks_released(blocks=(block,), now_s=float(now))
+    assert p._meta[2][0].turns == 2
+    assert set(p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids) == {1, 2}
 
 
 def tenant_chain(first, n, tenant):
