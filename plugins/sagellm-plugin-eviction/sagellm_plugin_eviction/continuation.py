@@ -13,8 +13,9 @@ is, and how long its user took before the last turn.
 
 Every release of a chain (a request's blocks losing their last reference)
 opens a *turn* with those features and its release time. A later release
-whose chain passes through a pending turn's last block continues that turn:
-a positive label, and its gap joins a histogram. A turn not continued within
+whose chain passes through a pending turn's last block, or, where the
+engine caches output too, hits at least half of its chain, continues that
+turn: a positive label, and its gap joins a histogram. A turn not continued within
 ``label_after_s`` is a negative label. A logistic regression learns
 ``p = P(continued)`` from the labels by stochastic gradient steps, and the
 histogram gives ``S(a) = P(gap > a | continued)``. A turn's blocks are worth,
@@ -52,7 +53,7 @@ from attrs import field, frozen, validators
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
 
-from sagellm_plugin_eviction.chains import CHILDREN, HELD, KEY, PARENT, VALUE, LeafChains
+from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, KEY, PARENT, VALUE, LeafChains
 from sagellm_plugin_eviction.predictive import AGE_BINS, AGE_UNIT_S, age_bin, bin_age
 
 
@@ -69,7 +70,7 @@ class ContinuationSettings:
 class Turn:
     """A released chain: what its conversation looked like, and its leaves."""
 
-    __slots__ = ("features", "released_at", "opened", "turns", "end_key", "end_depth", "leaves", "slot")
+    __slots__ = ("features", "released_at", "opened", "turns", "end_key", "end_depth", "leaves", "slot", "labelled")
 
     def __init__(self, features, released_at: float, opened: int, turns: int, end_key: int, end_depth: int):
         self.features = features
@@ -80,6 +81,7 @@ class Turn:
         self.end_depth = end_depth
         self.leaves: set[int] = set()  # its blocks that are evictable leaves now
         self.slot = -1  # its row in the policy's arrays while it has leaves
+        self.labelled = False  # its chain ended at a leaf: a conversation's turn, to be labelled
 
 
 def turn_features(turns: int, new_blocks: int, blocks: int, previous_gap_s: float | None):
@@ -175,18 +177,33 @@ class ContinuationEviction(LeafChains):
                     self._released_at[row] = self._released_at[len(self._with_leaves)]
                     self._opened[row] = self._opened[len(self._with_leaves)]
 
-    def _reused(self, block: CachedBlock) -> tuple[Turn | None, bool]:
-        """The deepest pending turn whose last block is on ``block``'s chain,
-        and whether this chain continues it: it does unless that block is a
-        branch point (has other cached children), as a prompt that only
-        shares a system prompt with other conversations is."""
-        meta = self._meta.get(block.block_id)
+    def _previous(self, end: CachedBlock) -> tuple[Turn | None, int, bool]:
+        """The turn this chain continues, the depth of the last block they
+        share, and whether that turn is pending (continued within the label
+        window), or ``(None, -1, False)``.
+
+        A next turn's prompt extends its previous turn's: it passes through
+        that turn's last block (found by content key, so also when the block
+        was evicted and this request cached it again), unless that block is
+        a branch point, as a system prompt that other prompts extend is. Where
+        the engine caches a turn's output too, the next prompt leaves the
+        chain before its end: then the turn that last released the deepest
+        block this request hit, if the hit covers at least half of its
+        chain (a prompt that only shares a system prompt covers little)."""
+        meta = self._meta.get(end.block_id)
+        hit = None
         while meta is not None:
             turn = self._pending.get(meta[KEY])
             if turn is not None:
-                return turn, meta[CHILDREN] <= 1
+                return (turn, meta[DEPTH], True) if meta[CHILDREN] <= 1 else (None, -1, False)
+            if hit is None and meta[VALUE] is not None:
+                hit = meta
             meta = self._meta.get(meta[PARENT]) if meta[PARENT] is not None else None
-        return None, False
+        if hit is not None:
+            turn = hit[VALUE]
+            if turn.labelled and 2 * (hit[DEPTH] + 1) >= turn.end_depth + 1:
+                return turn, hit[DEPTH], self._pending.get(turn.end_key) is turn
+        return None, -1, False
 
     # -------------------------------------------------------- observations --
 
@@ -212,18 +229,18 @@ class ContinuationEviction(LeafChains):
             return
         self._expire(now_s)
         end = blocks[-1]  # chain order: the request's deepest block
-        previous, continues = self._reused(end)
-        if previous is not None:
-            del self._pending[previous.end_key]
-            self._learn(previous, continued=True)
+        previous, shared_depth, pending = self._previous(end)
         self._turns_opened += 1
-        if not continues:
+        if previous is None:
             turn = Turn(turn_features(1, end.depth + 1, end.depth + 1, None),
                         now_s, self._turns_opened, 1, end.key, end.depth)
         else:
             gap = now_s - previous.released_at
-            self.gaps[age_bin(gap)] += 1.0
-            new_blocks = max(0, end.depth - previous.end_depth)  # 0: the same prompt again
+            if pending:
+                del self._pending[previous.end_key]
+                self._learn(previous, continued=True)
+                self.gaps[age_bin(gap)] += 1.0
+            new_blocks = max(0, end.depth - shared_depth)  # 0: the same prompt again
             turn = Turn(turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
                         now_s, self._turns_opened, previous.turns + 1, end.key, end.depth)
         end_meta = self._meta.get(end.block_id)
@@ -232,6 +249,7 @@ class ContinuationEviction(LeafChains):
             # reused by every prompt that extends it: that says nothing about
             # conversations ending, and its blocks are not leaves to weigh.
             self._pending[end.key] = turn
+            turn.labelled = True
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:

@@ -375,6 +375,24 @@ def test_continuation_does_not_take_a_shared_prefix_for_a_conversation():
     assert turns(talk.turn(4.0, previous=system, new_blocks=2)) == 1
 
 
+def test_continuation_finds_a_next_turn_that_leaves_the_chain_before_its_output():
+    """Where an engine caches a turn's output too, the next prompt hits the
+    previous turn's prompt and leaves its chain before the end: a next turn
+    when it covers half of that chain or more, a first turn when less."""
+    p = ContinuationEviction(ContinuationSettings(), CTX)
+    talk = Conversations(p)
+    earlier = talk.turn(0.0, new_blocks=4)  # 3 prompt blocks and 1 of output
+
+    def turns(chain):
+        return p._meta[chain[-1].block_id][0].turns
+
+    assert turns(talk.turn(1.0, previous=earlier[:1], new_blocks=3)) == 1
+    assert earlier[-1].key in p._pending
+    gaps = p.gaps.sum()
+    assert turns(talk.turn(50.0, previous=earlier[:3], new_blocks=2)) == 2
+    assert earlier[-1].key not in p._pending and p.gaps.sum() == gaps + 1  # labelled continued, its gap seen
+
+
 def test_continuation_takes_observations_that_do_not_fit_a_tree():
     """A chain released after a pending turn with its content key but deeper
     (keys that do not fit a prefix tree, as a benchmark's made-up blocks) is
