@@ -56,8 +56,8 @@ def load(path, partial_blocks=False):
 
 def simulate(chains, next_use, total, capacity, dead_first=False, predicted_dead=None):
     """LRU over evictable leaves; with ``dead_first`` blocks never used again
-    go first (an oracle); with ``predicted_dead`` (request, depth) -> bool,
-    the blocks a predictor calls dead go first."""
+    go first (an oracle); with ``predicted_dead(request index, chain, next
+    use of the block)`` the blocks it calls dead go first."""
     cached, parent, children = set(), {}, collections.Counter()
     live, dead = collections.OrderedDict(), collections.OrderedDict()
     hits = 0
@@ -184,7 +184,8 @@ def continuation_needed(chains, next_use, total, capacity=10_000):
         score = {i: continued[i] * separation + rng.gauss(0.0, 1.0) for i in ends}
 
         def predicted_dead(i, chain, nxt, score=score, separation=separation):
-            # private blocks only: a shared block's use says nothing of this request's conversation
+            # its private blocks only (told apart by their next use, as an oracle
+            # may): a shared block's use says nothing of this conversation
             return i in score and score[i] < separation / 2 and nxt == next_use[i][-1]
 
         rate = simulate(chains, next_use, total, capacity, predicted_dead=predicted_dead)
