@@ -49,6 +49,16 @@ class LeafChains:
             self._not_leaf(block.parent_id)
         return meta
 
+    def _release(self, blocks, value) -> None:
+        """Blocks lost their last reference: each record takes
+        ``value(record)`` and the block is offered as a leaf."""
+        for block in blocks:
+            meta = self._meta.get(block.block_id)
+            if meta is not None:
+                meta[VALUE] = value(meta)
+                meta[HELD] = False
+                self._leaf(block.block_id)
+
     def _forget(self, block_id: int) -> list | None:
         """Drop an evicted block's record, remember its use count, and offer
         its parent as a leaf; return the record (``None`` if unknown)."""

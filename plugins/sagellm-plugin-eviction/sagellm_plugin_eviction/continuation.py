@@ -29,7 +29,8 @@ so an ended conversation loses value as it outstays the gaps seen, a turn
 of a conversation that keeps coming back keeps it, and one released a moment
 ago is not yet worth much when next turns never come that fast. A turn older
 than ``label_after_s`` is worth nothing; such turns go first, oldest first,
-in LRU's order (ranking them by ``p`` instead loses hits on Mooncake).
+in LRU's order (ranking them by ``p`` instead lost hits on Mooncake in
+exploratory runs).
 
 A chain that ends inside others' (a shared system prompt) is reused by every
 prompt that extends it; it is not a conversation's turn and is not
@@ -250,12 +251,7 @@ class ContinuationEviction(LeafChains):
             # conversations ending, and its blocks are not leaves to weigh.
             self._pending[end.key] = turn
             turn.labelled = True
-        for block in blocks:
-            meta = self._meta.get(block.block_id)
-            if meta is not None:
-                meta[VALUE] = turn
-                meta[HELD] = False
-                self._leaf(block.block_id)
+        self._release(blocks, lambda meta: turn)
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:

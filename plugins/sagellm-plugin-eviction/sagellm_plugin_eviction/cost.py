@@ -96,12 +96,7 @@ class CostAwareEviction(LeafChains):
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
-        for block in blocks:
-            meta = self._meta.get(block.block_id)
-            if meta is not None:
-                meta[VALUE] = self.clock + meta[USES] * self.cost(meta[DEPTH])
-                meta[HELD] = False
-                self._leaf(block.block_id)
+        self._release(blocks, lambda meta: self.clock + meta[USES] * self.cost(meta[DEPTH]))
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...]) -> None:

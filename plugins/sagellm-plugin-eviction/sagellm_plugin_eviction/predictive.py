@@ -177,12 +177,7 @@ class PredictiveEviction(LeafChains):
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         self._now = now_s
-        for block in blocks:
-            meta = self._meta.get(block.block_id)
-            if meta is not None:
-                meta[VALUE] = now_s
-                meta[HELD] = False
-                self._leaf(block.block_id)
+        self._release(blocks, lambda meta: now_s)
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
