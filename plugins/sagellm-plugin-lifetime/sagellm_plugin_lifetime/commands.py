@@ -58,10 +58,13 @@ def sagellm_register_commands(subparsers) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
 
+    from .text import TextSettings  # torch is imported only when training
+
+    defaults = attrs.fields(TextSettings)
     p = sub.add_parser("train", help="train the 'text' predictor on the training conversations")
     p.add_argument("--source", default="sharegpt", help="the workload trained on (default sharegpt)")
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=defaults.epochs.default)
+    p.add_argument("--seed", type=int, default=defaults.seed.default)
     p.add_argument("--max-requests", type=int, help="only the first N requests of the workload")
     p.add_argument("--out", help="weights file (default: the cache file the 'text' plugin looks for)")
     p.set_defaults(func=cmd_train)

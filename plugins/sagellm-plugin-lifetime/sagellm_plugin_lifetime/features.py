@@ -6,7 +6,8 @@ Conversation history is learned from ``sagellm_request_finished``: a chat
 turn's predecessor in its session has finished by the time the next turn
 arrives, so its true output length is known. That is the strongest cheap
 signal on ShareGPT (the previous reply's length alone gives MAE 120 tokens
-on later turns, against 144 for the median)."""
+on later turns, against 144 for the median). A prompt that nearly repeats
+an earlier one is answered from that one's reply (:mod:`.near_duplicates`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from collections import OrderedDict
 from attrs import define, field
 
 from sagellm_core.types import Request
+
+from .near_duplicates import NearDuplicates
 
 #: Names of :meth:`History.features`' values, in order.
 FEATURE_NAMES = (
@@ -71,12 +74,17 @@ class History:
     the same question asked again tends to get an answer of the same
     length; on ShareGPT a sixth of held-out turns repeat a training turn's
     message) and by tenant, bounded to the ``max_sessions`` and
-    ``max_prefixes`` most recently used."""
+    ``max_prefixes`` most recently used; and the reply lengths of the
+    ``max_prefixes`` newest prompts, for :meth:`near_duplicate` (none where
+    ``duplicate_similarity`` is over 1)."""
 
-    def __init__(self, block_size: int = 16, max_sessions: int = 100_000, max_prefixes: int = 100_000):
+    def __init__(self, block_size: int = 16, max_sessions: int = 100_000, max_prefixes: int = 100_000,
+                 duplicate_similarity: float = 0.95):
         self.block_size = block_size
         self.max_sessions = max_sessions
         self.max_prefixes = max_prefixes
+        self.duplicate_similarity = duplicate_similarity
+        self.prompts = NearDuplicates(max_prefixes) if duplicate_similarity <= 1 else None
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.prefixes: OrderedDict[bytes, _Mean] = OrderedDict()
         self.messages: OrderedDict[bytes, _Mean] = OrderedDict()
@@ -123,8 +131,18 @@ class History:
             1.0 if message else 0.0,
         ]
 
+    def near_duplicate(self, request: Request) -> float | None:
+        """The log reply length of the most similar earlier prompt, if its
+        similarity reaches ``duplicate_similarity``."""
+        if self.prompts is None:
+            return None
+        found = self.prompts.nearest(self.prompts.signature(request.prompt_token_ids))
+        return found[1] if found is not None and found[0] >= self.duplicate_similarity else None
+
     def observe(self, request: Request, output_tokens: int) -> None:
         value = log_tokens(output_tokens)
+        if self.prompts is not None:
+            self.prompts.add(self.prompts.signature(request.prompt_token_ids), value)
         _remember(self.messages, self._message_key(request, self._new_tokens(request, self._session(request))),
                   value, self.max_prefixes)
         _remember(self.prefixes, self._prefix_key(request), value, self.max_prefixes)

@@ -2,7 +2,8 @@
 features (:mod:`.features`: conversation turn and earlier replies' lengths,
 prefix identity, prompt size, tenant). A linear model per quantile of
 ``log1p(output tokens)``, fitted by AdaGrad steps on the pinball loss, one
-per finished request, so it needs no training run and follows drift."""
+per finished request, so it needs no training run and follows drift. A
+near-duplicate of an earlier prompt is predicted that prompt's reply length."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class OnlineSettings:
     #: The median prediction before anything has finished.
     prior_tokens: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
     max_sessions: int = field(default=100_000, validator=[validators.instance_of(int), validators.gt(0)])
+    #: A prompt at least this similar to an earlier one is predicted that
+    #: one's reply length (:mod:`.near_duplicates`); over 1 turns it off.
+    duplicate_similarity: float = field(default=0.95, validator=[validators.instance_of(float), validators.ge(0)])
 
 
 class OnlineQuantileRegression:
@@ -57,7 +61,8 @@ class OnlineLifetime:
     def __init__(self, settings: OnlineSettings, context: PluginContext):
         self.settings = settings
         self.name = context.name
-        self.history = History(context.block_size, settings.max_sessions)
+        self.history = History(context.block_size, settings.max_sessions,
+                               duplicate_similarity=settings.duplicate_similarity)
         self.model = OnlineQuantileRegression(len(FEATURE_NAMES), settings.learning_rate, settings.prior_tokens)
         #: Features as they were at arrival, for the update at finish
         #: (bounded: a request that never finishes must not stay forever).
@@ -68,7 +73,7 @@ class OnlineLifetime:
         x = np.array(self.history.features(request))
         self._pending[request.request_id] = x
         trust = self.model.updates / self.settings.warmup
-        return prediction(self.model.predict(x), self.name, trust)
+        return prediction(self.model.predict(x), self.name, trust, self.history.near_duplicate(request))
 
     @hookimpl
     def sagellm_request_finished(self, outcome: RequestOutcome) -> None:

@@ -77,3 +77,31 @@ def test_default_weights_name_follows_training_settings(monkeypatch, tmp_path):
     assert a.parent == tmp_path
     assert a == text.default_weights(TextSettings(online_batch=8))  # serving knobs do not retrain
     assert a != text.default_weights(TextSettings(epochs=2))
+
+
+def test_training_features_never_see_a_held_out_reply():
+    from sagellm_plugin_lifetime.features import FEATURE_NAMES
+    from sagellm_plugin_lifetime.split import held_out
+
+    question = [5, 6, 7, 8, 9]
+    test_turn = Request("t", question, 900, session_id="s5")  # a held-out conversation
+    train_turn = Request("u", question, 10, session_id="s0")
+    assert held_out(test_turn) and not held_out(train_turn)
+    rows, targets, _ = text.training_rows(TextSettings(**SMALL), [test_turn, train_turn, train_turn])
+    assert len(rows) == 2  # the training conversation's turns only
+    seen = [dict(zip(FEATURE_NAMES, features)) for _, features in rows]
+    assert seen[0]["has_message_history"] == 0.0  # the held-out reply to the same question is not known
+    assert seen[1]["has_message_history"] == 1.0  # the training one is
+
+
+def test_members_are_trained_apart_and_served_averaged():
+    settings = TextSettings(**{**SMALL, "epochs": 1, "members": 3})
+    model = text.train(settings, asked(0, 300), log=lambda m: None)
+    batch = text._batch(torch, [(text.text_ids("write a long essay about jazz", settings.buckets), [0.5] * len(
+        text.FEATURE_NAMES))])
+    with torch.no_grad():
+        members = model.members_forward(*batch)
+        served = model(*batch)
+    assert members.shape == (3, 1, 9) and served.shape == (1, 9)
+    assert not torch.equal(members[0], members[1])  # each its own start
+    assert torch.allclose(served, members.sort(2).values.mean(0))
