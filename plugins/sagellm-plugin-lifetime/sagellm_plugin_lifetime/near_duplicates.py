@@ -4,8 +4,8 @@ The same prompt often comes back: a user regenerates a reply, a conversation
 is shared and continued twice, a client retries. The reply length last time
 is then the best guess for this time, better than any model of the text (on
 ShareGPT's held-out turns whose prompt is a near-duplicate of an earlier one,
-the earlier reply's length is off by about 16 tokens where the text model is
-off by about 55). An exact hash of the prompt finds too few of them (an
+the earlier reply's length is off by about 19 tokens where the text model is
+off by about 62: ``benchmarks/lifetime_study.py``). An exact hash of the prompt finds too few of them (an
 edited word, one more turn), so prompts are compared by the Jaccard
 similarity of their token 6-grams, estimated by MinHash and found through
 locality-sensitive hashing (Broder 1997; Indyk and Motwani 1998), as

@@ -6,9 +6,9 @@ user's new message) becomes hashed word unigrams and bigrams, averaged by an
 :mod:`.features` (earlier replies of the conversation, prompt size, ...) an
 MLP predicts quantiles of ``log1p(output tokens)`` under the pinball loss.
 ``members`` such models, alike but for their random start, are trained side
-by side and their quantiles averaged: on ShareGPT the average of 16 is off
-by about 7% fewer tokens than one member, whose errors come as much from
-the few examples it has of each phrase as from the text. They run as one
+by side and their quantiles averaged: with so few examples of most phrases,
+one member's fit depends much on its random start, and on ShareGPT the
+average of 16 is off by about 6% fewer tokens than one. They run as one
 batched module, well under a millisecond a request on a CPU core, which a
 sentence-embedding model is not (all-MiniLM-L6-v2 takes about 10 ms a
 prompt here). A prompt that nearly repeats an earlier one is predicted that
