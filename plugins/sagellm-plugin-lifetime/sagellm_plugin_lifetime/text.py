@@ -75,6 +75,7 @@ class TextSettings:
     #: one's reply length (:mod:`.near_duplicates`); over 1 turns it off.
     duplicate_similarity: float = field(default=0.95, validator=[validators.instance_of(float), validators.ge(0)])
 
+
 #: Settings that change how a trained model serves, not its weights.
 SERVING_SETTINGS = ("weights", "online_batch", "online_learning_rate", "duplicate_similarity")
 
