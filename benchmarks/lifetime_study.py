@@ -34,6 +34,7 @@ from sagellm_core.config import WorkloadSettings
 from sagellm_core.replay import workloads
 from sagellm_plugin_lifetime import text
 from sagellm_plugin_lifetime.features import History
+from sagellm_plugin_lifetime.quantiles import MEDIAN
 from sagellm_plugin_lifetime.split import held_out
 
 FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 1.0)
@@ -63,7 +64,7 @@ def medians(model, rows) -> list[float]:
     model.eval()
     with torch.no_grad():
         out = torch.cat([model(*text._batch(torch, rows[i:i + 2048])) for i in range(0, len(rows), 2048)])
-    return torch.expm1(out[:, text.QUANTILE_LEVELS.index(0.5)]).tolist()
+    return torch.expm1(out[:, MEDIAN]).tolist()
 
 
 def mae(predicted, truths) -> float:

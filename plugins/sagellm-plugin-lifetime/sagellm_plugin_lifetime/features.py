@@ -85,6 +85,9 @@ class History:
         self.max_prefixes = max_prefixes
         self.duplicate_similarity = duplicate_similarity
         self.prompts = NearDuplicates(max_prefixes) if duplicate_similarity <= 1 else None
+        #: Signatures of predicted requests until they finish: hashing the
+        #: prompt once serves both the lookup and the memory.
+        self._signatures = PendingFeatures()
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.prefixes: OrderedDict[bytes, _Mean] = OrderedDict()
         self.messages: OrderedDict[bytes, _Mean] = OrderedDict()
@@ -136,13 +139,17 @@ class History:
         similarity reaches ``duplicate_similarity``."""
         if self.prompts is None:
             return None
-        found = self.prompts.nearest(self.prompts.signature(request.prompt_token_ids))
+        signature = self._signatures[request.request_id] = self.prompts.signature(request.prompt_token_ids)
+        found = self.prompts.nearest(signature)
         return found[1] if found is not None and found[0] >= self.duplicate_similarity else None
 
     def observe(self, request: Request, output_tokens: int) -> None:
         value = log_tokens(output_tokens)
         if self.prompts is not None:
-            self.prompts.add(self.prompts.signature(request.prompt_token_ids), value)
+            signature = self._signatures.pop(request.request_id, None)
+            if signature is None:  # finished without a prediction (evaluation's training turns)
+                signature = self.prompts.signature(request.prompt_token_ids)
+            self.prompts.add(signature, value)
         _remember(self.messages, self._message_key(request, self._new_tokens(request, self._session(request))),
                   value, self.max_prefixes)
         _remember(self.prefixes, self._prefix_key(request), value, self.max_prefixes)

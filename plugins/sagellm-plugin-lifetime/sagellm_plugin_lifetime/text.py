@@ -41,7 +41,7 @@ from sagellm_core.errors import ConfigError
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, RequestOutcome
 
 from .features import FEATURE_NAMES, History, PendingFeatures, log_tokens
-from .quantiles import prediction
+from .quantiles import MEDIAN, prediction
 from .split import held_out
 
 WORD = re.compile(r"\w+|[^\w\s]")
@@ -222,7 +222,7 @@ def train(settings: TextSettings, requests: Iterable[Request] | None = None, blo
             dense.step()
         model.eval()
         with torch.no_grad():
-            median = model(*_batch(torch, [rows[i] for i in check]))[:, QUANTILE_LEVELS.index(0.5)]
+            median = model(*_batch(torch, [rows[i] for i in check]))[:, MEDIAN]
             mae = (torch.expm1(median) - torch.expm1(y[check])).abs().mean().item()
         log(f"epoch {epoch + 1}/{settings.epochs}: validation MAE {mae:.1f} tokens"
             f" ({len(fit):,} training requests, {settings.members} members)")
