@@ -15,3 +15,8 @@ class PluginError(SagellmError):
 
 class TraceError(SagellmError):
     """A workload file has a line that cannot be read."""
+
+
+class RequestError(SagellmError):
+    """A request an engine cannot serve (an empty prompt, one longer than the
+    KV pool can ever hold); nothing was changed for it."""

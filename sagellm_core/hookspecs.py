@@ -31,6 +31,7 @@ from sagellm_core.types import (
     CachedBlock,
     EvictionCandidates,
     EvictionDecision,
+    KVCaches,
     LifetimePrediction,
     PoolUsage,
     PrefixInsert,
@@ -251,6 +252,16 @@ def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float) -> No
 @hookspec
 def sagellm_blocks_evicted(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
     """Blocks left the prefix cache (victims and their descendants)."""
+
+
+@hookspec
+def sagellm_kv_caches_allocated(kv_caches: KVCaches) -> None:
+    """An engine that owns real KV tensors (the torch engine) allocated them,
+    once, before the first request: ``kv_caches.tensor`` indexed by the pool's
+    block ids along ``kv_caches.block_dim``. A transport keeps it to copy
+    evicted blocks' bytes to its host tier and back (vLLM's KV connectors
+    get ``register_kv_caches`` for the same reason). Engines without KV
+    tensors (replay, the adapters' CPU drivers) never call it."""
 
 
 @hookspec

@@ -35,6 +35,7 @@ from sagellm_core.types import (
     CachedBlock,
     EvictionCandidates,
     EvictionDecision,
+    KVCaches,
     LifetimePrediction,
     PoolUsage,
     PrefixInsert,
@@ -48,6 +49,7 @@ from sagellm_core.types import (
     StepResult,
     TransferPlan,
     TransferResult,
+    as_token_array,
 )
 
 #: The hooks a plugin picked for a section must implement, all of them.
@@ -580,12 +582,15 @@ class Runtime:
         state.private_block_ids.update(ids)
         return True
 
-    def cache(self, state: SequenceState) -> None:
-        """Insert the request's computed full blocks into the prefix cache."""
+    def cache(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> None:
+        """Insert the request's computed full blocks into the prefix cache.
+        ``output_token_ids`` are the tokens a real engine generated; without
+        them, the workload's known output (``Request.output_token_ids``)."""
         request = state.request
         token_ids = request.prompt_token_ids
-        if request.output_token_ids is not None and state.num_output_tokens:
-            token_ids = token_ids + request.output_token_ids[: state.num_output_tokens]
+        outputs = request.output_token_ids if output_token_ids is None else output_token_ids
+        if outputs is not None and state.num_output_tokens:
+            token_ids = token_ids + as_token_array(outputs[: state.num_output_tokens])
         num_full = min(state.num_computed_tokens, len(token_ids)) // self.block_size
         if num_full == 0:
             return
@@ -649,6 +654,16 @@ class Runtime:
             raise self._bad("scheduler", "sagellm_schedule_pass", "left no token budget or sequence slots")
         return frozenset(moved)
 
+    def register_kv_caches(self, kv_caches: KVCaches) -> None:
+        """An engine with real KV tensors tells the plugins where they are,
+        once, before the first request (a transport copies their bytes)."""
+        if kv_caches.num_blocks != self.num_blocks:
+            raise ConfigError(
+                f"{self.settings.path}: the engine's KV tensors hold {kv_caches.num_blocks} blocks,"
+                f" [kv_pool] num_blocks is {self.num_blocks}"
+            )
+        self.observe("sagellm_kv_caches_allocated", kv_caches=kv_caches)
+
     def step_done(self, result: StepResult) -> None:
         self.observe("sagellm_step_done", result=result)
 
@@ -668,8 +683,8 @@ class Runtime:
         state.status = RequestStatus.FINISHED
         self.counters.requests_rejected += 1
 
-    def finish(self, state: SequenceState) -> RequestOutcome:
-        self.cache(state)
+    def finish(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> RequestOutcome:
+        self.cache(state, output_token_ids)
         self.release(state)
         return self.conclude(state)
 

@@ -11,7 +11,7 @@ import enum
 import hashlib
 import math
 from array import array
-from typing import Hashable, Iterator, Protocol, Sequence
+from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 from attrs import define, field, frozen
 
@@ -390,6 +390,26 @@ class TransferResult:
     seconds: float
     dst_block_ids: tuple[int, ...] = ()
     error: str | None = None
+
+
+@frozen(eq=False)
+class KVCaches:
+    """The real KV memory of an engine that has one (the torch engine), told
+    to plugins once before the first request so that a transport can move
+    blocks' bytes. ``tensor`` is array-like (a ``torch.Tensor``) whose
+    dimension ``block_dim`` indexes the pool's block ids: block ``b`` of
+    every layer is ``tensor.select(block_dim, b)``."""
+
+    tensor: Any
+    block_dim: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[self.block_dim])
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.tensor.numel() // self.num_blocks * self.tensor.element_size())
 
 
 @frozen

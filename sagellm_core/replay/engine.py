@@ -24,15 +24,14 @@ from attrs import field, frozen, validators
 
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
-from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.runtime import Runtime
+from sagellm_core.stepping import pack_step
 from sagellm_core.types import (
     PoolUsage,
     Request,
     RequestOutcome,
-    ScheduledChunk,
     ScheduleIR,
     SequenceState,
-    StepPlan,
     StepResult,
 )
 
@@ -266,7 +265,7 @@ class ReplayEngine:
                 num_evictable_blocks=len(rt.evictable()),
             )
             rt.schedule(ir)
-            plan, running, waiting = self._pack(rt, ir)
+            plan, running, waiting = pack_step(rt, ir)
             if not plan.chunks:
                 # Nothing runs and the head of the queue does not fit even an
                 # empty pool (its prompt and output need more blocks than
@@ -303,48 +302,3 @@ class ReplayEngine:
             recorder.sample(rt, now, usage)
             rt.step_done(StepResult(plan, start, duration, len(running), len(waiting), usage))
         recorder.simulated_s = now
-
-    def _pack(self, rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list, list]:
-        budget = ir.token_budget
-        chunks: dict[str, ScheduledChunk] = {}
-        running = list(ir.running)
-        preempted: list[SequenceState] = []
-        for state in list(running):
-            if state not in running:
-                continue  # preempted earlier in this step
-            n = min(state.num_tokens - state.num_computed_tokens, budget)
-            if n <= 0:
-                continue
-            while not rt.grow(state, n):
-                victim = rt.select_preemption(running, state)
-                running.remove(victim)
-                rt.preempt(victim)
-                preempted.append(victim)
-                dropped = chunks.pop(victim.request_id, None)
-                if dropped is not None:
-                    budget += dropped.num_new_tokens
-                if victim is state:
-                    break
-            else:
-                chunks[state.request_id] = ScheduledChunk(
-                    state.request_id, n, state.num_computed_tokens, state.in_prefill
-                )
-                budget -= n
-        admitted: set[int] = set()
-        if not preempted:  # as vLLM: no new admissions in a step that preempts
-            for state in ir.waiting:
-                if budget <= 0 or len(running) >= ir.max_num_seqs:
-                    break
-                if blocks_for(state.request.num_prompt_tokens + state.request.output_tokens, rt.block_size) > rt.num_blocks:
-                    break  # can never finish; rejected by the caller once nothing runs
-                n = rt.admit(state, budget)
-                if n == 0:
-                    break
-                chunks[state.request_id] = ScheduledChunk(state.request_id, n, state.num_computed_tokens, True)
-                budget -= n
-                running.append(state)
-                admitted.add(id(state))
-        # Preempted requests go back to the front of the queue, as in vLLM.
-        waiting = preempted[::-1] + [st for st in ir.waiting if id(st) not in admitted]
-        plan = StepPlan(ir.step, tuple(chunks.values()), tuple(st.request_id for st in preempted))
-        return plan, running, waiting

@@ -1,11 +1,19 @@
 """In-process KV transfer between tiers: the reference for the transport hook.
 
-Tiers are byte buffers in this process, one row per block: ``device`` (the
+Tiers are buffers in this process, one row per block: ``device`` (the
 engine's blocks, ``context.num_blocks`` rows) and ``host`` (``host_blocks``
-rows, reused oldest first when full). A transfer is a real copy between them
-(numpy fancy indexing), timed with ``perf_counter``. The replay engine has no
-KV tensors, so a row holds ``bytes_per_block`` bytes: set it to the model's
-KV bytes per block to measure real copy bandwidth at full size.
+rows, reused oldest first when full). A transfer is a real copy between them,
+timed with ``perf_counter``.
+
+* Engines with real KV tensors (the torch engine) announce them through
+  ``sagellm_kv_caches_allocated``: ``device`` is then the engine's own KV
+  tensor and ``host`` a CPU tensor of the same per-block shape, so an
+  evicted block's K/V bytes of every layer go to host memory and come back
+  (``index_select`` / ``index_copy_`` along the block dimension, one call
+  for all layers).
+* The replay engine has no KV tensors: a row is a numpy byte row of
+  ``bytes_per_block`` bytes (set it to the model's KV bytes per block to
+  measure copy bandwidth at full size).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import numpy as np
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import TransferPlan, TransferResult
+from sagellm_core.types import KVCaches, TransferPlan, TransferResult
 
 
 @frozen
@@ -32,6 +40,11 @@ class LocalTransport:
     Settings = LocalSettings
 
     def __init__(self, settings: LocalSettings, context: PluginContext):
+        self.settings = settings
+        #: The block dimension of the tiers when they are an engine's KV
+        #: tensors (torch), ``None`` for numpy byte rows (dimension 0).
+        self._block_dim: int | None = None
+        self._bytes_per_block = settings.bytes_per_block
         self.tiers = {
             "device": np.zeros((context.num_blocks, settings.bytes_per_block), dtype=np.uint8),
             "host": np.zeros((settings.host_blocks, settings.bytes_per_block), dtype=np.uint8),
@@ -52,6 +65,34 @@ class LocalTransport:
         return slots
 
     @hookimpl
+    def sagellm_kv_caches_allocated(self, kv_caches: KVCaches) -> None:
+        import torch  # only an engine with torch KV tensors calls this
+
+        device = kv_caches.tensor
+        shape = list(device.shape)
+        shape[kv_caches.block_dim] = self.settings.host_blocks
+        # Pinned host memory makes device-to-host copies asynchronous-capable
+        # and faster on CUDA; pages are only touched when a block is written.
+        pin = device.is_cuda and torch.cuda.is_available()
+        host = torch.empty(shape, dtype=device.dtype, device="cpu", pin_memory=pin)
+        self.tiers = {"device": device, "host": host}
+        self._block_dim = kv_caches.block_dim
+        self._bytes_per_block = kv_caches.bytes_per_block
+
+    def _num_rows(self, tier) -> int:
+        return int(tier.shape[self._block_dim or 0])
+
+    def _copy(self, src, dst, src_ids: list[int], dst_ids: list[int]) -> None:
+        if self._block_dim is None:
+            dst[dst_ids] = src[src_ids]
+            return
+        import torch
+
+        dim = self._block_dim
+        rows = src.index_select(dim, torch.tensor(src_ids, dtype=torch.long, device=src.device))
+        dst.index_copy_(dim, torch.tensor(dst_ids, dtype=torch.long, device=dst.device), rows.to(dst.device))
+
+    @hookimpl
     def sagellm_transfer_blocks(self, plan: TransferPlan) -> TransferResult:
         src = self.tiers.get(plan.src_tier)
         dst = self.tiers.get(plan.dst_tier)
@@ -63,12 +104,14 @@ class LocalTransport:
             return TransferResult(False, 0, 0, 0.0, error="dst_block_ids and src_block_ids differ in length")
         if not plan.dst_block_ids and plan.dst_tier != "host":
             return TransferResult(False, 0, 0, 0.0, error=f"a transfer to {plan.dst_tier!r} needs dst_block_ids")
-        if n > len(dst):
-            return TransferResult(False, 0, 0, 0.0, error=f"{n} blocks do not fit tier {plan.dst_tier!r} ({len(dst)} blocks)")
-        if max(plan.src_block_ids, default=0) >= len(src) or max(plan.dst_block_ids, default=0) >= len(dst):
+        if n > self._num_rows(dst):
+            return TransferResult(
+                False, 0, 0, 0.0, error=f"{n} blocks do not fit tier {plan.dst_tier!r} ({self._num_rows(dst)} blocks)"
+            )
+        if max(plan.src_block_ids, default=0) >= self._num_rows(src) or max(plan.dst_block_ids, default=0) >= self._num_rows(dst):
             return TransferResult(False, 0, 0, 0.0, error="block id out of the tier's range")
         start = time.perf_counter()
         slots = list(plan.dst_block_ids) or self._host_slots_for(n, plan.block_keys)
-        dst[slots] = src[list(plan.src_block_ids)]
+        self._copy(src, dst, list(plan.src_block_ids), slots)
         seconds = time.perf_counter() - start
-        return TransferResult(True, n, n * src.shape[1], seconds, tuple(slots))
+        return TransferResult(True, n, n * self._bytes_per_block, seconds, tuple(slots))

@@ -1,0 +1,1 @@
+"""sagellm-plugin-torch: the reference engine on a real model (PyTorch, paged KV)."""

@@ -1,0 +1,203 @@
+"""The device seam: everything the torch engine asks of an accelerator.
+
+The engine itself is device-neutral: it builds block tables and slot
+mappings from the runtime's allocations and runs the model's own layers. The
+seven things below are what differ between a CPU, a CUDA GPU and an Ascend
+NPU, and a device plugin implements them and nothing else:
+
+* ``check``: refuse, in one line and before anything is allocated, a block
+  size or dtype the device's kernels cannot use;
+* ``allocate_kv``: the KV tensor, ``[num_layers, 2, num_blocks, block_size,
+  kv_heads, head_dim]`` (``docs/decisions.md`` says why this layout);
+* ``write_kv``: scatter a step's new K and V into their slots;
+* ``paged_attention``: attention of a step's queries over their sequences'
+  blocks;
+* ``copy_blocks``: block-to-block copies inside the KV tensor;
+* ``memory``: free and total bytes;
+* ``stream`` / ``synchronize``: where copies run, and waiting for them.
+
+Devices are found through the ``sagellm.torch_devices`` entry point group:
+``cpu`` and ``cuda`` come with this plugin, ``npu`` with
+``sagellm-plugin-torch-npu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from importlib import metadata
+from typing import Any, ContextManager, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from sagellm_core.errors import ConfigError
+
+DEVICE_GROUP = "sagellm.torch_devices"
+#: Dimension of the KV tensor that indexes blocks.
+BLOCK_DIM = 2
+
+
+@attrs.frozen
+class AttentionBatch:
+    """One step's layout, shared by every layer: the engine packs the
+    scheduled chunks of all sequences into one flat run of tokens (vLLM's
+    varlen layout) and says where each sequence's queries and KV are."""
+
+    #: Per token: the KV slot it writes (``block_id * block_size + offset``).
+    slot_mapping: torch.Tensor
+    #: Per sequence: tokens scheduled this step (its queries), in order.
+    query_lens: tuple[int, ...]
+    #: Per sequence: tokens in KV once this step's are written (context).
+    seq_lens: tuple[int, ...]
+    #: ``[num_seqs, max_blocks]`` int32 block ids, padded with 0.
+    block_tables: torch.Tensor
+    block_size: int
+    #: Every sequence decodes one token: the batched decode path applies.
+    all_decode: bool
+    #: The same, as tensors on the device (built once per step).
+    seq_lens_tensor: torch.Tensor
+    query_start: tuple[int, ...]
+
+
+class TorchDevice:
+    """The reference device, in plain torch; ``cpu`` and ``cuda`` are this.
+    Paged attention has two paths: per sequence (gather its blocks, SDPA with
+    a causal mask offset by its cached context: the reference), and, for a
+    step where every sequence decodes one token, one batched SDPA over the
+    padded block tables (the fast path)."""
+
+    name = "cpu"
+
+    def __init__(self, index: int | None = None):
+        self.torch_device = torch.device(self.name if index is None else f"{self.name}:{index}")
+
+    # -------------------------------------------------------------- checks --
+
+    def check(self, block_size: int, dtype: torch.dtype) -> None:
+        """Raise a one-line ConfigError for a block size or dtype this device
+        cannot use."""
+        if block_size <= 0:
+            raise ConfigError(f"device {self.name!r}: block_size {block_size}: a positive number of tokens")
+
+    # -------------------------------------------------------------- memory --
+
+    def allocate_kv(
+        self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        shape = (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
+    def memory(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the memory KV lives in."""
+        import os
+
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return pages * size, os.sysconf("SC_PHYS_PAGES") * size
+
+    def stream(self) -> ContextManager[Any]:
+        """Where block copies run; the CPU has one stream."""
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Wait for work queued on the device."""
+
+    # ------------------------------------------------------------ kernels --
+
+    def write_kv(self, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, batch: AttentionBatch) -> None:
+        """Scatter ``key`` / ``value`` (``[tokens, kv_heads, head_dim]``) into
+        ``kv[layer]`` at ``batch.slot_mapping``."""
+        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+        flat = (-1, *k_cache.shape[2:])
+        k_cache.view(flat).index_copy_(0, batch.slot_mapping, key)
+        v_cache.view(flat).index_copy_(0, batch.slot_mapping, value)
+
+    def paged_attention(
+        self, query: torch.Tensor, kv: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
+    ) -> torch.Tensor:
+        """``query``: ``[tokens, heads, head_dim]``, the step's queries in
+        ``batch`` order; returns the attention output in the same shape. Each
+        query attends to its sequence's KV up to its own position."""
+        if batch.all_decode:
+            return self._decode_batched(query, kv, layer, batch, scale)
+        return self._per_sequence(query, kv, layer, batch, scale)
+
+    def _per_sequence(self, query, kv, layer, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+        out = torch.empty_like(query)
+        for i, (start, n, ctx) in enumerate(zip(batch.query_start, batch.query_lens, batch.seq_lens)):
+            blocks = batch.block_tables[i, : -(-ctx // batch.block_size)].long()
+            k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
+            v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+            q = query[start : start + n]
+            # Query j sits at position ctx - n + j and sees keys 0..that.
+            positions = torch.arange(ctx - n, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                attn_mask=mask, scale=scale, enable_gqa=True,
+            )
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out
+
+    def _decode_batched(self, query, kv, layer, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+        tables = batch.block_tables.long()  # [seqs, max_blocks]
+        seqs = tables.shape[0]
+        k = k_cache[tables].flatten(1, 2)  # [seqs, max_blocks * block_size, kv_heads, head_dim]
+        v = v_cache[tables].flatten(1, 2)
+        mask = torch.arange(k.shape[1], device=query.device)[None, :] < batch.seq_lens_tensor[:, None]
+        o = F.scaled_dot_product_attention(
+            query[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # [seqs, heads, 1, head_dim]
+        return o.view(seqs, *query.shape[1:])
+
+    def copy_blocks(self, kv: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy blocks ``src[i]`` to ``dst[i]`` in every layer."""
+        with self.stream():
+            idx = torch.tensor(src, dtype=torch.long, device=kv.device)
+            kv.index_copy_(BLOCK_DIM, torch.tensor(dst, dtype=torch.long, device=kv.device), kv.index_select(BLOCK_DIM, idx))
+
+
+class CpuDevice(TorchDevice):
+    name = "cpu"
+
+
+class CudaDevice(TorchDevice):
+    """CUDA: the same kernels (SDPA picks its flash / memory-efficient
+    kernels there), copies on a side stream, memory from the CUDA driver."""
+
+    name = "cuda"
+
+    def __init__(self, index: int | None = None):
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda': torch.cuda.is_available() is false (no GPU, or a CPU build of torch)")
+        super().__init__(index)
+        self._stream = torch.cuda.Stream(self.torch_device)
+
+    def memory(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.torch_device)
+
+    def stream(self) -> ContextManager[Any]:
+        return torch.cuda.stream(self._stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+def load_device(spec: str) -> TorchDevice:
+    """``cpu``, ``cuda``, ``cuda:1``, ``npu`` ...: the device plugin named
+    by the part before the colon, from the ``sagellm.torch_devices`` group."""
+    name, _, index = spec.partition(":")
+    found = {ep.name: ep for ep in metadata.entry_points(group=DEVICE_GROUP)}
+    if name not in found:
+        hint = " (pip install sagellm-plugin-torch-npu)" if name == "npu" else ""
+        raise ConfigError(f"[engine] device = {spec!r}: no such device; installed: {', '.join(sorted(found))}{hint}")
+    try:
+        cls = found[name].load()
+    except Exception as exc:
+        raise ConfigError(f"[engine] device = {spec!r}: {found[name].value} failed to import: {type(exc).__name__}: {exc}") from None
+    if index and not index.isdigit():
+        raise ConfigError(f"[engine] device = {spec!r}: the index after ':' must be a number")
+    return cls(int(index) if index else None)

