@@ -34,8 +34,8 @@ from sagellm_core.stepping import pack_step
 from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from . import models
-from .devices import load_device
-from .runner import ModelRunner
+from .devices import TorchDevice, load_device
+from .runner import KVShape, ModelRunner
 
 
 @frozen
@@ -94,6 +94,18 @@ class _Sequence:
     generator: torch.Generator | None
 
 
+def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_size: int, num_blocks: int) -> None:
+    """A one-line ConfigError, before anything is allocated, when the KV
+    tensor for ``num_blocks`` blocks would not fit the device's free memory."""
+    need = KVShape.of(config).bytes_per_block(block_size, models.DTYPES[settings.dtype]) * num_blocks
+    free, _ = device.memory()
+    if need > free:
+        raise ConfigError(
+            f"[kv_pool] num_blocks = {num_blocks} needs {need / 2**30:.2f} GiB of KV for this model,"
+            f" device {settings.device!r} has {free / 2**30:.2f} GiB free"
+        )
+
+
 class EngineCore:
     """The step loop on one runtime and one model. Not thread-safe: one
     caller drives it (the replay loop, a test, the server's engine thread)."""
@@ -107,16 +119,7 @@ class EngineCore:
         dtype = models.DTYPES[settings.dtype]
         self.device.check(rt.block_size, dtype)
         model, self.tokenizer = models.load(settings.model, settings.dtype)
-        # Check the KV fits before allocating it.
-        from .runner import KVShape
-
-        need = KVShape.of(model.config).bytes_per_block(rt.block_size, dtype) * rt.num_blocks
-        free, _ = self.device.memory()
-        if need > free:
-            raise ConfigError(
-                f"{rt.settings.path}: [kv_pool] num_blocks = {rt.num_blocks} needs {need / 2**30:.2f} GiB of KV,"
-                f" device {settings.device!r} has {free / 2**30:.2f} GiB free"
-            )
+        check_kv_fits(self.device, model.config, settings, rt.block_size, rt.num_blocks)
         self.runner = ModelRunner(model, self.device, rt.num_blocks, rt.block_size)
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim))
         eos = self.tokenizer.eos_token_id
@@ -325,8 +328,13 @@ class TorchEngine:
 
     def __init__(self, settings: TorchSettings, context: PluginContext):
         self.settings = settings
-        # Resolve the model now: a missing one is a config error before the run.
-        models.load_config(models.resolve(settings.model))
+        # Resolve the model, the device and the KV size now: a missing model,
+        # an absent device or a pool beyond memory is a config error before
+        # the runtime builds the pool.
+        config = models.load_config(models.resolve(settings.model))
+        device = load_device(settings.device)
+        device.check(context.block_size, models.DTYPES[settings.dtype])
+        check_kv_fits(device, config, settings, context.block_size, context.num_blocks)
 
     def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
         core = EngineCore(rt, self.settings)

@@ -9,6 +9,7 @@ Nothing is fetched from a hub: every transformers call is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -84,24 +85,48 @@ def load_config(files: ModelFiles):
     return config
 
 
-@functools.lru_cache(maxsize=4)
 def load(spec: str, dtype: str = "float32"):
     """(model, tokenizer), cached per process: tests and benchmarks build
     several engines on one model, and a GGUF file takes seconds to
     dequantize. Engines never change the weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    return _load(spec, dtype)
 
-    hf_logging.disable_progress_bar()
+
+@functools.lru_cache(maxsize=4)
+def _load(spec: str, dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     files = resolve(spec)
     load_config(files)
     try:
         tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            files.folder, gguf_file=files.gguf_file, dtype=DTYPES[dtype], local_files_only=True
-        )
+        with _quiet_gguf():
+            model = AutoModelForCausalLM.from_pretrained(
+                files.folder, gguf_file=files.gguf_file, dtype=DTYPES[dtype], local_files_only=True
+            )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"model {_describe(files)}: cannot load: {type(exc).__name__}: {first}") from None
     model.eval()
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_gguf():
+    """Loading draws progress bars (transformers' own, and a bare tqdm bar
+    while GGUF tensors are dequantized): keep them off the engine's output."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,119 @@
+"""Shared by the torch engine's tests and benchmarks: configs, prompts, and
+transformers' own generate as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sagellm_core import config as config_mod
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request
+from sagellm_plugin_torch.engine import EngineCore, TorchSettings
+
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant who answers questions about geography. Keep answers short and factual.",
+    "You are a careful Python tutor. Explain code step by step, and show a short example when it helps.",
+    "You are a friendly cooking assistant. Suggest simple recipes with common ingredients and clear steps.",
+    "You are an astronomy guide for curious children. Use simple words and one vivid comparison per answer.",
+]
+QUESTIONS = [
+    "What is the capital of France?", "Name a river in Egypt.", "How tall is Mount Everest?",
+    "What does a for loop do?", "How do I reverse a list?", "What is a dictionary?",
+    "How do I boil an egg?", "What goes well with rice?", "How long do I bake bread?",
+    "Why is the sky blue?", "What is a black hole?", "How far away is the Moon?",
+]
+FOLLOW_UPS = ["Tell me more.", "Can you give an example?", "Why is that?", "Summarise that in one line."]
+EARLIER_REPLY = "Here is a short answer to your question, with the key facts first."
+
+
+def chat_prompts(tokenizer, count: int = 32) -> list[list[int]]:
+    """``count`` multi-turn chats: four shared system prompts, each chat one
+    or two turns deep (an earlier question and reply, then a follow-up)."""
+    prompts = []
+    for i in range(count):
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]}]
+        messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
+        if i % 3:
+            messages.append({"role": "assistant", "content": EARLIER_REPLY})
+            messages.append({"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def write_config(
+    folder: Path,
+    *,
+    model: str = "smollm2",
+    num_blocks: int = 512,
+    block_size: int = 16,
+    prefix_cache: bool = True,
+    offload: bool = False,
+    host_blocks: int = 1024,
+    max_num_seqs: int = 32,
+    max_num_batched_tokens: int = 512,
+    eviction: str = "lru",
+    extra: str = "",
+) -> Path:
+    # Without a plugin, [prefix_cache] only sets the block size: no caching.
+    cache = f'[prefix_cache]\nblock_size = {block_size}\n' + ('plugin = "radix"\n' if prefix_cache else "")
+    text = f"""
+[engine]
+name = "torch"
+model = "{model}"
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = {max_num_batched_tokens}
+
+{cache}
+[kv_pool]
+plugin = "paged"
+num_blocks = {num_blocks}
+
+[eviction]
+plugin = "{eviction}"
+
+[scheduler]
+passes = ["fcfs"]
+
+[transport]
+plugin = "local"
+offload_evicted = {str(offload).lower()}
+host_blocks = {host_blocks}
+{extra}
+"""
+    path = folder / f"torch-{num_blocks}-{int(prefix_cache)}-{int(offload)}-{max_num_seqs}.toml"
+    path.write_text(text)
+    return path
+
+
+def engine_core(path: Path, **settings) -> EngineCore:
+    loaded = config_mod.load(path)
+    params = {k: v for k, v in loaded.engine.params.items() if k in attrs_fields()}
+    return EngineCore(Runtime(loaded), TorchSettings(**{**params, **settings}))
+
+
+def attrs_fields() -> set[str]:
+    import attrs
+
+    return {f.name for f in attrs.fields(TorchSettings)}
+
+
+def requests(prompts: list[list[int]], max_tokens: int, prefix: str = "r") -> list[Request]:
+    return [Request(f"{prefix}{i}", p, max_tokens) for i, p in enumerate(prompts)]
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding),
+    stopping at end-of-sequence as the engine does."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        result = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+        out.append(result[0, len(prompt):].tolist())
+    return out

@@ -1,0 +1,117 @@
+"""The engine's edges: bad input is one line and changes nothing, the host
+tier moves real K/V bytes, the CLI runs the engine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helpers
+from sagellm_core.errors import ConfigError, RequestError
+from sagellm_core.types import Request, TransferPlan
+from sagellm_plugin_torch import models
+from sagellm_plugin_torch.devices import load_device
+
+
+@pytest.fixture
+def tiny_core(tmp_path, tiny_model_dir):
+    return helpers.engine_core(
+        helpers.write_config(tmp_path, model=str(tiny_model_dir), num_blocks=16, block_size=4, offload=True, host_blocks=8)
+    )
+
+
+def snapshot(core):
+    c = core.rt.counters
+    return (len(core.waiting), len(core.running), core.rt.pool_usage(), c.requests_finished, c.requests_rejected, c.query_blocks)
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens, words",
+    [
+        ([], 4, "empty prompt"),
+        (list(range(2, 66)), 4, "the pool has 16"),  # 68 tokens need 17 blocks of 4
+        ([3, 4, 5], 0, "max_tokens 0"),
+        ([3] * 500, 100, "exceed the model's context of 512"),
+    ],
+)
+def test_a_request_that_cannot_be_served_is_refused_and_changes_nothing(tiny_core, prompt, max_tokens, words):
+    before = snapshot(tiny_core)
+    with pytest.raises(RequestError) as err:
+        tiny_core.add_request(Request("bad", prompt, max_tokens))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert snapshot(tiny_core) == before
+    tiny_core.rt.check_invariants()
+
+
+def test_a_missing_model_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"no such file or folder") as err:
+        models.resolve(str(tmp_path / "nowhere"))
+    assert "\n" not in str(err.value)
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 8, "n_head": 2}')
+    with pytest.raises(ConfigError, match=r"architecture 'gpt2' is not supported; the torch engine runs llama"):
+        models.load_config(models.resolve(str(tmp_path)))
+
+
+def test_unknown_or_absent_devices_are_one_line():
+    with pytest.raises(ConfigError, match=r"no such device.*pip install sagellm-plugin-torch-npu"):
+        load_device("npu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"device 'cuda': torch.cuda.is_available\(\) is false"):
+            load_device("cuda")
+
+
+def test_a_pool_larger_than_memory_is_refused_before_the_runtime_builds_it(tiny_model_dir):
+    from sagellm_core.registry import PluginContext
+    from sagellm_plugin_torch.engine import TorchEngine, TorchSettings
+
+    # The engine plugin is built before the runtime (and its pool plugin).
+    with pytest.raises(ConfigError, match=r"num_blocks = 1099511627776 needs .* GiB of KV"):
+        TorchEngine(TorchSettings(model=str(tiny_model_dir)), PluginContext("torch", 4, 1 << 40))
+
+
+def test_host_tier_moves_real_kv_bytes(tiny_core):
+    rt, kv = tiny_core.rt, tiny_core.runner.kv
+    kv[:, :, 3].fill_(1.5)
+    kv[:, :, 5].fill_(-2.0)
+    saved = rt.transfer(TransferPlan("device", "host", (3, 5), rt.block_size, block_keys=(11, 12)))
+    assert saved.ok and saved.num_bytes == 2 * kv[:, :, 0].numel() * kv.element_size()
+    kv[:, :, 3].zero_()
+    kv[:, :, 5].zero_()
+    loaded = rt.transfer(TransferPlan("host", "device", saved.dst_block_ids, rt.block_size, dst_block_ids=(7, 3)))
+    assert loaded.ok
+    assert torch.all(kv[:, :, 7] == 1.5) and torch.all(kv[:, :, 3] == -2.0) and torch.all(kv[:, :, 5] == 0)
+
+
+def test_abort_frees_a_running_request_at_once(tiny_core):
+    tiny_core.add_request(Request("a", [5, 6, 7, 8, 9, 10, 11], 50))
+    tiny_core.step()
+    assert tiny_core.running and tiny_core.rt.pool_usage().num_used_blocks > 0
+    out = tiny_core.abort("a")
+    assert out.finish_reason == "abort" and not tiny_core.has_work()
+    usage = tiny_core.rt.pool_usage()
+    assert usage.num_free_blocks + tiny_core.rt.num_cached_blocks == usage.num_blocks
+    tiny_core.rt.check_invariants()
+
+
+def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
+    path = helpers.write_config(
+        tmp_path, model=str(tiny_model_dir), num_blocks=64, block_size=4,
+        extra='[workload]\nsource = "generator"\ntenants = 2\nsessions_per_tenant = 2\nturns = 2\n'
+        "system_prompt_tokens = 24\nuser_tokens = 8\noutput_tokens = 4\nsession_rate = 100.0\nthink_time_s = 0.01\n",
+    )
+    out = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--json", str(out), "--quiet"], check=True)
+
+
+    report = json.loads(out.read_text())
+    assert report["requests"] == 8 and report["mode"] == "timed" and report["block_hit_rate"] > 0
+    gen = subprocess.run(
+        [sys.executable, "-m", "sagellm_core.cli", "generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw", "--max-tokens", "3"],
+        capture_output=True, text=True, check=True,
+    )
+    assert len(gen.stdout.split()) >= 1

@@ -1,0 +1,62 @@
+"""Token-identical greedy outputs (fp32, CPU) on 32 multi-turn chats with
+shared system prompts: the engine against transformers' own generate, and
+against itself with the prefix cache off, with evictions and host-tier
+reloads forced, under preemption, and one request at a time. Each run
+asserts that it did what its name says (it evicted, it reloaded, it
+preempted), so no row passes by doing nothing."""
+
+import pytest
+
+import helpers
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2):
+    return helpers.chat_prompts(smollm2[1], 32)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, chats):
+    return helpers.hf_generate(smollm2[0], chats, MAX_TOKENS)
+
+
+def run(tmp_path, chats, **config):
+    core = helpers.engine_core(helpers.write_config(tmp_path, **config))
+    results = core.generate(helpers.requests(chats, MAX_TOKENS))
+    core.rt.check_invariants()
+    assert not core.has_work() and core.rt.counters.requests_finished == len(chats)
+    return [results[f"r{i}"] for i in range(len(chats))], core.rt.counters
+
+
+def test_equals_transformers_generate(tmp_path, chats, reference):
+    outputs, counters = run(tmp_path, chats, prefix_cache=False)
+    assert outputs == reference
+    assert counters.hit_blocks == 0
+
+
+def test_prefix_cache_on_equals_off(tmp_path, chats, reference):
+    outputs, counters = run(tmp_path, chats)
+    assert counters.hit_blocks > 0  # the shared system prompts were reused
+    assert outputs == reference
+
+
+def test_evictions_and_host_tier_reloads(tmp_path, chats, reference):
+    outputs, counters = run(tmp_path, chats, num_blocks=24, max_num_seqs=4, offload=True)
+    assert counters.evicted_blocks > 0, "the pool was meant to be too small to keep everything"
+    assert counters.host_hit_blocks > 0, "evicted blocks were meant to be reloaded from the host tier"
+    assert counters.transfer_failures == 0 and counters.preemptions == 0
+    assert outputs == reference
+
+
+def test_preemption_and_recompute(tmp_path, chats, reference):
+    outputs, counters = run(tmp_path, chats, num_blocks=40, prefix_cache=False)
+    assert counters.preemptions > 0 and counters.reprefill_tokens > 0
+    assert outputs == reference
+
+
+def test_batched_equals_one_at_a_time(tmp_path, chats, reference):
+    batched, _ = run(tmp_path, chats)
+    serial, _ = run(tmp_path, chats, max_num_seqs=1)
+    assert batched == serial == reference
