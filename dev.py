@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".sagellm-installed"
+TORCH = "2.13.0"
 
 
 def projects() -> list[Path]:
@@ -50,7 +51,10 @@ def ensure_env() -> None:
     for project in projects():
         editable += ["-e", str(project) + ("[test]" if project == ROOT else "")]
     print("dev.py: installing sagellm-core and plugins into .venv", file=sys.stderr)
-    subprocess.run([*pip, "tox>=4"], check=True)
+    # The CPU build of torch first, pinned as the tox envs pin it: the torch
+    # engine plugin needs torch, and an unpinned install would fetch the
+    # newest build with several GB of CUDA libraries.
+    subprocess.run([*pip, "tox>=4", f"torch=={TORCH}"], check=True)
     subprocess.run([*pip, *editable], check=True)
     STAMP.write_text(fingerprint())
 

@@ -27,6 +27,7 @@ SECTIONS = (
     "transport",
     "workload",
     "report",
+    "server",
 )
 #: Workload sources built into the core; others come from installed
 #: packages through this entry point group (an object ``load(settings)``
@@ -88,6 +89,16 @@ class ReportSettings:
 
 
 @frozen
+class ServerSettings:
+    """``sagellm serve`` (from ``sagellm-plugin-server``)."""
+
+    #: Requests allowed to wait for admission; one more is answered 429.
+    max_waiting: int = 256
+    #: The model name clients send; empty: the engine's model setting.
+    model_name: str = ""
+
+
+@frozen
 class Settings:
     path: str
     engine: Selection
@@ -104,6 +115,7 @@ class Settings:
     offload_evicted: bool
     workload: WorkloadSettings
     report: ReportSettings
+    server: ServerSettings = ServerSettings()
 
     def decisions(self) -> list[Selection]:
         """The single-plugin decisions picked (scheduler passes aside)."""
@@ -310,6 +322,9 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
     if workload.source in ("mooncake", "azure") and workload.path is None:
         raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
     report = _typed(table("report"), ReportSettings)
+    server = _typed(table("server"), ServerSettings)
+    if server.max_waiting < 1:
+        raise ConfigError(f"{path}: [server] max_waiting = {server.max_waiting!r}: a positive integer")
 
     return Settings(
         path=path,
@@ -326,6 +341,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         offload_evicted=offload_evicted,
         workload=workload,
         report=report,
+        server=server,
     )
 
 

@@ -386,6 +386,20 @@ class Runtime:
         self.observe("sagellm_blocks_evicted", blocks=removed, now_s=self.now_s)
         return len(ids)
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every evictable cached block, as the eviction policy orders
+        them (offloaded with ``offload_evicted``); blocks that requests hold
+        stay. Returns the blocks evicted."""
+        evicted = 0
+        while True:
+            candidates = self.evictable()
+            if len(candidates) == 0:
+                return evicted
+            victims = self.select_victims(len(candidates), candidates)
+            if not victims:
+                return evicted
+            evicted += self._evict(victims)
+
     def transfer(self, plan: TransferPlan) -> TransferResult | None:
         result = self._call("transport", "sagellm_transfer_blocks", plan=plan)
         if result is None:

@@ -3,11 +3,17 @@
 ``HookTimer`` is generated from the hookspecs: one ``wrapper=True`` impl per
 hook, which times the whole call (all implementations) and counts outcomes
 (answered, passed with ``None``, raised). No timing code lives in plugins.
+
+Memory is constant: each hook keeps its call count and total time exactly,
+and a uniform sample of at most ``RESERVOIR`` durations (reservoir sampling,
+seeded) for its percentiles, so a server that runs for days or a replay of
+millions of requests holds the same few megabytes.
 """
 
 from __future__ import annotations
 
 import inspect
+import random
 import time
 from array import array
 
@@ -17,22 +23,34 @@ from sagellm_core import hookspecs
 from sagellm_core.hookspecs import hookimpl
 
 
+#: Durations kept per hook for percentiles.
+RESERVOIR = 16384
+
+
 @attrs.define
 class HookStats:
     calls: int = 0
     answered: int = 0
     errors: int = 0
+    total_s: float = 0.0
+    #: A uniform sample of the calls' durations (all of them up to RESERVOIR).
     durations_s: array = attrs.field(factory=lambda: array("d"))
+    _rng: random.Random = attrs.field(factory=lambda: random.Random(0), repr=False)
+
+    def add(self, seconds: float) -> None:
+        self.total_s += seconds
+        if len(self.durations_s) < RESERVOIR:
+            self.durations_s.append(seconds)
+            return
+        slot = self._rng.randrange(self.calls)  # calls already counts this one
+        if slot < RESERVOIR:
+            self.durations_s[slot] = seconds
 
     def percentile_us(self, q: float) -> float:
         if not self.durations_s:
             return 0.0
         ordered = sorted(self.durations_s)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.durations_s)
 
     def summary(self) -> dict:
         return {
@@ -62,9 +80,9 @@ def _make_wrapper(name: str):
             result = yield
         except BaseException:
             stats.errors += 1
-            stats.durations_s.append(time.perf_counter() - start)
+            stats.add(time.perf_counter() - start)
             raise
-        stats.durations_s.append(time.perf_counter() - start)
+        stats.add(time.perf_counter() - start)
         if result is not None and result != []:
             stats.answered += 1
         return result

@@ -11,7 +11,7 @@ import enum
 import hashlib
 import math
 from array import array
-from typing import Any, Hashable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 from attrs import define, field, frozen
 
@@ -402,6 +402,11 @@ class KVCaches:
 
     tensor: Any
     block_dim: int
+    #: ``copy_blocks(src, src_ids, dst, dst_ids)``: how the engine's device
+    #: copies blocks between this tensor and a host tensor of the same
+    #: per-block shape (on its copy stream, waiting for completion). A
+    #: transport uses it, so it needs no knowledge of the device.
+    copy_blocks: Callable[[Any, Sequence[int], Any, Sequence[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:

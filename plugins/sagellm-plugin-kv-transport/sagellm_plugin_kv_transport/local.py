@@ -9,8 +9,8 @@ timed with ``perf_counter``.
   ``sagellm_kv_caches_allocated``: ``device`` is then the engine's own KV
   tensor and ``host`` a CPU tensor of the same per-block shape, so an
   evicted block's K/V bytes of every layer go to host memory and come back
-  (``index_select`` / ``index_copy_`` along the block dimension, one call
-  for all layers).
+  in one copy (the engine's device copies, on its copy stream, when it says
+  how; else ``index_select`` / ``index_copy_`` along the block dimension).
 * The replay engine has no KV tensors: a row is a numpy byte row of
   ``bytes_per_block`` bytes (set it to the model's KV bytes per block to
   measure copy bandwidth at full size).
@@ -44,6 +44,7 @@ class LocalTransport:
         #: The block dimension of the tiers when they are an engine's KV
         #: tensors (torch), ``None`` for numpy byte rows (dimension 0).
         self._block_dim: int | None = None
+        self._copy_blocks = None
         self._bytes_per_block = settings.bytes_per_block
         self.tiers = {
             "device": np.zeros((context.num_blocks, settings.bytes_per_block), dtype=np.uint8),
@@ -77,6 +78,7 @@ class LocalTransport:
         host = torch.empty(shape, dtype=device.dtype, device="cpu", pin_memory=pin)
         self.tiers = {"device": device, "host": host}
         self._block_dim = kv_caches.block_dim
+        self._copy_blocks = kv_caches.copy_blocks
         self._bytes_per_block = kv_caches.bytes_per_block
 
     def _num_rows(self, tier) -> int:
@@ -85,6 +87,9 @@ class LocalTransport:
     def _copy(self, src, dst, src_ids: list[int], dst_ids: list[int]) -> None:
         if self._block_dim is None:
             dst[dst_ids] = src[src_ids]
+            return
+        if self._copy_blocks is not None:  # the engine's device copies, on its stream
+            self._copy_blocks(src, src_ids, dst, dst_ids)
             return
         import torch
 

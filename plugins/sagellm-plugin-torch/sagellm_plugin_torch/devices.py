@@ -12,9 +12,11 @@ NPU, and a device plugin implements them and nothing else:
 * ``write_kv``: scatter a step's new K and V into their slots;
 * ``paged_attention``: attention of a step's queries over their sequences'
   blocks;
-* ``copy_blocks``: block-to-block copies inside the KV tensor;
+* ``copy_blocks``: block copies inside the KV tensor and to or from host
+  memory (offload, reload), on the device's copy stream;
 * ``memory``: free and total bytes;
-* ``stream`` / ``synchronize``: where copies run, and waiting for them.
+* ``stream`` / ``event`` / ``synchronize``: where copies run, and waiting
+  for them.
 
 Devices are found through the ``sagellm.torch_devices`` entry point group:
 ``cpu`` and ``cuda`` come with this plugin, ``npu`` with
@@ -62,10 +64,7 @@ class AttentionBatch:
 
 class TorchDevice:
     """The reference device, in plain torch; ``cpu`` and ``cuda`` are this.
-    Paged attention has two paths: per sequence (gather its blocks, SDPA with
-    a causal mask offset by its cached context: the reference), and, for a
-    step where every sequence decodes one token, one batched SDPA over the
-    padded block tables (the fast path)."""
+    Paged attention is :func:`paged_attention_reference`."""
 
     name = "cpu"
 
@@ -118,32 +117,47 @@ class TorchDevice:
         """``query``: ``[tokens, heads, head_dim]``, the step's queries in
         ``batch`` order; returns the attention output in the same shape. Each
         query attends to its sequence's KV up to its own position."""
-        if batch.all_decode:
-            return self._decode_batched(query, kv, layer, batch, scale)
-        return self._per_sequence(query, kv, layer, batch, scale)
+        return paged_attention_reference(query, kv[layer, 0], kv[layer, 1], batch, scale)
 
-    def _per_sequence(self, query, kv, layer, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
-        out = torch.empty_like(query)
-        for i, (start, n, ctx) in enumerate(zip(batch.query_start, batch.query_lens, batch.seq_lens)):
-            blocks = batch.block_tables[i, : -(-ctx // batch.block_size)].long()
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
-            q = query[start : start + n]
-            # Query j sits at position ctx - n + j and sees keys 0..that.
-            positions = torch.arange(ctx - n, ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=mask, scale=scale, enable_gqa=True,
+    def copy_blocks(self, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+        """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of
+        ``dst``, every layer at once: inside the KV tensor, or between it and
+        a host tensor of the same per-block shape (offload, reload). Runs on
+        the device's copy stream and returns once an event recorded after
+        the copy has completed."""
+        with self.stream():
+            rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
+            dst.index_copy_(
+                BLOCK_DIM, torch.tensor(dst_ids, dtype=torch.long, device=dst.device), rows.to(dst.device, non_blocking=True)
             )
-            out[start : start + n] = o[0].transpose(0, 1)
-        return out
+            done = self.event()
+            done.record()
+        done.synchronize()
 
-    def _decode_batched(self, query, kv, layer, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+    def event(self) -> Any:
+        """An event with ``record()`` and ``synchronize()``; the CPU runs
+        copies synchronously, so its event is already complete."""
+        return _CompletedEvent()
+
+
+class _CompletedEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def paged_attention_reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    """Paged attention in plain torch over one layer's caches
+    (``[num_blocks, block_size, kv_heads, head_dim]``): per sequence (gather
+    its blocks, SDPA with the causal mask offset by its cached context), or,
+    when every sequence decodes one token, one SDPA over the padded block
+    tables with a length mask."""
+    if batch.all_decode:
         tables = batch.block_tables.long()  # [seqs, max_blocks]
-        seqs = tables.shape[0]
         k = k_cache[tables].flatten(1, 2)  # [seqs, max_blocks * block_size, kv_heads, head_dim]
         v = v_cache[tables].flatten(1, 2)
         mask = torch.arange(k.shape[1], device=query.device)[None, :] < batch.seq_lens_tensor[:, None]
@@ -151,13 +165,21 @@ class TorchDevice:
             query[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
         )  # [seqs, heads, 1, head_dim]
-        return o.view(seqs, *query.shape[1:])
-
-    def copy_blocks(self, kv: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy blocks ``src[i]`` to ``dst[i]`` in every layer."""
-        with self.stream():
-            idx = torch.tensor(src, dtype=torch.long, device=kv.device)
-            kv.index_copy_(BLOCK_DIM, torch.tensor(dst, dtype=torch.long, device=kv.device), kv.index_select(BLOCK_DIM, idx))
+        return o.view(tables.shape[0], *query.shape[1:])
+    out = torch.empty_like(query)
+    for i, (start, n, ctx) in enumerate(zip(batch.query_start, batch.query_lens, batch.seq_lens)):
+        blocks = batch.block_tables[i, : -(-ctx // batch.block_size)].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]  # [ctx, kv_heads, head_dim]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+        # Query j sits at position ctx - n + j and sees keys 0..that.
+        positions = torch.arange(ctx - n, ctx, device=query.device)
+        mask = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(
+            query[start : start + n].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        out[start : start + n] = o[0].transpose(0, 1)
+    return out
 
 
 class CpuDevice(TorchDevice):
@@ -184,6 +206,9 @@ class CudaDevice(TorchDevice):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
 
 
 def load_device(spec: str) -> TorchDevice:

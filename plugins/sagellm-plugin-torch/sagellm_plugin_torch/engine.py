@@ -121,7 +121,7 @@ class EngineCore:
         model, self.tokenizer = models.load(settings.model, settings.dtype)
         check_kv_fits(self.device, model.config, settings, rt.block_size, rt.num_blocks)
         self.runner = ModelRunner(model, self.device, rt.num_blocks, rt.block_size)
-        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim))
+        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -130,14 +130,17 @@ class EngineCore:
         self._seqs: dict[str, _Sequence] = {}
         self.step_index = 0
         self.batched_tokens = 0
+        self.generated_tokens = 0
         start = time.perf_counter()
         self.clock = clock or (lambda: time.perf_counter() - start)
 
     # ----------------------------------------------------------- requests --
 
-    def add_request(self, request: Request, sampling: SamplingParams | None = None) -> None:
+    def add_request(self, request: Request, sampling: SamplingParams | None = None, *, arrival_s: float | None = None) -> None:
         """Queue ``request``; a :class:`RequestError` (and nothing queued) if
-        it can never be served."""
+        it can never be served. It arrives now on the engine's clock, or at
+        ``arrival_s`` (a replayed trace's arrival, already due), so that its
+        TTFT counts from then."""
         sampling = sampling or SamplingParams(max_tokens=request.output_tokens)
         rid = request.request_id
         n = request.num_prompt_tokens
@@ -165,6 +168,7 @@ class EngineCore:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
         self.rt.now_s = self.clock()
+        request = attrs.evolve(request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s)
         state = self.rt.arrive(request)
         self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
         self.waiting.append(state)
@@ -285,6 +289,7 @@ class EngineCore:
         seq.tokens.append(token)
         seq.generated.append(token)
         state.num_output_tokens += 1
+        self.generated_tokens += 1
         rt = self.rt
         if state.first_token_s is None:
             state.first_token_s = now
@@ -346,7 +351,8 @@ class TorchEngine:
             now = core.clock()
             while pending is not None and pending.arrival_s <= now:
                 try:
-                    core.add_request(pending, SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos))
+                    core.add_request(pending, SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos),
+                                     arrival_s=pending.arrival_s)
                 except RequestError:
                     rt.reject(rt.arrive(pending))
                     on_request()

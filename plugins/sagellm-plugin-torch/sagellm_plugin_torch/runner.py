@@ -93,10 +93,13 @@ class ModelRunner:
     def __init__(self, model, device: TorchDevice, num_blocks: int, block_size: int):
         register_attention()
         self.model = model.to(device.torch_device)
-        # The registry name only matters to this module's forward: layers read
-        # it when they call attention, so set it on every (sub)config.
-        for config in {id(c): c for c in (model.config, getattr(model.model, "config", model.config))}.values():
-            config._attn_implementation = ATTENTION_NAME
+        # The configs the attention modules read their implementation from
+        # when they are called. The engine switches them to sagellm's paged
+        # attention for its own forward only: the model object is shared
+        # (``models.load`` caches it) and stays usable by transformers.
+        self._attention_configs = list(
+            {id(layer.self_attn.config): layer.self_attn.config for layer in model.model.layers}.values()
+        )
         self.device = device
         self.block_size = block_size
         self.shape = KVShape.of(model.config)
@@ -145,11 +148,18 @@ class ModelRunner:
         inner = self.model.model
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
-        hidden = inner.embed_tokens(ids)
-        rotary = inner.rotary_emb(hidden, pos)
-        for layer in inner.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step)
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
+        saved = [config._attn_implementation for config in self._attention_configs]
+        for config in self._attention_configs:
+            config._attn_implementation = ATTENTION_NAME
+        try:
+            hidden = inner.embed_tokens(ids)
+            rotary = inner.rotary_emb(hidden, pos)
+            for layer in inner.layers:
+                hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step)
+                if isinstance(hidden, tuple):
+                    hidden = hidden[0]
+        finally:
+            for config, name in zip(self._attention_configs, saved):
+                config._attn_implementation = name
         rows = hidden[0, torch.tensor(sample_rows, dtype=torch.long, device=dev)]
         return self.model.lm_head(inner.norm(rows)).float()

@@ -7,7 +7,9 @@ preempted), so no row passes by doing nothing."""
 
 import pytest
 
-import helpers
+from sagellm_plugin_torch import testing as helpers
+
+pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
 
@@ -60,3 +62,8 @@ def test_batched_equals_one_at_a_time(tmp_path, chats, reference):
     batched, _ = run(tmp_path, chats)
     serial, _ = run(tmp_path, chats, max_num_seqs=1)
     assert batched == serial == reference
+
+
+def test_the_model_stays_usable_by_transformers(smollm2, chats, reference, tmp_path):
+    run(tmp_path, chats[:2])  # an engine on the shared model
+    assert helpers.hf_generate(smollm2[0], chats[:2], MAX_TOKENS) == reference[:2]

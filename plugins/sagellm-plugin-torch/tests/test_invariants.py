@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import helpers
+from sagellm_plugin_torch import testing as helpers
 from sagellm_core.errors import RequestError
 from sagellm_core.types import Request
 

@@ -1,5 +1,6 @@
-"""Shared by the torch engine's tests and benchmarks: configs, prompts, and
-transformers' own generate as the reference."""
+"""For tests and benchmarks of the torch engine and of device plugins
+(``sagellm-plugin-torch-npu``): multi-turn chat prompts, configs, engines,
+and transformers' own generate as the reference."""
 
 from __future__ import annotations
 
@@ -117,3 +118,30 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[i
         )
         out.append(result[0, len(prompt):].tolist())
     return out
+
+
+def save_tiny_llama(folder: Path, hidden_size: int = 32, num_heads: int = 4, num_kv_heads: int = 2) -> Path:
+    """Save a tiny random-weight Llama (seeded) with a word-level tokenizer
+    (``w0`` .. ``w127``) as a Hugging Face checkpoint folder; return it."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+        eos_token_id=127, bos_token_id=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    raw = Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="w127", unk_token="w0")
+    # A chat template of words the vocabulary has: w2 opens a user turn, w3
+    # an assistant turn, w4 asks for the answer.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ 'w2' if m['role'] == 'user' else 'w3' }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,125 @@
+"""The torch engine in a thread of its own, beside the server's event loop.
+
+The engine's step loop is synchronous and CPU-bound; running it in the event
+loop would stall every connection for a step. So one thread owns the
+:class:`~sagellm_plugin_torch.engine.EngineCore` and everything it touches
+(the runtime, the plugins): the event loop hands it commands (add, abort,
+read stats) through a queue, and it hands each request's outputs back to the
+loop through ``call_soon_threadsafe``. Nothing else calls the engine, so no
+lock is needed around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from sagellm_core.types import Request
+from sagellm_plugin_torch.engine import EngineCore, SamplingParams, StepOutput
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_waiting``."""
+
+
+class EngineThread:
+    def __init__(self, core: EngineCore, max_waiting: int, observe: Callable[[StepOutput], None] = lambda out: None):
+        self.core = core
+        #: Called on the engine thread with every output, aborts included.
+        self.observe = observe
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sagellm-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, Future()))  # wake it
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------- from the event loop --
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread, between steps; return its result."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def submit(self, request: Request, sampling: SamplingParams) -> asyncio.Queue:
+        """Queue ``request``; its outputs arrive on the returned queue.
+        Raises RequestError (it can never be served) or QueueFull."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def add() -> None:
+            if len(self.core.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.core.waiting)} requests are waiting (max_waiting {self.max_waiting})")
+            self.core.add_request(request, sampling)
+            self._streams[request.request_id] = (loop, outputs)
+
+        await self.call(add)
+        return outputs
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Stop a request: the engine thread frees its blocks before its next
+        step. Safe from a cancelled task (a client that went away)."""
+
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            out = self.core.abort(request_id)
+            if out is not None:
+                self.observe(out)
+
+        self._commands.put((abort, Future()))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------- on the engine thread --
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.core.has_work()
+                try:
+                    while True:
+                        fn, future = self._commands.get(block=block, timeout=0.5 if block else None)
+                        block = False
+                        self._execute(fn, future)
+                except queue.Empty:
+                    pass
+                if self.core.has_work():
+                    self._deliver(self.core.step())
+        except BaseException as exc:  # the engine is broken: fail every stream
+            self.error = exc
+            for loop, outputs in self._streams.values():
+                loop.call_soon_threadsafe(outputs.put_nowait, exc)
+            raise
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], future: Future) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - raised again in the caller (RequestError, QueueFull, ...)
+                future.set_exception(exc)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self.observe(out)
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, out)
+            if out.finished:
+                del self._streams[out.request_id]
