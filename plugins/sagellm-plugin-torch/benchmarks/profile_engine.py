@@ -22,7 +22,7 @@ PARTS = {
     "model forward (all of it)": "runner.py:{forward}",
     "  paged attention (write + attend)": "runner.py:{paged_attention_forward}",
     "  of which attention math": "devices.py:{paged_attention_reference}",
-    "  linear layers (torch)": "{built-in method torch._C._nn.linear}",
+    "  linear layers (torch)": "{<built-in method torch._C._nn.linear>}",
     "scheduling: passes + step packing": "stepping.py:{pack_step}",
     "runtime schedule() check": "runtime.py:{schedule}",
     "sampling": "engine.py:{_sample}",
@@ -52,6 +52,9 @@ def main() -> int:
         tottime, cumtime = by_name.get(key, (0.0, 0.0))
         value = tottime if "built-in" in key else cumtime
         print(f"{label:40s} {value:7.2f} s  {value / wall:6.1%}")
+    print("the functions with the most time of their own:")
+    for key, (tottime, _) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"  {key:60s} {tottime:7.2f} s  {tottime / wall:6.1%}")
     return 0
 
 

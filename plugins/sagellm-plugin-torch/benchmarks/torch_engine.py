@@ -45,21 +45,17 @@ def ttft_run(folder: Path, prompts: list[list[int]], cache: bool, concurrent: bo
         helpers.write_config(folder, num_blocks=4400, prefix_cache=cache, max_num_seqs=64, max_num_batched_tokens=2048)
     )
     ttfts = []
-    start = time.perf_counter()
-    if concurrent:
-        for i, p in enumerate(prompts):
-            core.add_request(Request(f"c{i}", p, 4), SamplingParams(max_tokens=4, ignore_eos=True))
+
+    def drain() -> None:
         while core.has_work():
-            for out in core.step():
-                if out.outcome is not None:
-                    ttfts.append(out.outcome.ttft_s)
-    else:
-        for i, p in enumerate(prompts):
-            core.add_request(Request(f"s{i}", p, 4), SamplingParams(max_tokens=4, ignore_eos=True))
-            while core.has_work():
-                for out in core.step():
-                    if out.outcome is not None:
-                        ttfts.append(out.outcome.ttft_s)
+            ttfts.extend(out.outcome.ttft_s for out in core.step() if out.outcome is not None)
+
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"r{i}", p, 4), SamplingParams(max_tokens=4, ignore_eos=True))
+        if not concurrent:
+            drain()  # the next request is sent once this one finished
+    drain()
     wall = time.perf_counter() - start
     c = core.rt.counters
     assert (c.hit_blocks > 0) == cache, "a caching row must hit, a non-caching row must not"

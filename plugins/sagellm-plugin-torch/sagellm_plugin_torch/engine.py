@@ -196,9 +196,6 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def generated(self, request_id: str) -> list[int]:
-        return self._seqs[request_id].generated
-
     # --------------------------------------------------------------- step --
 
     def step(self) -> list[StepOutput]:
