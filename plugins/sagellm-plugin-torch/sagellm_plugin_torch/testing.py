@@ -121,19 +121,30 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[i
 
 
 def save_tiny_llama(folder: Path, hidden_size: int = 32, num_heads: int = 4, num_kv_heads: int = 2) -> Path:
-    """Save a tiny random-weight Llama (seeded) with a word-level tokenizer
-    (``w0`` .. ``w127``) as a Hugging Face checkpoint folder; return it."""
+    """A tiny random Llama checkpoint folder: :func:`save_tiny_model`."""
+    return save_tiny_model(folder, "llama", hidden_size, num_heads, num_kv_heads)
+
+
+def save_tiny_model(
+    folder: Path, model_type: str = "llama", hidden_size: int = 32, num_heads: int = 4, num_kv_heads: int = 2
+) -> Path:
+    """Save a tiny random-weight model of ``model_type`` (llama, mistral,
+    qwen2, qwen3; seeded) with a word-level tokenizer (``w0`` .. ``w127``)
+    and a chat template as a Hugging Face checkpoint folder; return it."""
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers import models as tokenizer_models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+    extra = {"sliding_window": None} if model_type in ("mistral", "qwen2", "qwen3") else {}
+    if model_type == "qwen3":
+        extra["head_dim"] = hidden_size // num_heads
+    config = AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
-        eos_token_id=127, bos_token_id=1,
+        eos_token_id=127, bos_token_id=1, **extra,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     raw = Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="w127", unk_token="w0")

@@ -128,3 +128,21 @@ def test_a_request_arrives_when_it_is_added(tiny_core):
         outputs += [o for o in tiny_core.step() if o.outcome is not None]
     outcome = outputs[0].outcome
     assert outcome.arrival_s >= added and 0 <= outcome.ttft_s < outcome.finish_s
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_each_supported_family_equals_transformers_generate(tmp_path, model_type):
+    """A tiny random checkpoint of each family (Qwen2's projection biases,
+    Qwen3's QK norms go through the model's own modules), fp32, greedy."""
+    from sagellm_plugin_torch.testing import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / model_type, model_type)
+    model, _ = models.load(str(folder))
+    assert model.config.model_type == model_type
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9, 30, 31, 32, 33], [50, 51]]
+    reference = helpers.hf_generate(model, prompts, 8)
+    core = helpers.engine_core(helpers.write_config(tmp_path, model=str(folder), num_blocks=32, block_size=4))
+    first = core.generate(helpers.requests(prompts[:1], 8, prefix="a"))
+    rest = core.generate(helpers.requests(prompts[1:], 8, prefix="b"))
+    assert [first["a0"], rest["b0"], rest["b1"]] == reference
+    assert core.rt.counters.hit_blocks > 0  # the second prompt reused the first's cached blocks
