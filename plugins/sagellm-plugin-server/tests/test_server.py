@@ -209,3 +209,44 @@ def test_the_grafana_dashboard_names_only_metrics_the_server_exports(server):
     exported = set(metrics(server))
     named = set(re.findall(r"sagellm:[a-z_0-9]+", dashboard.read_text()))
     assert named and named <= exported, sorted(named - exported)
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    c = client(server)
+    whole = c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0).choices[0].text
+    words = whole.split()
+    assert len(words) >= 3, whole
+    stop = words[2]
+    cut = c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == whole[: whole.find(stop)] and cut.finish_reason == "stop"
+    streamed = list(c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0,
+                                         stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in streamed) == cut.text and streamed[-1].choices[0].finish_reason == "stop"
+    assert kv(server, check=True)["invariants"] == "ok"
+
+
+def test_sampling_with_a_seed_is_reproducible(server):
+    c = client(server)
+
+    def sample(seed):
+        return c.completions.create(model="tiny", prompt="w7 w8", max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(1) == sample(1)
+    assert len({sample(s) for s in range(2, 6)}) > 1  # a near-uniform tiny model: different seeds differ
+
+
+def test_bench_reads_sharegpt_conversations(tmp_path):
+    from types import SimpleNamespace
+
+    from sagellm_plugin_server import bench
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "one two three four"}]},
+        {"conversations": [{"from": "human", "value": "only a question"}]},
+        {"conversations": [{"from": "human", "value": "why?"}, {"from": "gpt", "value": "because " * 100}]},
+    ]))
+    args = SimpleNamespace(trace=str(path), words_per_block=32, max_tokens=64, max_requests=None, rate=2.0, seed=0)
+    requests = bench.load(args)
+    assert [r.prompt for r in requests] == ["hello there", "why?"]
+    assert [r.max_tokens for r in requests] == [5, 64] and requests[0].arrival_s == 0 < requests[1].arrival_s
