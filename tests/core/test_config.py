@@ -134,3 +134,20 @@ def test_session_range_must_be_a_range_within_0_and_1():
 
     with pytest.raises(ConfigError, match=r"\[workload\] session_from = 0.5, session_to = 0.2: 0 <= session_from < session_to <= 1"):
         settings_from_toml('[kv_pool]\nnum_blocks = 8\nplugin = "paged"\n[workload]\nsession_from = 0.5\nsession_to = 0.2\n')
+
+
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ("[server]\nmax_waiting = 0\n", r"\[server\] max_waiting = 0: a positive integer"),
+        ("[server]\nmax_waiting = -3\n", r"\[server\] max_waiting = -3: a non-negative integer"),
+        ("[server]\nmax_waiting = \"many\"\n", r"\[server\] max_waiting = 'many': a non-negative integer"),
+        ("[server]\nport = 8000\n", r"\[server\].*port"),
+    ],
+)
+def test_the_server_section_is_checked(section, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        settings_from_toml(GOOD + "\n" + section, "good.toml")
+    assert "\n" not in str(err.value)
+    good = settings_from_toml(GOOD + '\n[server]\nmax_waiting = 8\nmodel_name = "m"\n', "good.toml")
+    assert (good.server.max_waiting, good.server.model_name) == (8, "m")
