@@ -3,7 +3,9 @@
 * Mooncake JSONL traces: ``hash_ids`` are prefix-chained hashes of 512-token
   blocks. Block ``h`` is mapped to the token ids ``h*512 .. h*512+511`` (cut at
   ``input_length``), so equal hashes give equal tokens and any block size
-  works: a 16-token block is a slice of one trace block.
+  works: a 16-token block is a slice of one trace block. A record's optional
+  ``session`` (or ``session_id``), ``tenant`` and ``cache_salt`` are kept on
+  the request (tenant-aware policies, the prefix cache's namespaces).
 * Azure CSV traces: lengths only; every prompt is distinct (no sharing).
 * The built-in generator: multi-tenant chat sessions with a shared system
   prompt per tenant and multi-turn growth. Seeded; needs no files.
@@ -127,6 +129,15 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                     f"{where}: {len(hashes)} hash_ids for input_length {length};"
                     f" {trace_block_tokens}-token blocks need {-(-length // trace_block_tokens)}"
                 )
+            labels = {}
+            for key, field_name in (("session", "session_id"), ("session_id", "session_id"), ("tenant", "tenant"),
+                                    ("cache_salt", "cache_salt")):
+                value = row.get(key)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (str, int)):
+                    raise TraceError(f"{where}: {key} = {value!r}: a string or an integer")
+                labels[field_name] = str(value)
             tokens = array(TOKEN_ARRAY_TYPECODE)
             for h in hashes:
                 tokens.extend(range(h * trace_block_tokens, (h + 1) * trace_block_tokens))
@@ -136,6 +147,7 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                 prompt_token_ids=tokens,
                 output_tokens=output,
                 arrival_s=row["timestamp"] / 1000.0,
+                **labels,
             )
 
 

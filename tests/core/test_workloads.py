@@ -43,6 +43,10 @@ def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
         ('{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: 1 hash_ids for input_length 1000; 512-token blocks need 2"),
         ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: timestamp = 'x': milliseconds"),
         ("[1, 2]", "t.jsonl:2: not a JSON object"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": ["a"]}',
+         "t.jsonl:2: tenant = ['a']: a string or an integer"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "session": true}',
+         "t.jsonl:2: session = True: a string or an integer"),
     ],
 )
 def test_broken_mooncake_line_is_one_line_error(tmp_path, line, message):
@@ -52,6 +56,22 @@ def test_broken_mooncake_line_is_one_line_error(tmp_path, line, message):
         list(workloads.mooncake(trace))
     assert str(err.value) == str(tmp_path / message)
     assert "\n" not in str(err.value)
+
+
+def test_mooncake_keeps_session_tenant_and_cache_salt(tmp_path):
+    trace = write_mooncake(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "session": 7, "tenant": "acme",
+             "cache_salt": "u1"},
+            {"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [0], "session_id": "s-2"},
+            {"timestamp": 2, "input_length": 10, "output_length": 1, "hash_ids": [0]},
+        ],
+    )
+    a, b, c = workloads.mooncake(trace)
+    assert (a.session_id, a.tenant, a.cache_salt) == ("7", "acme", "u1")
+    assert (b.session_id, b.tenant, b.cache_salt) == ("s-2", "default", None)
+    assert (c.session_id, c.tenant, c.cache_salt) == (None, "default", None)
 
 
 def test_arrivals_must_not_go_backwards(tmp_path):
