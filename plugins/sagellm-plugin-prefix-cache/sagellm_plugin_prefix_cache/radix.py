@@ -335,6 +335,12 @@ class RadixPrefixCache:
             if block_id not in self._view:
                 raise ValueError(f"block {block_id} is not an evictable cached block")
         removed: list[CachedBlock] = []
+        # Each node's edge is cut once, after the loop: victims trimmed from
+        # a chain's leaf name one node many times, and slicing its bytes per
+        # victim would copy the edge again each time (quadratic). A later
+        # victim in the same node always cuts shallower (the deeper blocks
+        # are gone), so the last cut recorded is the one to keep.
+        edge_cuts: dict[int, tuple[_Node, int]] = {}
         for block_id in block_ids:
             node = self._where.get(block_id)
             if node is None:
@@ -349,12 +355,13 @@ class RadixPrefixCache:
             node.children = {}
             if index == 0:
                 del node.parent.children[node.keys[0]]
-            page_bytes = len(node.keys[0])
+            edge_cuts[id(node)] = (node, index * len(node.keys[0]))
             del node.keys[index:], node.blocks[index:]
-            node.edge = node.edge[: index * page_bytes]
             for block in gone:
                 del self._where[block.block_id], self._info[block.block_id]
             removed.extend(gone)
+        for node, keep in edge_cuts.values():
+            node.edge = node.edge[:keep]
         self._num_evictable -= len(removed)
         if self._events and removed:
             self._emit(type="removed", keys=[b.key for b in removed])
