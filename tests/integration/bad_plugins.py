@@ -108,3 +108,32 @@ class GarbageLifetime(StatLifetime):
         if self.calls % 2:
             return "about 300 tokens"
         return super().sagellm_predict_lifetime(request)
+
+
+class UnfilteredVictims:
+    """Follows the documented protocol as the plugin template does: keeps
+    the blocks it was told are evictable (released, not since touched or
+    evicted) and names victims from them without filtering by
+    ``candidates``. Correct as long as the runtime tells it every change."""
+
+    def __init__(self, settings, context):
+        self.order: dict[int, None] = {}
+
+    @hookimpl
+    def sagellm_blocks_released(self, blocks):
+        for b in blocks:
+            self.order[b.block_id] = None
+
+    @hookimpl
+    def sagellm_blocks_touched(self, blocks):
+        for b in blocks:
+            self.order.pop(b.block_id, None)
+
+    @hookimpl
+    def sagellm_blocks_evicted(self, blocks):
+        for b in blocks:
+            self.order.pop(b.block_id, None)
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision(tuple(self.order)[:num_blocks])

@@ -20,6 +20,7 @@ def bad_plugins(tmp_path, monkeypatch):
                 "stranger": "sagellm_core.testing:StrangerVictims",
                 "greedy": "bad_plugins:GreedyVictims",
                 "not-a-decision": "bad_plugins:NotADecision",
+                "unfiltered": "bad_plugins:UnfilteredVictims",
             },
             "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
             "sagellm.prefix_cache": {

@@ -144,3 +144,35 @@ def test_runtime_block_accounting(policy, cache):
     case = machine(policy, cache).TestCase
     case.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
     case("runTest").runTest()
+
+
+def test_a_rolled_back_admission_pins_nothing(bad_plugins):
+    """Issue 16, class 4: with ``pin_after_hits``, a prefix matched by an
+    admission that memory then refuses was pinned, and the policy never
+    told; a policy that follows the protocol (the template's) named the
+    pinned blocks and the run died."""
+    text = """
+[prefix_cache]
+plugin = "radix"
+block_size = 4
+pin_after_hits = 1
+max_pinned_share = 1.0
+[kv_pool]
+plugin = "paged"
+num_blocks = 8
+[eviction]
+plugin = "unfiltered"
+"""
+    rt = Runtime(settings_from_toml(text), hook_timing=False)
+    first = rt.arrive(Request("a", list(range(13)), 1))
+    assert rt.admit(first, 13) == 13
+    first.num_computed_tokens = 13
+    rt.finish(first)  # its 3 full blocks are cached and evictable
+    too_big = rt.arrive(Request("b", list(range(12)) + list(range(100, 140)), 1))
+    assert rt.admit(too_big, 64) == 0  # matched 3 blocks, then refused: 13 blocks > 8
+    assert not rt.pinned_blocks() and len(rt.evictable()) == 3
+    rt.check_invariants()
+    other = rt.arrive(Request("c", list(range(200, 230)), 1))
+    assert rt.admit(other, 30) == 30  # needs 8 blocks: evicts the 3 the policy knows
+    assert rt.counters.evicted_blocks == 3
+    rt.check_invariants()
