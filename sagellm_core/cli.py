@@ -40,7 +40,9 @@ def _single_overrides(args) -> dict:
 
 def _settings(args, path, overrides):
     settings = session.load_settings(path, args.trace, overrides)
-    if args.max_requests:
+    if args.max_requests is not None:
+        if args.max_requests < 1:
+            raise SagellmError(f"--max-requests {args.max_requests}: at least 1")
         settings = session.config_mod.with_workload(settings, max_requests=args.max_requests)
     return settings
 

@@ -189,9 +189,14 @@ def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) 
     path = str(path)
     try:
         with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+            data = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    try:
+        # utf-8-sig: a byte-order mark (as some editors write) is not an error.
+        raw = tomllib.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config is a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     for keys, value in (overrides or {}).items():
@@ -312,6 +317,9 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
                 f"{path}: [workload] source = {workload.source!r}: accepted: "
                 f"{', '.join([*WORKLOAD_SOURCES, *installed])} (others through {WORKLOAD_GROUP} entry points)"
             )
+    for key in ("tenants", "sessions_per_tenant", "turns"):
+        if getattr(workload, key) < 1:
+            raise ConfigError(f"{path}: [workload] {key} = {getattr(workload, key)!r}: a positive integer")
     if workload.time_scale <= 0:
         raise ConfigError(f"{path}: [workload] time_scale = {workload.time_scale!r}: a positive number")
     if not 0 <= workload.session_from < workload.session_to <= 1:

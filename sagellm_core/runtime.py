@@ -235,8 +235,10 @@ class Runtime:
         except SagellmError:
             raise
         except Exception as exc:
+            # One line, whatever the plugin's message looks like.
+            message = " ".join(str(exc).split())
             raise PluginError(
-                f"{self._culprit(exc, section)} raised in {hook_name}: {type(exc).__name__}: {exc}"
+                f"{self._culprit(exc, section)} raised in {hook_name}: {type(exc).__name__}: {message}"
             ) from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:

@@ -151,3 +151,20 @@ def test_the_server_section_is_checked(section, words):
     assert "\n" not in str(err.value)
     good = settings_from_toml(GOOD + '\n[server]\nmax_waiting = 8\nmodel_name = "m"\n', "good.toml")
     assert (good.server.max_waiting, good.server.model_name) == (8, "m")
+
+
+
+def test_a_byte_order_mark_is_accepted_and_binary_is_one_line(tmp_path):
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())
+    assert config.load(bom).num_blocks == settings_from_toml(GOOD, "good.toml").num_blocks
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\x00\xff\xfe garbage")
+    with pytest.raises(ConfigError, match=r"binary.toml: not UTF-8 text \(byte 1\); a config is a TOML file"):
+        config.load(binary)
+
+
+@pytest.mark.parametrize("key", ["tenants", "sessions_per_tenant", "turns"])
+def test_generator_counts_must_be_positive(key):
+    with pytest.raises(ConfigError, match=rf"good.toml: \[workload\] {key} = 0: a positive integer"):
+        settings_from_toml(GOOD.replace("tenants = 2", f"tenants = 2\n{key} = 0" if key != "tenants" else "tenants = 0"), "good.toml")

@@ -77,6 +77,12 @@ class CrashingLifetime(StatLifetime):
         raise ZeroDivisionError("no data")
 
 
+class MultiLineCrash(StatLifetime):
+    @hookimpl
+    def sagellm_predict_lifetime(self, request):
+        raise RuntimeError("first line\n  second line\n\tthird")
+
+
 class NegativeLifetime(StatLifetime):
     @hookimpl
     def sagellm_predict_lifetime(self, request):

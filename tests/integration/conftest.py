@@ -29,6 +29,7 @@ def bad_plugins(tmp_path, monkeypatch):
             },
             "sagellm.lifetime": {
                 "crashing": "bad_plugins:CrashingLifetime",
+                "multi-line": "bad_plugins:MultiLineCrash",
                 "negative": "bad_plugins:NegativeLifetime",
                 "garbage": "bad_plugins:GarbageLifetime",
             },

@@ -123,6 +123,13 @@ def test_plugin_that_raises_is_named(bad_plugins):
     )
 
 
+def test_a_multi_line_plugin_message_is_one_line(bad_plugins):
+    rt = runtime(lifetime="multi-line")
+    with pytest.raises(PluginError) as err:
+        rt.arrive(request("a", [1, 2, 3]))
+    assert str(err.value).endswith("RuntimeError: first line second line third") and "\n" not in str(err.value)
+
+
 def test_nonsense_prediction_is_rejected(bad_plugins):
     rt = runtime(lifetime="negative")
     with pytest.raises(PluginError, match=r"lifetime plugin 'negative' .* sagellm_predict_lifetime returned LifetimePrediction\(output_tokens=-5.0"):

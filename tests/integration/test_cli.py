@@ -160,3 +160,10 @@ def test_tenant_fairness_in_the_report(tmp_path):
     assert set(rates) <= {"tenant-0", "tenant-1", "tenant-2", "tenant-3"} and len(rates) >= 2
     expected = sum(rates.values()) ** 2 / (len(rates) * sum(x * x for x in rates.values()))
     assert report["jain_fairness"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_max_requests_must_be_positive(value, capsys):
+    assert main(["replay", "--max-requests", value, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--max-requests {value}: at least 1") and "\n" not in err
