@@ -116,13 +116,14 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                 if key not in row:
                     raise TraceError(f"{where}: missing key {key!r}")
             length, output, hashes = row["input_length"], row["output_length"], row["hash_ids"]
-            if not (isinstance(length, int) and length > 0):
+            # bool is an int to Python; true is not a length to a reader.
+            if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
                 raise TraceError(f"{where}: input_length = {length!r}: a positive integer")
-            if not (isinstance(output, int) and output > 0):
+            if not (isinstance(output, int) and not isinstance(output, bool) and output > 0):
                 raise TraceError(f"{where}: output_length = {output!r}: a positive integer")
-            if not isinstance(row["timestamp"], (int, float)):
+            if not isinstance(row["timestamp"], (int, float)) or isinstance(row["timestamp"], bool):
                 raise TraceError(f"{where}: timestamp = {row['timestamp']!r}: milliseconds")
-            if not (isinstance(hashes, list) and all(isinstance(h, int) and h >= 0 for h in hashes)):
+            if not (isinstance(hashes, list) and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes)):
                 raise TraceError(f"{where}: hash_ids: a list of non-negative integers")
             if len(hashes) != -(-length // trace_block_tokens):
                 raise TraceError(
