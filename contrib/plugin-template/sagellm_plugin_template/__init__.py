@@ -68,5 +68,10 @@ class RandomEviction:
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks, candidates):
-        k = min(num_blocks, len(self._blocks))
-        return EvictionDecision(tuple(self.rng.sample(self._blocks, k)))
+        # Name only blocks the caller offers: an engine may hold some back
+        # that you were told are evictable (LMDeploy leaves pinned blocks
+        # out). The scan is O(n), fine for a template; a real policy keeps an
+        # order it can walk from the best victim and stops after k.
+        offered = [b for b in self._blocks if b in candidates]
+        k = min(num_blocks, len(offered))
+        return EvictionDecision(tuple(self.rng.sample(offered, k)))

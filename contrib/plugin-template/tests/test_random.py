@@ -24,3 +24,13 @@ def test_victims_are_distinct_evictable_blocks(ops, k):
         victims = policy.sagellm_select_victims(num_blocks=k, candidates=evictable).victim_ids
         assert len(victims) == min(k, len(evictable)) == len(set(victims))
         assert set(victims) <= evictable
+
+
+def test_victims_are_only_blocks_the_caller_offers():
+    # An engine may hold back blocks the policy was told are evictable
+    # (LMDeploy leaves pinned ones out of the candidates).
+    policy = RandomEviction(RandomSettings(seed=1), PluginContext("random", 16, 10))
+    policy.sagellm_blocks_released(blocks=tuple(CachedBlock(i, 0, None) for i in range(6)))
+    for _ in range(20):
+        victims = policy.sagellm_select_victims(num_blocks=4, candidates={1, 3, 5}).victim_ids
+        assert sorted(victims) == [1, 3, 5]
