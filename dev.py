@@ -17,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -49,7 +50,10 @@ def ensure_env() -> None:
     pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     editable = []
     for project in projects():
-        editable += ["-e", str(project) + ("[test]" if project == ROOT else "")]
+        # With its own test extra where it declares one (the server's tests
+        # need the openai client).
+        extras = tomllib.loads((project / "pyproject.toml").read_text()).get("project", {}).get("optional-dependencies", {})
+        editable += ["-e", str(project) + ("[test]" if "test" in extras else "")]
     print("dev.py: installing sagellm-core and plugins into .venv", file=sys.stderr)
     # The CPU build of torch first, pinned as the tox envs pin it: the torch
     # engine plugin needs torch, and an unpinned install would fetch the
