@@ -503,9 +503,15 @@ class Runtime:
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks
         free = self.pool_usage().num_free_blocks
         if num_new <= 0 or need > free + len(self.evictable()):
-            # Roll back the lock only: the policy has not been told of it, so
-            # there is nothing to observe and its order is untouched.
+            # Roll back the lock: the policy was not told of it. But a match
+            # may have pinned blocks the policy holds as evictable (radix
+            # pin_after_hits): they are not evictable any more, so it is told.
             self.release_prefix(request)
+            if match.blocks:
+                pinned = self.pinned_blocks()
+                kept = tuple(b for b in match.blocks if b.block_id in pinned)
+                if kept:
+                    self.observe("sagellm_blocks_touched", blocks=kept, now_s=self.now_s)
             return 0
         if match.blocks:
             # Before any eviction, so the policy never picks a locked block.

@@ -146,11 +146,11 @@ def test_runtime_block_accounting(policy, cache):
     case("runTest").runTest()
 
 
-def test_a_rolled_back_admission_pins_nothing(bad_plugins):
+def test_a_refused_admission_tells_the_policy_what_its_match_pinned(bad_plugins):
     """Issue 16, class 4: with ``pin_after_hits``, a prefix matched by an
-    admission that memory then refuses was pinned, and the policy never
-    told; a policy that follows the protocol (the template's) named the
-    pinned blocks and the run died."""
+    admission that memory then refuses was pinned and the policy never
+    told; a policy that follows the protocol without filtering candidates
+    (the template's way) then named a pinned block and the run died."""
     text = """
 [prefix_cache]
 plugin = "radix"
@@ -164,15 +164,20 @@ num_blocks = 8
 plugin = "unfiltered"
 """
     rt = Runtime(settings_from_toml(text), hook_timing=False)
-    first = rt.arrive(Request("a", list(range(13)), 1))
-    assert rt.admit(first, 13) == 13
-    first.num_computed_tokens = 13
-    rt.finish(first)  # its 3 full blocks are cached and evictable
-    too_big = rt.arrive(Request("b", list(range(12)) + list(range(100, 140)), 1))
-    assert rt.admit(too_big, 64) == 0  # matched 3 blocks, then refused: 13 blocks > 8
-    assert not rt.pinned_blocks() and len(rt.evictable()) == 3
+
+    def serve(rid, tokens):
+        state = rt.arrive(Request(rid, tokens, 1))
+        assert rt.admit(state, len(tokens)) == len(tokens)
+        state.num_computed_tokens = len(tokens)
+        rt.finish(state)
+
+    serve("a", list(range(13)))  # 3 cached blocks, released first
+    serve("e", list(range(500, 505)))  # 1 cached block, released last
+    refused = rt.arrive(Request("b", list(range(12)) + list(range(100, 140)), 1))
+    assert rt.admit(refused, 64) == 0  # matched a's 3 blocks (now pinned), then 13 blocks > 4 free + 1 evictable
+    assert len(rt.pinned_blocks()) == 3 and len(rt.evictable()) == 1
     rt.check_invariants()
-    other = rt.arrive(Request("c", list(range(200, 230)), 1))
-    assert rt.admit(other, 30) == 30  # needs 8 blocks: evicts the 3 the policy knows
-    assert rt.counters.evicted_blocks == 3
+    fits = rt.arrive(Request("c", list(range(200, 217)), 1))
+    assert rt.admit(fits, 17) == 17  # 5 blocks: 4 free and e's, which the policy must name, not a's
+    assert rt.counters.evicted_blocks == 1
     rt.check_invariants()

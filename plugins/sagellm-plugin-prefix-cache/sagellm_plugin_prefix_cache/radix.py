@@ -108,8 +108,6 @@ class RadixPrefixCache:
         self.max_pinned = int(settings.max_pinned_share * context.num_blocks)
         self._pinned: set[_Node] = set()
         self.num_pinned = 0
-        #: request id -> the node its acquire matched, pinned at its insert.
-        self._pending_pins: dict[str, _Node] = {}
 
     # ------------------------------------------------------------ helpers --
 
@@ -226,24 +224,14 @@ class RadixPrefixCache:
         self._locked[request.request_id] = node
         if self.pin_after_hits and matched:
             self._count_hit(node)
-            # The pin waits for the request's insert: an admission that fails
-            # after this match is rolled back by a release alone, and a pin
-            # taken here would outlive it unseen by the eviction policy.
-            self._pending_pins[request.request_id] = node
         return PrefixMatch(tuple(matched))
 
     def _count_hit(self, node: _Node) -> None:
-        """Count a match covering ``node``'s path."""
-        while node.parent is not None:
-            node.hits += 1
-            node = node.parent
-
-    def _pin(self, node: _Node) -> None:
-        """Pin ``node``'s path (or its longest prefix that fits the pinned
-        share) once it has ``pin_after_hits``. The admitted request holds the
-        path locked, so no block changes evictability here."""
+        """Count a match covering ``node``'s path; pin the path once it has
+        ``pin_after_hits`` and the pinned share allows it."""
         path = []
         while node.parent is not None:
+            node.hits += 1
             path.append(node)
             node = node.parent
         for depth_first in range(len(path)):
@@ -302,9 +290,6 @@ class RadixPrefixCache:
         # request, and released) are locked now.
         taken = self._lock(node)
         old = self._locked.get(request.request_id)
-        pending = self._pending_pins.pop(request.request_id, None)
-        if pending is not None:
-            self._pin(pending)  # the admission held: the match counts for pinning
         if old is not None:
             self._unlock(old)
         self._locked[request.request_id] = node
@@ -313,7 +298,6 @@ class RadixPrefixCache:
 
     @hookimpl
     def sagellm_release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
-        self._pending_pins.pop(request.request_id, None)  # a rolled-back admission pins nothing
         node = self._locked.pop(request.request_id, None)
         if node is None:
             return ()

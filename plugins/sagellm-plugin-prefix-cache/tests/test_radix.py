@@ -125,21 +125,6 @@ class TreeMachine(RuleBasedStateMachine):
             self.content.setdefault(block_id, r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes())
         self.holding[rid] = set(ids)
 
-    @rule(**SERVE)
-    def rolled_back_admission(self, **draw):
-        """Acquire, then release without inserting: what the runtime does when
-        memory refuses the admission. It must change nothing: no pin, and the
-        matched blocks evictable again as before (issue 16, class 4)."""
-        self.serial += 1
-        r = drawn_request(self.serial, **draw)
-        if r is None:
-            return
-        pinned, evictable = set(self.cache.sagellm_pinned_blocks()), set(self.cache.sagellm_evictable_blocks())
-        self.cache.sagellm_acquire_prefix(request=r)
-        self.cache.sagellm_release_prefix(request=r)
-        assert set(self.cache.sagellm_pinned_blocks()) == pinned
-        assert set(self.cache.sagellm_evictable_blocks()) == evictable
-
     @precondition(lambda self: self.holding)
     @rule(index=st.integers(0, 50))
     def release(self, index):
