@@ -7,6 +7,7 @@ from sagellm_plugin_lifetime.stat import StatLifetime
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
 
 from sagellm_core import hookimpl
+from sagellm_core.testing import OldestFirstPreemption
 from sagellm_core.types import BlockAllocation, EvictionDecision, LifetimePrediction, PrefixMatch
 
 
@@ -116,29 +117,12 @@ class GarbageLifetime(StatLifetime):
         return super().sagellm_predict_lifetime(request)
 
 
-class UnfilteredVictims:
-    """Follows the documented protocol as the plugin template does: keeps
-    the blocks it was told are evictable (released, not since touched or
-    evicted) and names victims from them without filtering by
-    ``candidates``. Correct as long as the runtime tells it every change."""
-
-    def __init__(self, settings, context):
-        self.order: dict[int, None] = {}
-
-    @hookimpl
-    def sagellm_blocks_released(self, blocks):
-        for b in blocks:
-            self.order[b.block_id] = None
-
-    @hookimpl
-    def sagellm_blocks_touched(self, blocks):
-        for b in blocks:
-            self.order.pop(b.block_id, None)
-
-    @hookimpl
-    def sagellm_blocks_evicted(self, blocks):
-        for b in blocks:
-            self.order.pop(b.block_id, None)
+class UnfilteredVictims(OldestFirstPreemption):
+    """Keeps the LRU order of the blocks it was told are evictable (the
+    observations of :class:`~sagellm_core.testing.OldestFirstPreemption`)
+    and names victims from it without filtering by ``candidates``, as the
+    plugin template did: correct as long as the runtime tells it every
+    change."""
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks, candidates):

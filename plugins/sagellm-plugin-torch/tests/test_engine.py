@@ -114,7 +114,9 @@ def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
         [sys.executable, "-m", "sagellm_core.cli", "generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw", "--max-tokens", "3"],
         capture_output=True, text=True, check=True,
     )
-    assert len(gen.stdout.split()) >= 1
+    core = helpers.engine_core(path)
+    offline = core.generate([Request("x", [5, 6, 7], 3)])["x"]
+    assert gen.stdout.strip() == core.tokenizer.decode(offline, skip_special_tokens=True).strip()
 
 
 def test_a_request_arrives_when_it_is_added(tiny_core):
