@@ -82,6 +82,28 @@ class WorkloadSettings:
     #: Mean think time between a reply and the next turn, seconds.
     think_time_s: float = 5.0
 
+    def __attrs_post_init__(self) -> None:
+        # A ValueError names the key; the parser adds the file and section.
+        if self.source not in WORKLOAD_SOURCES:
+            installed = sorted(ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP))
+            if self.source not in installed:
+                raise ValueError(
+                    f"source = {self.source!r}: accepted: {', '.join([*WORKLOAD_SOURCES, *installed])}"
+                    f" (others through {WORKLOAD_GROUP} entry points)"
+                )
+        for key in ("tenants", "sessions_per_tenant", "turns"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: a positive integer")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale = {self.time_scale!r}: a positive number")
+        if not 0 <= self.session_from < self.session_to <= 1:
+            raise ValueError(
+                f"session_from = {self.session_from!r}, session_to = {self.session_to!r}:"
+                " 0 <= session_from < session_to <= 1"
+            )
+        if self.source in ("mooncake", "azure") and self.path is None:
+            raise ValueError(f"source = {self.source!r} needs path = FILE")
+
 
 @frozen
 class ReportSettings:
@@ -96,6 +118,10 @@ class ServerSettings:
     max_waiting: int = 256
     #: The model name clients send; empty: the engine's model setting.
     model_name: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting = {self.max_waiting!r}: a positive integer")
 
 
 @frozen
@@ -127,6 +153,10 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _nonempty_str(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 class _Table:
     """A TOML table being read: keys are taken one by one, leftovers are
     either plugin parameters or errors."""
@@ -150,7 +180,8 @@ class _Table:
         return value
 
     def plugin(self, default: str | None = None) -> str | None:
-        return self.take("plugin", default, lambda v: isinstance(v, str) and v, "a plugin name")
+        name: str | None = self.take("plugin", default, _nonempty_str, "a plugin name")
+        return name
 
     def selection(self, name: str) -> Selection:
         return Selection(self.section, name, self.data, self.where)
@@ -159,28 +190,6 @@ class _Table:
         if self.data:
             key = next(iter(self.data))
             raise ConfigError(f"{self.where}: unknown key {key!r}")
-
-
-def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
-    """``section.key=V1,V2`` (values in TOML syntax) -> (path, [values])."""
-    where = f"--set {text}"
-    if "=" not in text:
-        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
-    dotted, _, values = text.partition("=")
-    keys = tuple(k.strip() for k in dotted.split("."))
-    if len(keys) < 2 or not all(keys):
-        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
-    try:
-        parsed = tomllib.loads(f"v = [{values}]")["v"]
-    except tomllib.TOMLDecodeError:
-        try:  # bare words: plugin names
-            parsed = [v.strip() for v in values.split(",")]
-            tomllib.loads("v = [" + ", ".join(f'"{v}"' for v in parsed) + "]")
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{where}: values must be TOML literals or bare words: {exc}") from None
-    if not parsed:
-        raise ConfigError(f"{where}: no value")
-    return keys, parsed
 
 
 def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) -> Settings:
@@ -215,142 +224,113 @@ def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) 
 
 
 def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
+    """Typed settings from a parsed TOML document: one small parser per
+    section, each taking its keys and refusing leftovers."""
     for section in raw:
         if section not in SECTIONS:
-            raise ConfigError(
-                f"{path}: unknown section [{section}]; accepted: {', '.join(SECTIONS)}"
-            )
-
-    def table(section: str) -> _Table | None:
-        return _Table(path, section, raw[section]) if section in raw else None
-
-    engine_t = table("engine") or _Table(path, "engine", {})
-    engine_name = engine_t.take("name", "replay", lambda v: isinstance(v, str) and v, "an engine name")
-    engine = engine_t.selection(engine_name)
-
-    pool_t = table("kv_pool")
-    if pool_t is None:
-        raise ConfigError(f"{path}: missing section [kv_pool]; it picks the block allocator")
-    num_blocks = pool_t.take("num_blocks", None, _positive_int, "a positive number of blocks")
-    if num_blocks is None:
-        raise ConfigError(f"{pool_t.where}: missing key 'num_blocks' (the pool size, in blocks)")
-    # The plugin may be left out for an engine that allocates blocks itself
-    # (the runtime says so when the engine needs one).
-    pool_name = pool_t.plugin()
-    kv_pool = pool_t.selection(pool_name) if pool_name is not None else None
-
-    prefix_t = table("prefix_cache")
-    block_size = 16
-    prefix_cache = None
-    if prefix_t is not None:
-        block_size = prefix_t.take("block_size", 16, _positive_int, "a positive number of tokens")
-        name = prefix_t.plugin()
-        if name is not None:
-            prefix_cache = prefix_t.selection(name)
-        else:
-            prefix_t.no_leftovers()
-
-    def single(section: str) -> Selection | None:
-        t = table(section)
-        if t is None:
-            return None
-        name = t.plugin()
-        if name is None:
-            raise ConfigError(f"{t.where}: missing key 'plugin'")
-        return t.selection(name)
-
-    eviction = single("eviction")
+            raise ConfigError(f"{path}: unknown section [{section}]; accepted: {', '.join(SECTIONS)}")
+    tables = {section: _Table(path, section, data) for section, data in raw.items()}
+    num_blocks, kv_pool = _kv_pool(path, tables.get("kv_pool"))
+    block_size, prefix_cache = _prefix_cache(tables.get("prefix_cache"))
+    eviction = _single(tables.get("eviction"))
     if prefix_cache is not None and eviction is None:
-        raise ConfigError(
-            f"{path}: [prefix_cache] is set but [eviction] is missing; a cache needs a victim policy"
-        )
-    lifetime_t = table("lifetime")
-    lifetime = lifetime_fallback = None
-    if lifetime_t is not None:
-        # The predictor used, with its default settings, when the picked one
-        # raises or returns garbage.
-        fallback = lifetime_t.take("fallback", None, lambda v: isinstance(v, str) and v, "a lifetime plugin name")
-        name = lifetime_t.plugin()
-        if name is None:
-            raise ConfigError(f"{lifetime_t.where}: missing key 'plugin'")
-        if fallback == name:
-            raise lifetime_t.fail("fallback", fallback, "a plugin other than the one picked")
-        lifetime = lifetime_t.selection(name)
-        if fallback is not None:
-            lifetime_fallback = Selection("lifetime", fallback, {}, f"{lifetime_t.where} fallback")
-
-    transport_t = table("transport")
-    transport = None
-    offload_evicted = False
-    if transport_t is not None:
-        offload_evicted = transport_t.take(
-            "offload_evicted", False, lambda v: isinstance(v, bool), "true or false"
-        )
-        name = transport_t.plugin()
-        if name is None:
-            raise ConfigError(f"{transport_t.where}: missing key 'plugin'")
-        transport = transport_t.selection(name)
-
-    passes: list[Selection] = []
-    sched_t = table("scheduler")
-    if sched_t is not None:
-        names = sched_t.take(
-            "passes",
-            [],
-            lambda v: isinstance(v, list) and all(isinstance(n, str) and n for n in v),
-            "a list of pass names",
-        )
-        if len(set(names)) != len(names):
-            raise sched_t.fail("passes", names, "each pass at most once")
-        for name in names:
-            params = sched_t.data.pop(name, {})
-            if not isinstance(params, dict):
-                raise sched_t.fail(name, params, f"a table [scheduler.{name}] of parameters")
-            passes.append(Selection("scheduler", name, params, f"{path}: [scheduler.{name}]"))
-        sched_t.no_leftovers()
-
-    workload = _typed(table("workload"), WorkloadSettings)
-    if workload.source not in WORKLOAD_SOURCES:
-        installed = sorted(ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP))
-        if workload.source not in installed:
-            raise ConfigError(
-                f"{path}: [workload] source = {workload.source!r}: accepted: "
-                f"{', '.join([*WORKLOAD_SOURCES, *installed])} (others through {WORKLOAD_GROUP} entry points)"
-            )
-    for key in ("tenants", "sessions_per_tenant", "turns"):
-        if getattr(workload, key) < 1:
-            raise ConfigError(f"{path}: [workload] {key} = {getattr(workload, key)!r}: a positive integer")
-    if workload.time_scale <= 0:
-        raise ConfigError(f"{path}: [workload] time_scale = {workload.time_scale!r}: a positive number")
-    if not 0 <= workload.session_from < workload.session_to <= 1:
-        raise ConfigError(
-            f"{path}: [workload] session_from = {workload.session_from!r}, session_to = {workload.session_to!r}:"
-            " 0 <= session_from < session_to <= 1"
-        )
-    if workload.source in ("mooncake", "azure") and workload.path is None:
-        raise ConfigError(f"{path}: [workload] source = {workload.source!r} needs path = FILE")
-    report = _typed(table("report"), ReportSettings)
-    server = _typed(table("server"), ServerSettings)
-    if server.max_waiting < 1:
-        raise ConfigError(f"{path}: [server] max_waiting = {server.max_waiting!r}: a positive integer")
-
+        raise ConfigError(f"{path}: [prefix_cache] is set but [eviction] is missing; a cache needs a victim policy")
+    lifetime, lifetime_fallback = _lifetime(tables.get("lifetime"))
+    offload_evicted, transport = _transport(tables.get("transport"))
     return Settings(
         path=path,
-        engine=engine,
+        engine=_engine(tables.get("engine") or _Table(path, "engine", {})),
         kv_pool=kv_pool,
         prefix_cache=prefix_cache,
         eviction=eviction,
         lifetime=lifetime,
         lifetime_fallback=lifetime_fallback,
-        passes=tuple(passes),
+        passes=_passes(path, tables.get("scheduler")),
         transport=transport,
         block_size=block_size,
         num_blocks=num_blocks,
         offload_evicted=offload_evicted,
-        workload=workload,
-        report=report,
-        server=server,
+        workload=_typed(tables.get("workload"), WorkloadSettings),
+        report=_typed(tables.get("report"), ReportSettings),
+        server=_typed(tables.get("server"), ServerSettings),
     )
+
+
+def _engine(t: _Table) -> Selection:
+    return t.selection(t.take("name", "replay", _nonempty_str, "an engine name"))
+
+
+def _kv_pool(path: str, t: _Table | None) -> tuple[int, Selection | None]:
+    if t is None:
+        raise ConfigError(f"{path}: missing section [kv_pool]; it picks the block allocator")
+    num_blocks = t.take("num_blocks", None, _positive_int, "a positive number of blocks")
+    if num_blocks is None:
+        raise ConfigError(f"{t.where}: missing key 'num_blocks' (the pool size, in blocks)")
+    # The plugin may be left out for an engine that allocates blocks itself
+    # (the runtime says so when the engine needs one).
+    name = t.plugin()
+    return num_blocks, (t.selection(name) if name is not None else None)
+
+
+def _prefix_cache(t: _Table | None) -> tuple[int, Selection | None]:
+    if t is None:
+        return 16, None
+    block_size = t.take("block_size", 16, _positive_int, "a positive number of tokens")
+    name = t.plugin()
+    if name is None:
+        t.no_leftovers()
+        return block_size, None
+    return block_size, t.selection(name)
+
+
+def _single(t: _Table | None) -> Selection | None:
+    """A section that picks one plugin, the rest of its keys its parameters."""
+    if t is None:
+        return None
+    name = t.plugin()
+    if name is None:
+        raise ConfigError(f"{t.where}: missing key 'plugin'")
+    return t.selection(name)
+
+
+def _lifetime(t: _Table | None) -> tuple[Selection | None, Selection | None]:
+    if t is None:
+        return None, None
+    # The predictor used, with its default settings, when the picked one
+    # raises or returns garbage.
+    fallback = t.take("fallback", None, _nonempty_str, "a lifetime plugin name")
+    lifetime = _single(t)
+    assert lifetime is not None
+    if fallback == lifetime.name:
+        raise t.fail("fallback", fallback, "a plugin other than the one picked")
+    return lifetime, (Selection("lifetime", fallback, {}, f"{t.where} fallback") if fallback else None)
+
+
+def _transport(t: _Table | None) -> tuple[bool, Selection | None]:
+    if t is None:
+        return False, None
+    offload_evicted = t.take("offload_evicted", False, lambda v: isinstance(v, bool), "true or false")
+    return offload_evicted, _single(t)
+
+
+def _pass_names(value: Any) -> bool:
+    return isinstance(value, list) and all(_nonempty_str(n) for n in value)
+
+
+def _passes(path: str, t: _Table | None) -> tuple[Selection, ...]:
+    if t is None:
+        return ()
+    names = t.take("passes", [], _pass_names, "a list of pass names")
+    if len(set(names)) != len(names):
+        raise t.fail("passes", names, "each pass at most once")
+    passes = []
+    for name in names:
+        params = t.data.pop(name, {})
+        if not isinstance(params, dict):
+            raise t.fail(name, params, f"a table [scheduler.{name}] of parameters")
+        passes.append(Selection("scheduler", name, params, f"{path}: [scheduler.{name}]"))
+    t.no_leftovers()
+    return tuple(passes)
 
 
 def _positive_number(value: Any) -> bool:
@@ -358,10 +338,26 @@ def _positive_number(value: Any) -> bool:
 
 
 #: Fields that default to None but take a number: (check, what it accepts).
-_OPTIONAL_NUMBERS = {
+_OPTIONAL_NUMBERS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_requests": (_positive_int, "a positive integer"),
     "ttft_slo_s": (_positive_number, "a positive number of seconds"),
 }
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _non_negative_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 def _typed(t: _Table | None, cls: type) -> Any:
@@ -372,18 +368,22 @@ def _typed(t: _Table | None, cls: type) -> Any:
     values = {}
     for field in attrs.fields(cls):
         default = field.default
+        ok: Callable[[Any], bool]
         if default is None or isinstance(default, str):
-            ok, accepted = _OPTIONAL_NUMBERS.get(field.name, ((lambda v: isinstance(v, str)), "a string"))
+            ok, accepted = _OPTIONAL_NUMBERS.get(field.name, (_is_str, "a string"))
         elif isinstance(default, bool):
-            ok, accepted = (lambda v: isinstance(v, bool)), "true or false"
+            ok, accepted = _is_bool, "true or false"
         elif isinstance(default, int):
-            ok, accepted = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0), "a non-negative integer"
+            ok, accepted = _non_negative_int, "a non-negative integer"
         else:
-            ok, accepted = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0), "a non-negative number"
+            ok, accepted = _non_negative_number, "a non-negative number"
         if field.name in t.data:
             values[field.name] = t.take(field.name, default, ok, accepted)
     t.no_leftovers()
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a settings class's own check: one line, naming the file
+        raise ConfigError(f"{t.where} {exc}") from None
 
 
 def with_workload(settings: Settings, **changes: Any) -> Settings:

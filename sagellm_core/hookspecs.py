@@ -41,7 +41,6 @@ from sagellm_core.types import (
     RequestOutcome,
     ScheduleIR,
     SequenceState,
-    StepResult,
     TransferPlan,
     TransferResult,
 )
@@ -199,7 +198,7 @@ def sagellm_predict_lifetime(request: Request) -> LifetimePrediction | None:
 def sagellm_schedule_pass(ir: ScheduleIR) -> None:
     """Refine ``ir`` in place: reorder ``ir.waiting`` / ``ir.running`` or lower
     the budgets. Passes run in the order the config lists them; the engine then
-    packs the result into a :class:`~sagellm_core.types.StepPlan`."""
+    packs the result into a :class:`~sagellm_core.drivers.stepping.StepPlan`."""
 
 
 # --------------------------------------------------------------------------
@@ -264,11 +263,6 @@ def sagellm_kv_caches_allocated(kv_caches: KVCaches) -> None:
     tensors (replay, the adapters' CPU drivers) never call it."""
 
 
-@hookspec
-def sagellm_step_done(result: StepResult) -> None:
-    """A scheduling step executed."""
-
-
 # --------------------------------------------------------------------------
 # Command-line extensions: a `sagellm.commands` entry point names a module
 # (or object) implementing this hook.
@@ -276,7 +270,7 @@ def sagellm_step_done(result: StepResult) -> None:
 
 
 @hookspec
-def sagellm_register_commands(subparsers: argparse._SubParsersAction) -> None:
+def sagellm_register_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add subcommands to ``sagellm`` (``sagellm lifetime evaluate``, say):
     ``subparsers`` is the command's argparse sub-parser action. A command sets
     ``func`` (taking the parsed arguments, returning an exit status) with

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 from importlib import metadata
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import ConfigError
+from sagellm_core.types import Request
 
 BLOCK_ENV = "SAGELLM_BLOCK_PLUGINS"
 
@@ -54,9 +54,10 @@ class PluginContext:
     block_size: int
     num_blocks: int
     seed: int = 0
-    #: The workload the run replays (the config's [workload]); an offline
-    #: oracle reads the future from it. ``None`` inside a live engine.
-    workload: WorkloadSettings | None = None
+    #: The requests the run will replay, in arrival order, read anew on each
+    #: call: an offline oracle (Belady) reads the future from it. ``None``
+    #: where the future is unknown (a live engine, a server).
+    future_requests: Callable[[], Iterable[Request]] | None = None
 
 
 @attrs.frozen

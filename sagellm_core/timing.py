@@ -17,6 +17,9 @@ import random
 import time
 from array import array
 
+from collections.abc import Callable, Generator
+from typing import Any
+
 import attrs
 
 from sagellm_core import hookspecs
@@ -34,7 +37,7 @@ class HookStats:
     errors: int = 0
     total_s: float = 0.0
     #: A uniform sample of the calls' durations (all of them up to RESERVOIR).
-    durations_s: array = attrs.field(factory=lambda: array("d"))
+    durations_s: array[float] = attrs.field(factory=lambda: array("d"))
     _rng: random.Random = attrs.field(factory=lambda: random.Random(0), repr=False)
 
     def add(self, seconds: float) -> None:
@@ -50,9 +53,9 @@ class HookStats:
         if not self.durations_s:
             return 0.0
         ordered = sorted(self.durations_s)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, float]:
         return {
             "calls": self.calls,
             "answered": self.answered,
@@ -71,8 +74,8 @@ HOOK_NAMES = tuple(
 )
 
 
-def _make_wrapper(name: str):
-    def wrapper(self):
+def _make_wrapper(name: str) -> Callable[..., Any]:
+    def wrapper(self: Any) -> Generator[None, Any, Any]:
         stats = self.stats[name]
         stats.calls += 1
         start = time.perf_counter()
@@ -91,16 +94,21 @@ def _make_wrapper(name: str):
     return hookimpl(wrapper=True, tryfirst=True)(wrapper)
 
 
-def _init(self) -> None:
+def _init(self: Any) -> None:
     self.stats = {name: HookStats() for name in HOOK_NAMES}
 
 
-HookTimer = type(
-    "HookTimer",
-    (),
-    {"__init__": _init, "__doc__": __doc__, **{n: _make_wrapper(n) for n in HOOK_NAMES}},
-)
+class HookTimer:
+    """A pluggy wrapper plugin with one timing wrapper per hook (set below)."""
+
+    stats: dict[str, HookStats]
+
+    __init__ = _init
 
 
-def summarise(timer) -> dict[str, dict]:
+for _name in HOOK_NAMES:
+    setattr(HookTimer, _name, _make_wrapper(_name))
+
+
+def summarise(timer: HookTimer) -> dict[str, dict[str, float]]:
     return {name: s.summary() for name, s in timer.stats.items() if s.calls}

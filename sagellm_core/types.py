@@ -18,7 +18,7 @@ from attrs import define, field, frozen
 TOKEN_ARRAY_TYPECODE = "q"
 
 
-def as_token_array(values: Sequence[int] | None) -> array | None:
+def as_token_array(values: Any) -> array[int] | None:
     """Token ids are stored as a compact int64 ``array``: a 100k-token prompt as
     a tuple of Python ints costs 3.6 MB, as an array 0.8 MB. A 1-d buffer of
     64-bit integers (an engine's numpy token ids) is taken in one copy, not
@@ -43,7 +43,7 @@ class Request:
     """One inference request as it arrives: the facts, never the progress."""
 
     request_id: str
-    prompt_token_ids: array = field(converter=as_token_array)
+    prompt_token_ids: array[int] = field(converter=as_token_array)
     #: Output length. In replay the true length from the trace; in a real
     #: engine the request's ``max_tokens``.
     output_tokens: int
@@ -54,7 +54,7 @@ class Request:
     #: Generated token ids when the workload knows them (the built-in generator
     #: does), so that a finished request's output can be cached like a real
     #: engine caches it. ``None`` when unknown (Mooncake and Azure traces).
-    output_token_ids: array | None = field(default=None, converter=as_token_array)
+    output_token_ids: array[int] | None = field(default=None, converter=as_token_array)
     #: As vLLM's ``cache_salt``: requests share cached blocks only with
     #: requests of the same salt (e.g. per user, against timing attacks).
     cache_salt: str | None = None
@@ -143,6 +143,9 @@ class CachedBlock:
     #: Content key (:func:`chain_key`): equal for equal token prefixes.
     key: int = ROOT_KEY
     namespace: str = ""
+    #: The tenant whose isolated namespace holds the block; ``None`` where
+    #: tenants share the cache (the block belongs to all of them).
+    tenant: str | None = None
 
 
 @frozen
@@ -320,48 +323,10 @@ class ScheduleIR:
     preemption rule) and may lower ``token_budget`` or ``max_num_seqs``."""
 
     now_s: float
-    step: int
     waiting: list[SequenceState]
     running: list[SequenceState]
     token_budget: int
     max_num_seqs: int
-    block_size: int
-    num_free_blocks: int
-    num_evictable_blocks: int
-
-
-@frozen
-class ScheduledChunk:
-    request_id: str
-    num_new_tokens: int
-    #: Tokens already in KV before this step (cached or computed).
-    num_context_tokens: int
-    is_prefill: bool
-
-
-@frozen
-class StepPlan:
-    """The batch one step executes, after packing under budget and memory."""
-
-    step: int
-    chunks: tuple[ScheduledChunk, ...]
-    preempted_ids: tuple[str, ...] = ()
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
-
-@frozen
-class StepResult:
-    """Observed once a step has executed."""
-
-    plan: StepPlan
-    start_s: float
-    duration_s: float
-    num_running: int
-    num_waiting: int
-    pool: PoolUsage
 
 
 @frozen

@@ -13,7 +13,7 @@ from typing import Iterable
 
 from attrs import frozen
 
-from sagellm_core.types import ScheduledChunk
+from sagellm_core.drivers.stepping import ScheduledChunk
 
 
 @frozen

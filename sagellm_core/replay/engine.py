@@ -25,14 +25,14 @@ from attrs import field, frozen, validators
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.runtime import Runtime
-from sagellm_core.stepping import pack_step
+from sagellm_core.drivers.serial import serve_serially
+from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.types import (
     PoolUsage,
     Request,
     RequestOutcome,
     ScheduleIR,
     SequenceState,
-    StepResult,
 )
 
 MODES = ("timed", "cache-only")
@@ -211,13 +211,12 @@ class ReplayEngine:
     # ---------------------------------------------------------- cache-only --
 
     def _cache_only(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
-        for request in requests:
-            rt.now_s = request.arrival_s
-            state = rt.arrive(request)
-            if not rt.admit(state, state.num_tokens, self.settings.prealloc_tokens):
-                rt.reject(state)
-                on_request()
-                continue
+        prealloc = self.settings.prealloc_tokens
+
+        def serve(state: SequenceState) -> PoolUsage | None:
+            request = state.request
+            if not rt.admit(state, state.num_tokens, prealloc):
+                return None
             state.num_computed_tokens = request.num_prompt_tokens
             state.first_token_s = rt.now_s
             out = request.output_tokens
@@ -227,10 +226,9 @@ class ReplayEngine:
                 state.num_computed_tokens += out
             state.num_output_tokens = out
             state.finish_s = rt.now_s
-            recorder.sample(rt, rt.now_s, rt.pool_usage())
-            recorder.record(rt.finish(state))
-            on_request()
-        recorder.simulated_s = rt.now_s
+            return rt.pool_usage()
+
+        serve_serially(rt, requests, serve, recorder, on_request, finish=rt.finish)
 
     # --------------------------------------------------------------- timed --
 
@@ -243,7 +241,7 @@ class ReplayEngine:
         step = 0
         while True:
             for request in arrivals.due(now):
-                rt.now_s = request.arrival_s
+                rt.set_time(request.arrival_s)
                 waiting.append(rt.arrive(request))
             if not waiting and not running:
                 nxt = arrivals.next_arrival_s()
@@ -251,18 +249,14 @@ class ReplayEngine:
                     break
                 now = nxt
                 continue
-            rt.now_s = now
+            rt.set_time(now)
             usage = rt.pool_usage()
             ir = ScheduleIR(
                 now_s=now,
-                step=step,
                 waiting=list(waiting),
                 running=list(running),
                 token_budget=s.max_num_batched_tokens,
                 max_num_seqs=s.max_num_seqs,
-                block_size=rt.block_size,
-                num_free_blocks=usage.num_free_blocks,
-                num_evictable_blocks=len(rt.evictable()),
             )
             rt.schedule(ir)
             plan, running, waiting = pack_step(rt, ir)
@@ -277,7 +271,7 @@ class ReplayEngine:
                 continue
             duration = self.cost.step_time(plan.chunks)
             start, now = now, now + duration
-            rt.now_s = now
+            rt.set_time(now)
             by_id = {st.request_id: st for st in running}
             for chunk in plan.chunks:
                 state = by_id[chunk.request_id]
@@ -300,5 +294,4 @@ class ReplayEngine:
             recorder.batched_tokens += plan.num_batched_tokens
             usage = rt.pool_usage()
             recorder.sample(rt, now, usage)
-            rt.step_done(StepResult(plan, start, duration, len(running), len(waiting), usage))
         recorder.simulated_s = now

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sagellm_core.testing import declare_plugins
+from sagellm_core.kit.testing import declare_plugins
 
 HERE = Path(__file__).parent
 

@@ -1,5 +1,5 @@
 """Plugins that the core tests declare through a synthetic distribution
-(``sagellm_core.testing.declare_plugins``); the core tests need no plugin
+(``sagellm_core.kit.testing.declare_plugins``); the core tests need no plugin
 package installed."""
 
 from attrs import field, frozen, validators

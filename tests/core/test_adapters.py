@@ -2,7 +2,7 @@
 
 import pytest
 
-from sagellm_core.adapters import version_tuple
+from sagellm_core.drivers.engines import version_tuple
 from sagellm_core.tiers import HostTierIndex
 
 

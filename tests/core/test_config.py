@@ -4,8 +4,9 @@ what is accepted."""
 import pytest
 
 from sagellm_core import config
+from sagellm_core.cli import parse_override
 from sagellm_core.errors import ConfigError
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.kit.testing import settings_from_toml
 
 GOOD = """
 [engine]
@@ -98,13 +99,13 @@ def test_trace_path_is_relative_to_the_config_file(tmp_path):
     ],
 )
 def test_overrides_parse(text, keys, values):
-    assert config.parse_override(text) == (keys, values)
+    assert parse_override(text) == (keys, values)
 
 
 @pytest.mark.parametrize("text", ["num_blocks=3", "kv_pool.num_blocks", "kv_pool..x=1", "a.b="])
 def test_bad_overrides(text):
     with pytest.raises(ConfigError, match=r"^--set "):
-        config.parse_override(text)
+        parse_override(text)
 
 
 def test_overrides_apply_before_validation(tmp_path):
@@ -130,7 +131,7 @@ def test_time_scale_must_be_positive():
 
 def test_session_range_must_be_a_range_within_0_and_1():
     from sagellm_core.errors import ConfigError
-    from sagellm_core.testing import settings_from_toml
+    from sagellm_core.kit.testing import settings_from_toml
 
     with pytest.raises(ConfigError, match=r"\[workload\] session_from = 0.5, session_to = 0.2: 0 <= session_from < session_to <= 1"):
         settings_from_toml('[kv_pool]\nnum_blocks = 8\nplugin = "paged"\n[workload]\nsession_from = 0.5\nsession_to = 0.2\n')

@@ -8,7 +8,7 @@ import pytest
 from sagellm_core import registry
 from sagellm_core.errors import ConfigError
 from sagellm_core.runtime import Runtime
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.kit.testing import settings_from_toml
 
 BASE = """
 [kv_pool]
@@ -95,7 +95,7 @@ def test_runtime_state_is_clean_after_start(sample_plugins):
 
 
 def test_unknown_engine_names_its_adapter_distribution():
-    from sagellm_core.session import build_engine
+    from sagellm_core.replay.session import build_engine
 
     settings = settings_from_toml('[engine]\nname = "sglang"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml")
     with pytest.raises(ConfigError) as err:

@@ -1,6 +1,6 @@
 import pytest
 
-from sagellm_core.report import jain_index
+from sagellm_core.replay.report import jain_index
 
 
 def test_jain_index():

@@ -7,7 +7,7 @@ from sagellm_plugin_lifetime.stat import StatLifetime
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache
 
 from sagellm_core import hookimpl
-from sagellm_core.testing import OldestFirstPreemption
+from sagellm_core.kit.testing import OldestFirstPreemption
 from sagellm_core.types import BlockAllocation, EvictionDecision, LifetimePrediction, PrefixMatch
 
 
@@ -119,7 +119,7 @@ class GarbageLifetime(StatLifetime):
 
 class UnfilteredVictims(OldestFirstPreemption):
     """Keeps the LRU order of the blocks it was told are evictable (the
-    observations of :class:`~sagellm_core.testing.OldestFirstPreemption`)
+    observations of :class:`~sagellm_core.kit.testing.OldestFirstPreemption`)
     and names victims from it without filtering by ``candidates``, as the
     plugin template did: correct as long as the runtime tells it every
     change."""

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sagellm_core.testing import declare_plugins
+from sagellm_core.kit.testing import declare_plugins
 
 HERE = Path(__file__).parent
 PROJECT = HERE.parent.parent
@@ -17,7 +17,7 @@ def bad_plugins(tmp_path, monkeypatch):
         tmp_path,
         {
             "sagellm.eviction": {
-                "stranger": "sagellm_core.testing:StrangerVictims",
+                "stranger": "sagellm_core.kit.testing:StrangerVictims",
                 "greedy": "bad_plugins:GreedyVictims",
                 "not-a-decision": "bad_plugins:NotADecision",
                 "unfiltered": "bad_plugins:UnfilteredVictims",

@@ -5,7 +5,7 @@ import pytest
 
 from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.types import Request
 
 CONFIG = """
@@ -137,7 +137,7 @@ def test_nonsense_prediction_is_rejected(bad_plugins):
 
 
 def test_pass_that_drops_a_request_is_named(bad_plugins):
-    from sagellm_core import session
+    from sagellm_core.replay import session
 
     text = CONFIG.format(cache="radix", pool="paged", eviction="lru", lifetime="stat")
     text = text.replace("num_blocks = 6", "num_blocks = 600") + '[scheduler]\npasses = ["fcfs", "dropping"]\n'
@@ -171,7 +171,7 @@ passes = ["sjf"]
 
 @pytest.mark.parametrize("lifetime, failures", [("crashing", 16), ("garbage", 8)])
 def test_failing_predictor_falls_back_without_losing_requests(bad_plugins, lifetime, failures):
-    from sagellm_core import session
+    from sagellm_core.replay import session
 
     result = session.run(settings_from_toml(FALLBACK_RUN.format(lifetime=lifetime)))
     report = result.report
@@ -184,7 +184,7 @@ def test_failing_predictor_falls_back_without_losing_requests(bad_plugins, lifet
 
 
 def test_without_fallback_a_failing_predictor_stops_the_run(bad_plugins):
-    from sagellm_core import session
+    from sagellm_core.replay import session
 
     text = FALLBACK_RUN.format(lifetime="garbage").replace('fallback = "stat"\n', "")
     with pytest.raises(PluginError, match=r"^lifetime plugin 'garbage' .* returned 'about 300 tokens': it is not a LifetimePrediction$"):

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from sagellm_core.runtime import Runtime
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.types import Request
 
 BLOCK = 4
@@ -59,7 +59,7 @@ def machine(policy: str, cache: str = "radix"):
         def arrive_and_admit(self, base, shared, tail, outputs, budget, slo):
             prompt = BASES[base][:shared] + tail or [7]
             self.serial += 1
-            self.rt.now_s = float(self.serial)  # one request a second; some deadlines pass while waiting
+            self.rt.set_time(float(self.serial))  # one request a second; some deadlines pass while waiting
             request = Request(
                 request_id=f"r{self.serial}",
                 prompt_token_ids=prompt,

@@ -1,7 +1,7 @@
 """The replay engine end to end, with the first-party plugins."""
 
-from sagellm_core import session
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.replay import session
+from sagellm_core.kit.testing import settings_from_toml
 
 TIMED = """
 [engine]
@@ -151,8 +151,8 @@ plugin = "lru"
 
 
 def test_host_tier_loads_evicted_prefixes_back():
-    from sagellm_core import session
-    from sagellm_core.testing import settings_from_toml
+    from sagellm_core.replay import session
+    from sagellm_core.kit.testing import settings_from_toml
 
     device_only = session.run(settings_from_toml(HOST_TIER)).report
     with_host = session.run(settings_from_toml(

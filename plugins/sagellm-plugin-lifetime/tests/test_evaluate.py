@@ -6,7 +6,7 @@ from sagellm_plugin_lifetime import evaluate
 
 from sagellm_core import cli
 from sagellm_core.config import WorkloadSettings
-from sagellm_core.testing import declare_plugins
+from sagellm_core.kit.testing import declare_plugins
 
 GENERATOR = WorkloadSettings(source="generator", tenants=2, sessions_per_tenant=40, turns=4)
 

@@ -187,13 +187,14 @@ class HashPrefixCache:
         hashes = self._request_hashes(request, token_ids, len(block_ids))
         held = self._held.setdefault(request.request_id, [])
         namespace = self._namespace(request)
+        tenant = request.tenant if self.isolate_tenants else None
         adopted, replaced, locked = [], [], []
         parent: CachedBlock | None = None
         for page, (h, given) in enumerate(zip(hashes, block_ids)):
             block = self._by_hash.get(h)
             if block is None:
                 block = CachedBlock(given, page, parent.block_id if parent else None,
-                                    int.from_bytes(h[:8], "little"), namespace)
+                                    int.from_bytes(h[:8], "little"), namespace, tenant)
                 self._by_hash[h] = block
                 self._hash_of[given] = h
                 self._refs[given] = 0

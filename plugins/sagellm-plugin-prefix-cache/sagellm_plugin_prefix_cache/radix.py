@@ -5,8 +5,10 @@ Each node holds one edge: a run of pages (``block_size`` tokens each) and the
 physical block holding each page. Children are keyed by their first page, so
 a match walks one dict lookup per node and compares pages along the edge.
 A match that ends inside an edge splits it at that page boundary, so that
-locks are per node: ``lock_ref`` counts the requests whose locked path runs
-through the node (vLLM's ``ref_cnt``, SGLang's ``lock_ref``).
+references are counted per node: ``lock_ref`` counts the requests whose path
+runs through the node (vLLM's ``ref_cnt``, SGLang's ``lock_ref``). They are
+reference counts, not locks: nothing here is thread-safe, and the runtime
+calls it from one thread.
 
 Namespaces: each has its own tree, so requests share blocks only within one.
 A request's namespace is its ``cache_salt`` (as vLLM's), and with
@@ -265,10 +267,11 @@ class RadixPrefixCache:
         if page < num_pages:
             parent = matched[-1] if matched else None
             parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, self._root_key(namespace))
+            tenant = request.tenant if self.isolate_tenants else None
             keys, blocks = [], []
             for p in range(page, num_pages):
                 key = self._key(token_ids, p)
-                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key), namespace)
+                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key), namespace, tenant)
                 parent_id, parent_key = block.block_id, block.key
                 keys.append(key)
                 blocks.append(block)

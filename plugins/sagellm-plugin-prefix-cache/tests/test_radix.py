@@ -8,7 +8,7 @@ from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from prefix_cache_strategies import SERVE, drawn_request, req
 
 from sagellm_core import PluginContext
-from sagellm_core.testing import BlockIds
+from sagellm_core.kit.testing import BlockIds
 from sagellm_core.types import chain_key
 
 BS = 4

@@ -15,7 +15,7 @@ CTX = PluginContext("p", block_size=16, num_blocks=100)
 
 
 def ir(states):
-    return ScheduleIR(0.0, 0, list(states), [], 100, 8, 16, 100, 0)
+    return ScheduleIR(0.0, list(states), [], 100, 8)
 
 
 def state(rid, arrival, cached=0, priority=0):
@@ -148,9 +148,9 @@ def test_edf_serves_the_deadlines_that_can_still_be_met_first():
 
     states = [waiting("none", 0.0), waiting("late", 1.0, 4.0), waiting("soon", 3.0, 6.0),
               waiting("later", 2.0, 8.0), waiting("preempted", 5.0, 5.5, started=True)]
-    x = ScheduleIR(5.0, 0, list(states), [], 100, 8, 16, 100, 0)  # now = 5 s: "late" has missed its deadline
+    x = ScheduleIR(5.0, list(states), [], 100, 8)  # now = 5 s: "late" has missed its deadline
     EarliestDeadlinePass(EarliestDeadlineSettings(), CTX).sagellm_schedule_pass(ir=x)
     assert ids(x.waiting) == ["preempted", "soon", "later", "late", "none"]
-    plain = ScheduleIR(5.0, 0, list(states), [], 100, 8, 16, 100, 0)
+    plain = ScheduleIR(5.0, list(states), [], 100, 8)
     EarliestDeadlinePass(EarliestDeadlineSettings(late_last=False), CTX).sagellm_schedule_pass(ir=plain)
     assert ids(plain.waiting) == ["preempted", "late", "soon", "later", "none"]

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from sagellm_core import session
+from sagellm_core.replay import session
 from sagellm_plugin_server import bench
 from sagellm_plugin_server.testing import Server
 from sagellm_plugin_torch import testing

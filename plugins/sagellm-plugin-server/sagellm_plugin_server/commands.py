@@ -11,7 +11,7 @@ from sagellm_core.errors import ConfigError
 def build_server(config: str):
     """(app, engine thread) for a config whose engine is torch; the thread
     is not started."""
-    from sagellm_core import session
+    from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
     from sagellm_plugin_torch.engine import EngineCore, TorchEngine
 

@@ -7,7 +7,7 @@ from sagellm_plugin_sharegpt import Conversation, turns
 
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.replay import workloads
-from sagellm_core.testing import settings_from_toml
+from sagellm_core.kit.testing import settings_from_toml
 
 TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
 

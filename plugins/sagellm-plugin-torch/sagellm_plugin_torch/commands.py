@@ -20,7 +20,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from sagellm_core import session
+    from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
 
     from .engine import EngineCore, SamplingParams, TorchEngine

@@ -4,7 +4,7 @@ real model whose every KV decision goes through the sagellm runtime.
 Each step is the replay engine's timed step, executed for real:
 
 * the scheduling passes order waiting and running requests
-  (``Runtime.schedule``), and :func:`sagellm_core.stepping.pack_step` packs
+  (``Runtime.schedule``), and :func:`sagellm_core.drivers.stepping.pack_step` packs
   the step under the token budget, admitting (prefix match, allocation,
   host-tier loads), growing and preempting through the runtime;
 * the engine turns the runtime's block ids into slot mappings and block
@@ -30,7 +30,7 @@ from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
-from sagellm_core.stepping import pack_step
+from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from . import models
@@ -167,7 +167,7 @@ class EngineCore:
         if sampling.temperature > 0:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
-        self.rt.now_s = self.clock()
+        self.rt.set_time(self.clock())
         request = attrs.evolve(request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s)
         state = self.rt.arrive(request)
         self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
@@ -180,7 +180,7 @@ class EngineCore:
         if seq is None:
             return None
         state = seq.state
-        self.rt.now_s = self.clock()
+        self.rt.set_time(self.clock())
         if state in self.waiting:
             self.waiting.remove(state)
         if state in self.running:
@@ -201,18 +201,15 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """Schedule and run one step; return what each request produced."""
         rt = self.rt
-        now = rt.now_s = self.clock()
+        now = self.clock()
+        rt.set_time(now)
         usage = rt.pool_usage()
         ir = ScheduleIR(
             now_s=now,
-            step=self.step_index,
             waiting=list(self.waiting),
             running=list(self.running),
             token_budget=self.settings.max_num_batched_tokens,
             max_num_seqs=self.settings.max_num_seqs,
-            block_size=rt.block_size,
-            num_free_blocks=usage.num_free_blocks,
-            num_evictable_blocks=len(rt.evictable()),
         )
         rt.schedule(ir)
         plan, self.running, self.waiting = pack_step(rt, ir)
@@ -257,7 +254,8 @@ class EngineCore:
             token_ids, positions, slots, query_lens, seq_lens, tables, [row for _, row in sampled]
         )
         next_tokens = self._sample(logits, [seq for seq, _ in sampled])
-        now = self.rt.now_s = self.clock()
+        now = self.clock()
+        self.rt.set_time(now)
         for seq, n in advancing:
             seq.state.num_computed_tokens += n
         outputs = []

@@ -5,18 +5,42 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pluggy
 
 from rich.console import Console
 from rich.table import Table
 
-from sagellm_core import __version__, hookspecs, registry, report, session
-from sagellm_core.errors import SagellmError
-from sagellm_core.runtime import Runtime
+from sagellm_core import __version__, hookspecs, registry
+from sagellm_core.replay import report, session
+from sagellm_core.errors import ConfigError, SagellmError
 
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
+    """``section.key=V1,V2`` (values in TOML syntax) -> (path, [values])."""
+    where = f"--set {text}"
+    if "=" not in text:
+        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
+    dotted, _, values = text.partition("=")
+    keys = tuple(k.strip() for k in dotted.split("."))
+    if len(keys) < 2 or not all(keys):
+        raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
+    try:
+        parsed = tomllib.loads(f"v = [{values}]")["v"]
+    except tomllib.TOMLDecodeError:
+        try:  # bare words: plugin names
+            parsed = [v.strip() for v in values.split(",")]
+            tomllib.loads("v = [" + ", ".join(f'"{v}"' for v in parsed) + "]")
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{where}: values must be TOML literals or bare words: {exc}") from None
+    if not parsed:
+        raise ConfigError(f"{where}: no value")
+    return keys, parsed
 
 def _write_outputs(args, results) -> None:
     reports = [r.report for r in results]
@@ -31,7 +55,7 @@ def _write_outputs(args, results) -> None:
 def _single_overrides(args) -> dict:
     overrides = {}
     for text in args.set or ():
-        keys, values = session.config_mod.parse_override(text)
+        keys, values = parse_override(text)
         if len(values) != 1:
             raise SagellmError(f"--set {text}: one value here; `sagellm sweep` takes several")
         overrides[keys] = values[0]
@@ -68,7 +92,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    axes = [session.config_mod.parse_override(text) for text in args.set]
+    axes = [parse_override(text) for text in args.set]
     swept = [(keys, values) for keys, values in axes if len(values) > 1]
     if len(swept) != 1:
         raise SagellmError("sweep: give exactly one --set KEY=V1,V2,... with several values (the axis)")
@@ -120,8 +144,8 @@ def _section(group: str) -> str:
 
 def cmd_config_check(args) -> int:
     settings = session.load_settings(args.file)
-    session.build_engine(settings)
-    rt = Runtime(settings, hook_timing=False)
+    engine, _ = session.build_engine(settings)
+    rt = session.build_runtime(settings, engine, hook_timing=False)
     picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.plugins.items() for p in ps)
     print(f"{args.file}: ok (engine {settings.engine.name}; {picked})")
     return 0
@@ -210,6 +234,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sagellm: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,30 @@ on a real model)."""
 
 from __future__ import annotations
 
+from attrs import frozen
+
 from sagellm_core.runtime import Runtime, blocks_for
-from sagellm_core.types import ScheduledChunk, ScheduleIR, SequenceState, StepPlan
+from sagellm_core.types import ScheduleIR, SequenceState
+
+
+@frozen
+class ScheduledChunk:
+    request_id: str
+    num_new_tokens: int
+    #: Tokens already in KV before this step (cached or computed).
+    num_context_tokens: int
+    is_prefill: bool
+
+
+@frozen
+class StepPlan:
+    """The batch one step executes, after packing under budget and memory."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
 
 
 def pack_step(rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list[SequenceState], list[SequenceState]]:
@@ -58,5 +80,5 @@ def pack_step(rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list[SequenceState
             admitted.add(id(state))
     # Preempted requests go back to the front of the queue, as in vLLM.
     waiting = preempted[::-1] + [st for st in ir.waiting if id(st) not in admitted]
-    plan = StepPlan(ir.step, tuple(chunks.values()), tuple(st.request_id for st in preempted))
+    plan = StepPlan(tuple(chunks.values()))
     return plan, running, waiting

@@ -7,18 +7,19 @@ import os
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import attrs
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagellm_core import config as config_mod
-from sagellm_core.adapters import engine_sections
+from sagellm_core.drivers.engines import engine_sections
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError
 from sagellm_core.registry import PluginContext, build_settings, load_class
 from sagellm_core.replay import workloads
 from sagellm_core.replay.engine import Recorder
-from sagellm_core.report import build
+from sagellm_core.replay.report import build
 from sagellm_core.runtime import Runtime
 
 
@@ -74,13 +75,20 @@ def build_engine(settings: Settings):
     return engine, engine_settings
 
 
+def build_runtime(settings: Settings, engine: Any, hook_timing: bool | None = None) -> Runtime:
+    """The runtime that replays ``settings``'s workload on ``engine``. An
+    adapter around a real engine serves some sections with the engine's own
+    machinery (``owns``, e.g. vLLM's prefix cache and block pool), some only
+    where the config names no plugin (``owns_unless_configured``)."""
+    owns = engine_sections(settings, getattr(engine, "owns", ()), getattr(engine, "owns_unless_configured", ()))
+    return Runtime(
+        settings, hook_timing=hook_timing, engine_owns=owns, future_requests=lambda: workloads.load(settings.workload)
+    )
+
+
 def run(settings: Settings, *, label: str | None = None, progress: bool = False) -> RunResult:
     engine, engine_settings = build_engine(settings)
-    # An adapter around a real engine serves some sections with the engine's
-    # own machinery (``owns``, e.g. vLLM's prefix cache and block pool), some
-    # only where the config names no plugin (``owns_unless_configured``).
-    owns = engine_sections(settings, getattr(engine, "owns", ()), getattr(engine, "owns_unless_configured", ()))
-    rt = Runtime(settings, engine_owns=owns)
+    rt = build_runtime(settings, engine)
     requests = workloads.load(settings.workload)
     label = label or Path(settings.path).stem
     start = time.perf_counter()

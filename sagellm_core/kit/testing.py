@@ -64,7 +64,7 @@ class OldestFirstPreemption:
     first (vLLM and LMDeploy take the last), and evicts in LRU order: for
     checking that an engine adapter hands the preemption choice over.
     Declare it with :func:`declare_plugins` as
-    ``"sagellm_core.testing:OldestFirstPreemption"``."""
+    ``"sagellm_core.kit.testing:OldestFirstPreemption"``."""
 
     def __init__(self, settings, context):
         self.order = {}
@@ -97,7 +97,7 @@ class StrangerVictims:
     """An eviction plugin that names a block no cache holds (10,000): for
     checking that a runtime or an engine adapter reports the plugin by name
     and loses no block. Declare it with :func:`declare_plugins` as
-    ``"sagellm_core.testing:StrangerVictims"``."""
+    ``"sagellm_core.kit.testing:StrangerVictims"``."""
 
     def __init__(self, settings, context):
         pass
