@@ -32,7 +32,7 @@ from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
 from sagellm_core.kit.testing import BlockIds, serve_prompt
-from sagellm_core.timing import HookTimer
+from sagellm_core.parts.timing import HookTimer
 from sagellm_core.types import CachedBlock, PrefixMatch, Request
 
 BS = 16

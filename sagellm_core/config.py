@@ -8,9 +8,10 @@ would be accepted. Plugin parameters are validated later, by each plugin's own
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 from attrs import frozen
@@ -337,27 +338,19 @@ def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-#: Fields that default to None but take a number: (check, what it accepts).
-_OPTIONAL_NUMBERS: dict[str, tuple[Callable[[Any], bool], str]] = {
+Check = tuple[Callable[[Any], bool], str]
+#: Fields that default to None but take a number.
+_OPTIONAL_NUMBERS: dict[str, Check] = {
     "max_requests": (_positive_int, "a positive integer"),
     "ttft_slo_s": (_positive_number, "a positive number of seconds"),
 }
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _non_negative_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _non_negative_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+#: The check of a field by the type of its default (bool before int: a bool is an int).
+_BY_DEFAULT: dict[type, Check] = {
+    str: (lambda v: isinstance(v, str), "a string"),
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a non-negative number"),
+}
 
 
 def _typed(t: _Table | None, cls: type) -> Any:
@@ -368,15 +361,10 @@ def _typed(t: _Table | None, cls: type) -> Any:
     values = {}
     for field in attrs.fields(cls):
         default = field.default
-        ok: Callable[[Any], bool]
-        if default is None or isinstance(default, str):
-            ok, accepted = _OPTIONAL_NUMBERS.get(field.name, (_is_str, "a string"))
-        elif isinstance(default, bool):
-            ok, accepted = _is_bool, "true or false"
-        elif isinstance(default, int):
-            ok, accepted = _non_negative_int, "a non-negative integer"
+        if default is None:
+            ok, accepted = _OPTIONAL_NUMBERS.get(field.name, _BY_DEFAULT[str])
         else:
-            ok, accepted = _non_negative_number, "a non-negative number"
+            ok, accepted = _BY_DEFAULT[bool if isinstance(default, bool) else type(default)]
         if field.name in t.data:
             values[field.name] = t.take(field.name, default, ok, accepted)
     t.no_leftovers()

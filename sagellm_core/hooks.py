@@ -10,7 +10,8 @@ lifecycle (:mod:`sagellm_core.runtime`) is built on these calls.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
 
 import attrs
 import pluggy
@@ -18,8 +19,8 @@ import pluggy
 from sagellm_core import hookspecs
 from sagellm_core.config import Selection, Settings
 from sagellm_core.errors import ConfigError, PluginError, SagellmError
+from sagellm_core.parts.timing import HookTimer
 from sagellm_core.registry import PluginContext, PluginInfo, build_settings, load_class
-from sagellm_core.timing import HookTimer
 from sagellm_core.types import (
     EMPTY_MATCH,
     BlockAllocation,
@@ -117,8 +118,6 @@ class CheckedHooks:
         self._in_use: set[int] = set()
         self._cached: set[int] = set()
 
-    # ------------------------------------------------------------ plugins --
-
     def _register(self, sel: Selection) -> None:
         cls, info = load_class(sel.section, sel.name, sel.where)
         settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
@@ -177,8 +176,6 @@ class CheckedHooks:
 
     def _observe(self, hook_name: str, **kwargs: Any) -> None:
         self._call("observer", hook_name, **kwargs)
-
-    # ------------------------------------------------------- prefix cache --
 
     def lookup(self, request: Request) -> PrefixMatch:
         match = self._call("prefix_cache", "sagellm_lookup_prefix", request=request) or EMPTY_MATCH
@@ -255,8 +252,7 @@ class CheckedHooks:
 
     def block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[Any, ...]:
         return (
-            self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=num_blocks)
-            or ()
+            self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=num_blocks) or ()
         )
 
     def remove_cached(self, victims: Sequence[int]) -> tuple[CachedBlock, ...]:
@@ -271,8 +267,6 @@ class CheckedHooks:
             raise self._bad("prefix_cache", hook, f"removed {ids} for victims {list(victims)}")
         self._cached.difference_update(ids)
         return removed
-
-    # ------------------------------------------------------------ kv pool --
 
     def pool_usage(self) -> PoolUsage:
         usage = self._call("kv_pool", "sagellm_pool_usage")
@@ -311,8 +305,6 @@ class CheckedHooks:
         self._call("kv_pool", "sagellm_free_blocks", block_ids=ids)
         self._in_use.difference_update(ids)
 
-    # ----------------------------------------------------------- eviction --
-
     def select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> tuple[int, ...]:
         """Ask the eviction policy for up to ``num_blocks`` of ``candidates``,
         checked: distinct, no more than asked, every one a candidate."""
@@ -341,21 +333,17 @@ class CheckedHooks:
                     return state
         raise self._bad("eviction", hook, f"returned {decision!r}, not a running request")
 
-    # ----------------------------------------------------------- lifetime --
-
     def _checked_prediction(self, predictor: Caller, request: Request) -> LifetimePrediction | None:
         caller, who = predictor
-        prediction: LifetimePrediction | None = self._call("lifetime", "sagellm_predict_lifetime", caller, request=request)
+        prediction: LifetimePrediction | None = self._call(
+            "lifetime", "sagellm_predict_lifetime", caller, request=request
+        )
         if prediction is None:
             return None
-        problem = (
-            prediction.problem() if isinstance(prediction, LifetimePrediction) else "is not a LifetimePrediction"
-        )
+        problem = prediction.problem() if isinstance(prediction, LifetimePrediction) else "is not a LifetimePrediction"
         if problem is not None:
             raise PluginError(f"{who} sagellm_predict_lifetime returned {prediction!r}: it {problem}")
         return prediction
-
-    # ---------------------------------------------------------- scheduler --
 
     def schedule(self, ir: ScheduleIR) -> frozenset[str]:
         """Run the scheduling passes over ``ir``, in config order. A pass may
@@ -382,8 +370,6 @@ class CheckedHooks:
         if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
             raise self._bad("scheduler", hook, "left no token budget or sequence slots")
         return frozenset(moved)
-
-    # ---------------------------------------------------------- transport --
 
     def _checked_transfer(self, plan: TransferPlan) -> TransferResult | None:
         result = self._call("transport", "sagellm_transfer_blocks", plan=plan)

@@ -22,7 +22,7 @@ omit arguments it does not need).
 from __future__ import annotations
 
 import argparse
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import pluggy
 
@@ -34,9 +34,9 @@ from sagellm_core.types import (
     KVCaches,
     LifetimePrediction,
     PoolUsage,
+    PreemptionDecision,
     PrefixInsert,
     PrefixMatch,
-    PreemptionDecision,
     Request,
     RequestOutcome,
     ScheduleIR,
@@ -77,9 +77,7 @@ def sagellm_acquire_prefix(request: Request) -> PrefixMatch | None:
 
 
 @hookspec(firstresult=True)
-def sagellm_insert_prefix(
-    request: Request, token_ids: Sequence[int], block_ids: Sequence[int]
-) -> PrefixInsert | None:
+def sagellm_insert_prefix(request: Request, token_ids: Sequence[int], block_ids: Sequence[int]) -> PrefixInsert | None:
     """Cache the full blocks of ``token_ids`` (the request's prompt, or prompt
     and output), whose KV lives in ``block_ids`` (one id per full block, in
     token order, the acquired prefix included). The request's whole path
@@ -159,18 +157,14 @@ def sagellm_pool_usage() -> PoolUsage | None:
 
 
 @hookspec(firstresult=True)
-def sagellm_select_victims(
-    num_blocks: int, candidates: EvictionCandidates
-) -> EvictionDecision | None:
+def sagellm_select_victims(num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision | None:
     """Choose up to ``num_blocks`` evictable blocks to evict, best victim first.
     Every victim must be in ``candidates``; returning fewer is allowed (the
     runtime then frees what it can)."""
 
 
 @hookspec(firstresult=True)
-def sagellm_select_preemption(
-    running: Sequence[SequenceState], needed_by: SequenceState
-) -> PreemptionDecision | None:
+def sagellm_select_preemption(running: Sequence[SequenceState], needed_by: SequenceState) -> PreemptionDecision | None:
     """Memory ran out while ``needed_by`` grows: choose the running request to
     preempt (its blocks are released and it is recomputed later). May choose
     ``needed_by`` itself."""
@@ -219,9 +213,7 @@ def sagellm_transfer_blocks(plan: TransferPlan) -> TransferResult | None:
 
 
 @hookspec
-def sagellm_request_arrived(
-    request: Request, prediction: LifetimePrediction | None, match: PrefixMatch
-) -> None:
+def sagellm_request_arrived(request: Request, prediction: LifetimePrediction | None, match: PrefixMatch) -> None:
     """A request entered the waiting queue. ``match`` is the cached prefix a
     lookup found for it then (empty where the engine does not say): the
     blocks it will hit if they are still cached when it is admitted."""

@@ -23,8 +23,9 @@ separated ``name`` or ``group:name``) blocks plugins even when selected.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -97,14 +98,6 @@ def describe(ep: metadata.EntryPoint) -> PluginInfo:
         distribution=dist.metadata["Name"] if dist else None,
         version=dist.version if dist else None,
     )
-
-
-def all_plugins() -> list[PluginInfo]:
-    return [
-        describe(ep)
-        for group, _ in GROUPS.values()
-        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name)
-    ]
 
 
 def load_class(section: str, name: str, where: str) -> tuple[type, PluginInfo]:

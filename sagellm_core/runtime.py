@@ -18,26 +18,20 @@ reports what the engine did instead: ``admitted`` (hits, host hits),
 ``blocks_cached`` / ``_touched`` / ``_released`` / ``_evicted``, and
 ``conclude`` when a request is done.
 
-Who writes which :class:`SequenceState` field: the runtime writes
-``prediction``, ``status``, ``block_ids``, ``private_block_ids``,
-``cached_tokens_hint`` and ``num_preemptions``, and sets
-``num_computed_tokens`` at admission and preemption; the engine advances
-``num_computed_tokens`` and ``num_output_tokens`` as it computes, and stamps
-``first_token_s`` and ``finish_s``.
+Which :class:`SequenceState` fields each side writes, its docstring says.
 """
 
 from __future__ import annotations
 
-import sys
-from itertools import takewhile
-from typing import Any, Callable, Collection, Iterable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.hooks import CheckedHooks
-from sagellm_core.tiers import HostTierIndex
+from sagellm_core.parts.tiers import HostTier
 from sagellm_core.types import (
     CachedBlock,
     KVCaches,
@@ -104,28 +98,18 @@ class Runtime(CheckedHooks):
     sections an engine serves itself; the block lifecycle below is then the
     engine's, reported through the observation methods."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        hook_timing: bool | None = None,
-        engine_owns: Collection[str] = (),
-        future_requests: Callable[[], Iterable[Request]] | None = None,
-    ):
-        if settings.kv_pool is None and "kv_pool" not in engine_owns:
+    def __init__(self, settings: Settings, **kwargs: Any):
+        # The keywords are CheckedHooks': hook_timing, engine_owns, future_requests.
+        if settings.kv_pool is None and "kv_pool" not in kwargs.get("engine_owns", ()):
             raise ConfigError(
                 f"{settings.path}: [kv_pool]: missing key 'plugin'"
                 f" (engine {settings.engine.name!r} allocates blocks through it)"
             )
-        super().__init__(
-            settings, hook_timing=hook_timing, engine_owns=engine_owns, future_requests=future_requests
-        )
+        super().__init__(settings, **kwargs)
         self._now_s = 0.0
         self.counters = Counters()
         self._active: dict[str, SequenceState] = {}
-        # Evicted blocks copied to the host tier, found again by content key;
-        # the transport plugin sizes the tier and reuses its slots.
-        self._host = HostTierIndex(sys.maxsize) if settings.offload_evicted else None
+        self._host = HostTier(self) if settings.offload_evicted else None
         if "kv_pool" in self.engine_owns:
             return
         usage = self.pool_usage()
@@ -135,8 +119,6 @@ class Runtime(CheckedHooks):
                 f" blocks at start; the config asks for {self.num_blocks}"
             )
 
-    # -------------------------------------------------------------- clock --
-
     @property
     def now_s(self) -> float:
         """The driver's clock: simulated seconds in replay, the engine's time
@@ -145,8 +127,6 @@ class Runtime(CheckedHooks):
 
     def set_time(self, now_s: float) -> None:
         self._now_s = now_s
-
-    # -------------------------------------------- engine-kept blocks (observed) --
 
     def blocks_cached(self, blocks: tuple[CachedBlock, ...]) -> None:
         """The engine cached these blocks (they are referenced by a request)."""
@@ -168,8 +148,6 @@ class Runtime(CheckedHooks):
         if blocks:
             self.counters.evicted_blocks += len(blocks)
             self._observe("sagellm_blocks_evicted", blocks=blocks, now_s=self._now_s)
-
-    # ----------------------------------------------------------- decisions --
 
     def transfer(self, plan: TransferPlan) -> TransferResult | None:
         """The transport's transfer, checked and counted."""
@@ -204,24 +182,27 @@ class Runtime(CheckedHooks):
     def _make_room(self, num_blocks: int) -> bool:
         """Evict until ``num_blocks`` blocks are free; False if it cannot."""
         short = num_blocks - self.pool_usage().num_free_blocks
-        while short > 0:
+        return short <= 0 or self._evict_upto(short) >= short
+
+    def _evict_upto(self, num_blocks: int | None) -> int:
+        """Evict up to ``num_blocks`` blocks (``None``: every evictable one)
+        as the policy chooses; return the blocks evicted."""
+        evicted = 0
+        while num_blocks is None or evicted < num_blocks:
             candidates = self.evictable()
             if len(candidates) == 0:
-                return False
-            victims = self.select_victims(short, candidates)
+                break
+            victims = self.select_victims(len(candidates) if num_blocks is None else num_blocks - evicted, candidates)
             if not victims:
-                return False
-            short -= self._evict(victims)
-        return True
+                break
+            evicted += self._evict(victims)
+        return evicted
 
     def _evict(self, victims: Sequence[int]) -> int:
         removed = self.remove_cached(victims)
         ids = [b.block_id for b in removed]
         if self._host is not None:
-            keys = tuple(b.key for b in removed)
-            result = self.transfer(TransferPlan("device", "host", tuple(ids), self.block_size, block_keys=keys))
-            if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
-                self._host.record(keys, result.dst_block_ids)
+            self._host.offload(removed)
         self.free_blocks(ids)
         self.blocks_evicted(removed)
         return len(ids)
@@ -230,17 +211,7 @@ class Runtime(CheckedHooks):
         """Evict every evictable cached block, as the eviction policy orders
         them (offloaded with ``offload_evicted``); blocks that requests hold
         stay. Returns the blocks evicted."""
-        evicted = 0
-        while True:
-            candidates = self.evictable()
-            if len(candidates) == 0:
-                return evicted
-            victims = self.select_victims(len(candidates), candidates)
-            if not victims:
-                return evicted
-            evicted += self._evict(victims)
-
-    # ----------------------------------------------------------- lifecycle --
+        return self._evict_upto(None)
 
     def arrive(self, request: Request, match: PrefixMatch | None = None) -> SequenceState:
         """A new request: its lifetime predicted, its cached prefix looked up
@@ -262,7 +233,8 @@ class Runtime(CheckedHooks):
         request = state.request
         match = self.acquire_prefix(request)
         cached = match.num_blocks * self.block_size
-        host_keys = self._on_host(request, match) if state.num_preemptions == 0 else ()
+        host = self._host if state.num_preemptions == 0 else None
+        host_keys = host.keys_after(request, match) if host is not None else ()
         loaded = len(host_keys) * self.block_size
         num_new = min(state.num_tokens - cached - loaded, token_budget)
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks
@@ -290,41 +262,15 @@ class Runtime(CheckedHooks):
         state.block_ids = [*match.block_ids, *ids]
         state.private_block_ids = set(ids)
         # Making room may have pushed some of them off a full host tier.
-        if host_keys and self._host is not None:
-            host_keys = tuple(takewhile(self._host.__contains__, host_keys))
-        if host_keys and not self._load(host_keys, ids[: len(host_keys)]):
+        if host is not None and host_keys:
+            host_keys = host.still_held(host_keys)  # making room may have pushed some off a full tier
+        if host is not None and host_keys and not host.load(host_keys, ids[: len(host_keys)]):
             num_new, host_keys = min(num_new + loaded, token_budget), ()  # compute them instead
         state.num_computed_tokens = cached + len(host_keys) * self.block_size
         state.status = RequestStatus.RUNNING
         self._active[request.request_id] = state
         self.admitted(state, match.num_blocks, len(host_keys))
         return num_new
-
-    def _on_host(self, request: Request, match: PrefixMatch) -> tuple[Any, ...]:
-        """Content keys of the prompt's blocks after the device match that the
-        host tier holds (a run from the first one), leaving one token to
-        compute. Empty without ``offload_evicted``, or without keys from the
-        prefix cache (``sagellm_block_keys`` is optional)."""
-        host = self._host
-        if not host:  # no tier, or nothing on it yet: no keys to compute
-            return ()
-        start, limit = match.num_blocks, (request.num_prompt_tokens - 1) // self.block_size
-        if limit <= start:
-            return ()
-
-        first = self.block_keys(request, start, start + 1)  # most admissions stop at the first key
-        if not first or first[0] not in host:
-            return ()
-        run = self.block_keys(request, start, limit) if limit > start + 1 else first
-        return tuple(takewhile(host.__contains__, run[: limit - start]))
-
-    def _load(self, keys: tuple[Any, ...], block_ids: Sequence[int]) -> bool:
-        """Copy blocks back from the host tier into ``block_ids``."""
-        assert self._host is not None
-        slots = tuple(self._host.slots(keys))
-        plan = TransferPlan("host", "device", slots, self.block_size, dst_block_ids=tuple(block_ids), block_keys=keys)
-        result = self.transfer(plan)
-        return result is not None and result.ok
 
     def admitted(self, state: SequenceState, hit_blocks: int, host_blocks: int = 0) -> None:
         """Count a request admitted with ``hit_blocks`` of its prefix cached
@@ -455,8 +401,6 @@ class Runtime(CheckedHooks):
             c.lifetime_abs_error += abs(state.prediction.output_tokens - state.num_output_tokens)
         self._observe("sagellm_request_finished", outcome=outcome)
         return outcome
-
-    # --------------------------------------------------------- invariants --
 
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting is inconsistent. O(blocks);

@@ -11,9 +11,13 @@ import enum
 import hashlib
 import math
 from array import array
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Protocol
 
 from attrs import define, field, frozen
+
+from sagellm_core.parts.lengths import QUANTILE_LEVELS as QUANTILE_LEVELS
+from sagellm_core.parts.lengths import PredictedLengths
 
 TOKEN_ARRAY_TYPECODE = "q"
 
@@ -80,14 +84,14 @@ class RequestStatus(enum.Enum):
 
 @define(eq=False)
 class SequenceState:
-    """The runtime's view of a request in flight.
-
-    Owned and mutated by the runtime only; scheduling passes read it and reorder
-    the lists that hold it, they never change its fields.
-    """
+    """A request in flight. The runtime writes ``prediction``, ``status``,
+    the block lists, ``cached_tokens_hint`` and ``num_preemptions``, and sets
+    ``num_computed_tokens`` at admission and preemption; the engine advances
+    ``num_computed_tokens`` and ``num_output_tokens`` as it computes and
+    stamps ``first_token_s`` and ``finish_s``. Passes only read it."""
 
     request: Request
-    prediction: "LifetimePrediction | None" = None
+    prediction: LifetimePrediction | None = None
     status: RequestStatus = RequestStatus.WAITING
     #: Physical block ids, in token order: the prefix-cache hit first.
     block_ids: list[int] = field(factory=list)
@@ -231,12 +235,8 @@ class PreemptionDecision:
     request_id: str
 
 
-#: The levels of :attr:`LifetimePrediction.quantiles`.
-QUANTILE_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
 @frozen
-class LifetimePrediction:
+class LifetimePrediction(PredictedLengths):
     """Predicted output length of a request: the median, an 80% interval
     (10th to 90th percentile) and a confidence."""
 
@@ -265,54 +265,6 @@ class LifetimePrediction:
         ):
             return f"has {len(self.quantiles)} quantiles, not {len(QUANTILE_LEVELS)} in non-decreasing order"
         return None
-
-    # The predicted distribution: the quantiles (or the interval) read as a
-    # piecewise-linear CDF from (0 tokens, 0), with an exponential tail above
-    # the top quantile whose mean is the upper spread (top - median), so a
-    # request that outlives its prediction is still expected to finish.
-
-    def _points(self) -> list[tuple[float, float]]:
-        if self.quantiles:
-            return [(0.0, 0.0), *zip(QUANTILE_LEVELS, self.quantiles)]
-        return [(0.0, 0.0), (0.1, self.low_tokens), (0.5, self.output_tokens), (0.9, self.high_tokens)]
-
-    def _tail_mean(self, top: float) -> float:
-        return max(1.0, top - self.output_tokens)
-
-    def cdf(self, tokens: float) -> float:
-        """The predicted probability that the output is at most ``tokens``."""
-        points = self._points()
-        top_level, top = points[-1]
-        if tokens >= top:
-            return 1.0 - (1.0 - top_level) * math.exp(-(tokens - top) / self._tail_mean(top))
-        tokens = max(0.0, tokens)
-        # The segment that ``tokens`` falls in, past any run of equal
-        # quantiles at it (the CDF takes the highest level there).
-        for (p0, x0), (p1, x1) in zip(points, points[1:]):
-            if tokens < x1:
-                return p0 + (p1 - p0) * (tokens - x0) / (x1 - x0)
-        return top_level  # unreachable: tokens < top
-
-    def quantile(self, level: float) -> float:
-        """The inverse of :meth:`cdf`: the predicted length at ``level``."""
-        points = self._points()
-        top_level, top = points[-1]
-        if level >= top_level:
-            return top + self._tail_mean(top) * math.log((1.0 - top_level) / max(1e-12, 1.0 - level))
-        for (p0, x0), (p1, x1) in zip(points, points[1:]):
-            if level <= p1:
-                return x1 if p1 == p0 else x0 + (x1 - x0) * (level - p0) / (p1 - p0)
-        return top  # unreachable: level < top_level
-
-    def remaining_tokens(self, generated_tokens: int) -> float:
-        """The predicted median of the tokens still to come once
-        ``generated_tokens`` have been generated: the median of the
-        predicted distribution conditioned on exceeding ``generated_tokens``
-        (at least 1)."""
-        if generated_tokens <= 0:
-            return self.output_tokens
-        conditional_median = self.quantile((self.cdf(generated_tokens) + 1.0) / 2.0)
-        return max(1.0, conditional_median - generated_tokens)
 
 
 @define
@@ -404,4 +356,3 @@ class RequestOutcome:
         if self.num_output_tokens < 2:
             return None
         return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
-

@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
-
 from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import __version__, hookspecs, registry
-from sagellm_core.replay import report, session
 from sagellm_core.errors import ConfigError, SagellmError
-
+from sagellm_core.replay import report, session
 
 
 def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
@@ -41,6 +39,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
     if not parsed:
         raise ConfigError(f"{where}: no value")
     return keys, parsed
+
 
 def _write_outputs(args, results) -> None:
     reports = [r.report for r in results]
@@ -125,7 +124,12 @@ def cmd_plugins(args) -> int:
     table = Table(title="installed sagellm plugins")
     for column in ("group", "name", "distribution", "version", "hooks"):
         table.add_column(column)
-    for info in registry.all_plugins():
+    installed = (
+        ep
+        for group, _ in registry.GROUPS.values()
+        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name)
+    )
+    for info in map(registry.describe, installed):
         try:
             cls = registry.load_class(_section(info.group), info.name, info.group)[0]
             hooks = ", ".join(n.removeprefix("sagellm_") for n in dir(cls) if n.startswith("sagellm_"))
@@ -176,8 +180,11 @@ def _plugin_commands(sub: argparse._SubParsersAction) -> None:
         try:
             pm.register(ep.load(), name=f"commands:{ep.name}")
         except Exception as exc:
-            print(f"sagellm: warning: {COMMANDS_GROUP} plugin {ep.name!r} ({ep.value}) failed to load:"
-                  f" {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"sagellm: warning: {COMMANDS_GROUP} plugin {ep.name!r} ({ep.value}) failed to load:"
+                f" {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
     pm.hook.sagellm_register_commands(subparsers=sub)
 
 
@@ -187,9 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def outputs(p):
-        p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                       help="override a config key (TOML value, or a bare word); repeatable")
-        p.add_argument("--trace", help="replay this trace (.jsonl Mooncake, .csv Azure) instead of the config's workload")
+        p.add_argument(
+            "--set",
+            action="append",
+            metavar="SECTION.KEY=VALUE",
+            help="override a config key (TOML value, or a bare word); repeatable",
+        )
+        p.add_argument(
+            "--trace", help="replay this trace (.jsonl Mooncake, .csv Azure) instead of the config's workload"
+        )
         p.add_argument("--max-requests", type=int, help="replay only the first N requests")
         p.add_argument("--json", help="write the report as JSON here")
         p.add_argument("--markdown", help="write the report as a Markdown table here")
@@ -208,9 +221,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("sweep", help="replay configs across the values of one config key, e.g. the pool size")
     p.add_argument("--config", action="append", required=True, help="a config file (repeat)")
-    p.add_argument("--figure", action="append",
-                   help="a report field to tabulate (repeat; dotted for nested, e.g. ttft_s.p99); the first is plotted."
-                        " Default: block_hit_rate")
+    p.add_argument(
+        "--figure",
+        action="append",
+        help="a report field to tabulate (repeat; dotted for nested, e.g. ttft_s.p99); the first is plotted."
+        " Default: block_hit_rate",
+    )
     outputs(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -233,4 +249,3 @@ def main(argv: list[str] | None = None) -> int:
     except SagellmError as exc:
         print(f"sagellm: error: {exc}", file=sys.stderr)
         return 2
-

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from importlib import metadata
-from typing import Collection
 
 import attrs
 

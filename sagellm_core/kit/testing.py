@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
-import tomllib
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings

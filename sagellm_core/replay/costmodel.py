@@ -9,7 +9,7 @@ of peak bandwidth); both are settable.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from attrs import frozen
 

@@ -4,15 +4,16 @@ written as JSON and Markdown, with plots of hit rate and memory over time."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from sagellm_core.parts.timing import summarise
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime
-from sagellm_core.timing import summarise
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float]:

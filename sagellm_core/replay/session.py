@@ -13,8 +13,8 @@ import attrs
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagellm_core import config as config_mod
-from sagellm_core.drivers.engines import engine_sections
 from sagellm_core.config import Settings
+from sagellm_core.drivers.engines import engine_sections
 from sagellm_core.errors import ConfigError
 from sagellm_core.registry import PluginContext, build_settings, load_class
 from sagellm_core.replay import workloads
@@ -61,7 +61,7 @@ class RunResult:
     #: tools that inspect it; dropped by commands that run many configs.
     runtime: Runtime | None
 
-    def without_runtime(self) -> "RunResult":
+    def without_runtime(self) -> RunResult:
         return attrs.evolve(self, runtime=None)
 
 

@@ -25,10 +25,10 @@ import heapq
 import json
 import random
 from array import array
+from collections.abc import Iterator
 from datetime import datetime
 from importlib import metadata
 from itertools import islice
-from typing import Iterator
 
 import attrs
 

@@ -3,7 +3,7 @@
 import pytest
 
 from sagellm_core.drivers.engines import version_tuple
-from sagellm_core.tiers import HostTierIndex
+from sagellm_core.parts.tiers import HostTierIndex
 
 
 def test_version_tuple_drops_local_labels():

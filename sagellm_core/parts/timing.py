@@ -16,7 +16,6 @@ import inspect
 import random
 import time
 from array import array
-
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -24,7 +23,6 @@ import attrs
 
 from sagellm_core import hookspecs
 from sagellm_core.hookspecs import hookimpl
-
 
 #: Durations kept per hook for percentiles.
 RESERVOIR = 16384
@@ -68,9 +66,7 @@ class HookStats:
 
 
 HOOK_NAMES = tuple(
-    name
-    for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-    if name.startswith("sagellm_")
+    name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("sagellm_")
 )
 
 

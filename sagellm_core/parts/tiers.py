@@ -1,0 +1,104 @@
+"""The host tier: where offloaded KV blocks are (the index, shared by the
+runtime's host tier and the engine adapters' KV connectors), and the
+runtime's offload and load-back around it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Sequence
+from itertools import takewhile
+from typing import TYPE_CHECKING
+
+from sagellm_core.types import CachedBlock, PrefixMatch, Request, TransferPlan
+
+if TYPE_CHECKING:
+    from sagellm_core.runtime import Runtime
+
+
+class HostTierIndex:
+    """Which blocks the host tier holds, by content key, and in which slot.
+    The transport chooses the slots (and reuses them when the tier is
+    full): recording a slot forgets the key it held."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._slot: dict[Hashable, int] = {}
+        self._key: dict[int, Hashable] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def slots(self, keys: Sequence[Hashable]) -> list[int]:
+        return [self._slot[k] for k in keys]
+
+    def record(self, keys: Sequence[Hashable], slots: Sequence[int]) -> None:
+        """The transport put ``keys`` in ``slots``; a RuntimeError if a slot
+        is beyond the tier's capacity (an engine's connector and the
+        transport were sized apart)."""
+        beyond = [s for s in slots if not 0 <= s < self.capacity]
+        if beyond:
+            raise RuntimeError(
+                f"sagellm transport placed blocks in host slots {beyond[:4]}, beyond the connector's host tier of"
+                f" {self.capacity} blocks (kv_connector_extra_config host_blocks)"
+            )
+        for key, slot in zip(keys, slots):
+            old = self._key.pop(slot, None)  # the slot's previous content
+            if old is not None and self._slot.get(old) == slot:
+                del self._slot[old]
+            previous_slot = self._slot.get(key)  # the same content saved before
+            if previous_slot is not None:
+                del self._key[previous_slot]
+            self._key[slot] = key
+            self._slot[key] = slot
+
+
+class HostTier:
+    """The runtime's host tier (``[transport] offload_evicted``): evicted
+    blocks are copied to host memory by the transport plugin, found again by
+    content key when a later prompt needs them, and copied back instead of
+    recomputed. The transport sizes the tier and reuses its slots."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.index = HostTierIndex(sys.maxsize)
+
+    def offload(self, removed: Sequence[CachedBlock]) -> None:
+        """Copy blocks leaving the device cache to the host tier."""
+        keys = tuple(b.key for b in removed)
+        plan = TransferPlan("device", "host", tuple(b.block_id for b in removed), self.rt.block_size, block_keys=keys)
+        result = self.rt.transfer(plan)
+        if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
+            self.index.record(keys, result.dst_block_ids)
+
+    def keys_after(self, request: Request, match: PrefixMatch) -> tuple[Hashable, ...]:
+        """Content keys of the prompt's blocks after the device match that the
+        tier holds (a run from the first one), leaving one token to compute.
+        Empty without keys from the prefix cache (``sagellm_block_keys`` is
+        optional)."""
+        if not self.index:  # nothing on the tier yet: no keys to compute
+            return ()
+        start, limit = match.num_blocks, (request.num_prompt_tokens - 1) // self.rt.block_size
+        if limit <= start:
+            return ()
+        first = self.rt.block_keys(request, start, start + 1)  # most admissions stop at the first key
+        if not first or first[0] not in self.index:
+            return ()
+        run = self.rt.block_keys(request, start, limit) if limit > start + 1 else first
+        return self.still_held(run[: limit - start])
+
+    def still_held(self, keys: Sequence[Hashable]) -> tuple[Hashable, ...]:
+        """The leading run of ``keys`` the tier still holds (making room on
+        the device may have pushed some off a full tier)."""
+        return tuple(takewhile(self.index.__contains__, keys))
+
+    def load(self, keys: tuple[Hashable, ...], block_ids: Sequence[int]) -> bool:
+        """Copy blocks back from the tier into ``block_ids``."""
+        slots = tuple(self.index.slots(keys))
+        plan = TransferPlan(
+            "host", "device", slots, self.rt.block_size, dst_block_ids=tuple(block_ids), block_keys=keys
+        )
+        result = self.rt.transfer(plan)
+        return result is not None and result.ok
