@@ -2,7 +2,7 @@
 """Set-up and entry point for a fresh machine with only Python.
 
     python dev.py replay [ARGS]   # the main job: `sagellm replay` on the embedded default
-    python dev.py test [ARGS]     # the whole test suite (pytest)
+    python dev.py test [ARGS]     # ruff (format, lint), mypy --strict on the kernel, then pytest
     python dev.py sagellm ARGS    # any sagellm command
     python dev.py tox [ARGS]      # tox (per-plugin environments)
 
@@ -63,6 +63,18 @@ def ensure_env() -> None:
     STAMP.write_text(fingerprint())
 
 
+def hygiene() -> list[list[str]]:
+    """The checks before the tests: the whole tree formatted and linted by
+    ruff, the kernel (the top-level modules of sagellm_core) type-checked
+    strictly by mypy (settings in pyproject.toml)."""
+    kernel = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "sagellm_core").glob("*.py"))
+    return [
+        [str(BIN / "ruff"), "format", "--check", "--quiet", "."],
+        [str(BIN / "ruff"), "check", "--quiet", "."],
+        [str(BIN / "mypy"), "--no-error-summary", "--follow-imports=silent", *kernel],
+    ]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("replay", "test", "sagellm", "tox"):
         print(__doc__, file=sys.stderr)
@@ -74,6 +86,11 @@ def main(argv: list[str]) -> int:
     elif command == "sagellm":
         args = [str(BIN / "sagellm"), *rest]
     elif command == "test":
+        for check in hygiene():
+            code = subprocess.run(check, cwd=ROOT).returncode
+            if code:
+                print(f"dev.py: {Path(check[0]).name} {check[1]} found problems (see above)", file=sys.stderr)
+                return code
         args = [str(BIN / "python"), "-m", "pytest", *rest]
     else:
         args = [str(BIN / "tox"), *rest]
