@@ -52,7 +52,9 @@ def ensure_env() -> None:
     for project in projects():
         # With its own test extra where it declares one (the server's tests
         # need the openai client).
-        extras = tomllib.loads((project / "pyproject.toml").read_text()).get("project", {}).get("optional-dependencies", {})
+        extras = (
+            tomllib.loads((project / "pyproject.toml").read_text()).get("project", {}).get("optional-dependencies", {})
+        )
         editable += ["-e", str(project) + ("[test]" if "test" in extras else "")]
     print("dev.py: installing sagellm-core and plugins into .venv", file=sys.stderr)
     # The CPU build of torch first, pinned as the tox envs pin it: the torch

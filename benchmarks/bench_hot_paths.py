@@ -100,13 +100,13 @@ def main() -> None:
     )
     for name, policy in policies:
         # as pluggy does, pass ``now_s`` only to the policies that take it
-        def timed(hook):
+        def timed(hook, policy=policy):
             return {"now_s": 0.0} if "now_s" in inspect.signature(getattr(policy, hook)).parameters else {}
 
         if hasattr(policy, "sagellm_blocks_cached"):
             policy.sagellm_blocks_cached(blocks=blocks, **timed("sagellm_blocks_cached"))
         for i in range(0, NUM_BLOCKS, 64):
-            policy.sagellm_blocks_released(blocks=blocks[i:i + 64], **timed("sagellm_blocks_released"))
+            policy.sagellm_blocks_released(blocks=blocks[i : i + 64], **timed("sagellm_blocks_released"))
         if isinstance(policy, SLOEviction):
             # a waiting request, its deadline ahead, whose prefix is LRU's first 10k victims
             waiting = Request("waiting", [0], 1, deadline_s=60.0)
@@ -114,9 +114,7 @@ def main() -> None:
         results[name] = p50_us(
             lambda p=policy: p.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
         )
-    rows += [
-        (f"select 64 victims of 100k evictable: {name}", us, us / results["LRU"]) for name, us in results.items()
-    ]
+    rows += [(f"select 64 victims of 100k evictable: {name}", us, us / results["LRU"]) for name, us in results.items()]
 
     empty = pluggy.PluginManager(hookspecs.PROJECT)
     empty.add_hookspecs(hookspecs)

@@ -29,13 +29,13 @@ import statistics
 
 import attrs
 import torch
-
-from sagellm_core.config import WorkloadSettings
-from sagellm_core.replay import workloads
 from sagellm_plugin_lifetime import text
 from sagellm_plugin_lifetime.features import History
 from sagellm_plugin_lifetime.quantiles import MEDIAN
 from sagellm_plugin_lifetime.split import held_out
+
+from sagellm_core.config import WorkloadSettings
+from sagellm_core.replay import workloads
 
 FRACTIONS = (1 / 8, 1 / 4, 1 / 2, 1.0)
 
@@ -63,7 +63,7 @@ def held_out_rows(settings: text.TextSettings, requests):
 def medians(model, rows) -> list[float]:
     model.eval()
     with torch.no_grad():
-        out = torch.cat([model(*text._batch(torch, rows[i:i + 2048])) for i in range(0, len(rows), 2048)])
+        out = torch.cat([model(*text._batch(torch, rows[i : i + 2048])) for i in range(0, len(rows), 2048)])
     return torch.expm1(out[:, MEDIAN]).tolist()
 
 
@@ -92,19 +92,20 @@ def main() -> None:
 
     print("\n2. one member against the average (all the data)")
     single = text.train(attrs.evolve(settings, members=1), requests, log=lambda m: None)
-    print(f"one member: MAE {mae(medians(single, rows), truths):.2f}; "
-          f"{settings.members} members: {full_error:.2f}")
+    print(f"one member: MAE {mae(medians(single, rows), truths):.2f}; {settings.members} members: {full_error:.2f}")
 
-    print("\n3. near-duplicate prompts among the held-out turns (similarity >= "
-          f"{settings.duplicate_similarity})")
+    print(f"\n3. near-duplicate prompts among the held-out turns (similarity >= {settings.duplicate_similarity})")
     model_medians = medians(full, rows)
     found = [i for i, d in enumerate(duplicates) if d is not None]
     share = len(found) / len(rows)
     model_error = mae([model_medians[i] for i in found], [truths[i] for i in found])
     duplicate_error = mae([math.expm1(duplicates[i]) for i in found], [truths[i] for i in found])
     answered = [math.expm1(duplicates[i]) if duplicates[i] is not None else model_medians[i] for i in range(len(rows))]
-    print(f"{len(found):,} turns ({share:.1%}): model MAE {model_error:.1f}, earlier reply's length {duplicate_error:.1f};"
-          f" all turns: model {mae(model_medians, truths):.2f}, answered from near-duplicates {mae(answered, truths):.2f}")
+    print(
+        f"{len(found):,} turns ({share:.1%}): model MAE {model_error:.1f},"
+        f" earlier reply's length {duplicate_error:.1f};"
+        f" all turns: model {mae(model_medians, truths):.2f}, answered from near-duplicates {mae(answered, truths):.2f}"
+    )
 
 
 if __name__ == "__main__":

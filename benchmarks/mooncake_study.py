@@ -76,9 +76,7 @@ def simulate(chains, next_use, total, capacity, dead_first=False, predicted_dead
             if h in cached:
                 continue
             while len(cached) >= capacity:
-                victim = next(
-                    v for queue in (dead, live) for v in queue if v not in in_use and children[v] == 0
-                )
+                victim = next(v for queue in (dead, live) for v in queue if v not in in_use and children[v] == 0)
                 cached.discard(victim)
                 live.pop(victim, None)
                 dead.pop(victim, None)
@@ -121,9 +119,15 @@ def reuse_gaps(chains):
     for chain in chains:
         for depth, h in enumerate(chain):
             first_depth.setdefault(h, depth)
-    for name, band in (("before depth 4", range(0, 4)), ("depth 4 to 15", range(4, 16)), ("depth 16 on", range(16, 1 << 30))):
+    for name, band in (
+        ("before depth 4", range(0, 4)),
+        ("depth 4 to 15", range(4, 16)),
+        ("depth 16 on", range(16, 1 << 30)),
+    ):
         blocks = [h for h, d in first_depth.items() if d in band]
-        print(f"blocks first seen {name}: {len(blocks)}, used again: {sum(uses[h] > 1 for h in blocks) / len(blocks):.0%}")
+        print(
+            f"blocks first seen {name}: {len(blocks)}, used again: {sum(uses[h] > 1 for h in blocks) / len(blocks):.0%}"
+        )
 
 
 def hazard(chains):
@@ -138,7 +142,10 @@ def hazard(chains):
             gaps[min(k + 1, 4)].append(gap)
     edges = [0, 50, 100, 200, 400, 800, 1600, 3200, 6400, 1 << 30]
     print("\nnext-turn hazard by requests since the last turn (P(next turn in bin | none before))")
-    print("turns so far | requests | P(ever) | " + " | ".join(f"{a}-{b if b < 1 << 30 else '...'}" for a, b in zip(edges, edges[1:])))
+    print(
+        "turns so far | requests | P(ever) | "
+        + " | ".join(f"{a}-{b if b < 1 << 30 else '...'}" for a, b in zip(edges, edges[1:]))
+    )
     for t, g in sorted(gaps.items()):
         cells = []
         for a, b in zip(edges, edges[1:]):
@@ -177,10 +184,11 @@ def continuation_needed(chains, next_use, total, capacity=10_000):
     rng = random.Random(0)
     ends = [i for i, c in enumerate(chains) if len(c) > 1]
     continued = {i: next_use[i][-1] < math.inf for i in ends}
-    print(f"\nrequests with two full blocks or more: {len(ends)}, continued (last block used again): "
-          f"{sum(continued.values())}")
-    print("continuation predictor quality (AUC) against the hit rate its dead-first use gives at "
-          f"{capacity} blocks")
+    print(
+        f"\nrequests with two full blocks or more: {len(ends)}, continued (last block used again): "
+        f"{sum(continued.values())}"
+    )
+    print(f"continuation predictor quality (AUC) against the hit rate its dead-first use gives at {capacity} blocks")
     print("separation | AUC | block hit rate")
     for separation in (0.0, 1.0, 2.0, 3.0):
         score = {i: continued[i] * separation + rng.gauss(0.0, 1.0) for i in ends}
@@ -197,7 +205,10 @@ def continuation_needed(chains, next_use, total, capacity=10_000):
     # whose whole chain (two blocks or more) this one extends.
     end_at, turns, gap, added = {}, {}, {}, {}
     for j, chain in enumerate(chains):
-        previous = next((end_at[h] for h in reversed(chain[1:]) if h in end_at and len(chains[end_at[h]]) == chain.index(h) + 1), None)
+        previous = next(
+            (end_at[h] for h in reversed(chain[1:]) if h in end_at and len(chains[end_at[h]]) == chain.index(h) + 1),
+            None,
+        )
         turns[j] = turns[previous] + 1 if previous is not None else 1
         gap[j] = j - previous if previous is not None else None
         added[j] = len(chain) - (len(chains[previous]) if previous is not None else 0)
@@ -210,15 +221,28 @@ def continuation_needed(chains, next_use, total, capacity=10_000):
     print(f"shorter chain | {auc([-len(chains[i]) for i in ends], labels):.3f}")
     # Fitted to the whole trace in hindsight (Newton's method), so a bound
     # on what a linear model of these features can tell apart.
-    x = numpy.array([[1.0, math.log(turns[i]), math.log1p(added[i]), math.log1p(len(chains[i])),
-                      0.0 if gap[i] is None else math.log1p(gap[i]), float(gap[i] is None)] for i in ends])
+    x = numpy.array(
+        [
+            [
+                1.0,
+                math.log(turns[i]),
+                math.log1p(added[i]),
+                math.log1p(len(chains[i])),
+                0.0 if gap[i] is None else math.log1p(gap[i]),
+                float(gap[i] is None),
+            ]
+            for i in ends
+        ]
+    )
     y = numpy.array(labels, dtype=float)
     w = numpy.zeros(x.shape[1])
     for _ in range(25):
         p = 1.0 / (1.0 + numpy.exp(-(x @ w)))
         w += numpy.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + 1e-6 * numpy.eye(len(w)), x.T @ (y - p))
-    print(f"logistic regression on all of them and the gap before the turn, fitted in hindsight | "
-          f"{auc(list(x @ w), labels):.3f}")
+    print(
+        f"logistic regression on all of them and the gap before the turn, fitted in hindsight | "
+        f"{auc(list(x @ w), labels):.3f}"
+    )
 
 
 def main() -> None:
@@ -230,7 +254,9 @@ def main() -> None:
         oracle = simulate(chains, next_use, total, capacity, dead_first=True)
         print(f"{capacity} | {lru:.4f} | {oracle:.4f}", flush=True)
     partial = load(path, partial_blocks=True)
-    print(f"LRU at 10000 with partial last blocks cacheable (the trace README's model): {simulate(*partial, 10000):.4f}")
+    print(
+        f"LRU at 10000 with partial last blocks cacheable (the trace README's model): {simulate(*partial, 10000):.4f}"
+    )
     reuse_gaps(chains)
     hazard(chains)
     continuation_needed(chains, next_use, total)

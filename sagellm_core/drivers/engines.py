@@ -73,7 +73,9 @@ def load_engine_runtime(
     return Runtime(settings, engine_owns=engine_sections(settings, engine_owns, unless_configured))
 
 
-def engine_sections(settings: Settings, engine_owns: Collection[str], unless_configured: Collection[str] = ()) -> set[str]:
+def engine_sections(
+    settings: Settings, engine_owns: Collection[str], unless_configured: Collection[str] = ()
+) -> set[str]:
     """The sections an engine serves itself under ``settings``: ``engine_owns``,
     and those of ``unless_configured`` that name no plugin."""
     return {*engine_owns, *(s for s in unless_configured if getattr(settings, s) is None)}

@@ -60,9 +60,7 @@ def pack_step(rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list[SequenceState
             if victim is state:
                 break
         else:
-            chunks[state.request_id] = ScheduledChunk(
-                state.request_id, n, state.num_computed_tokens, state.in_prefill
-            )
+            chunks[state.request_id] = ScheduledChunk(state.request_id, n, state.num_computed_tokens, state.in_prefill)
             budget -= n
     admitted: set[int] = set()
     if not preempted:  # as vLLM: no new admissions in a step that preempts

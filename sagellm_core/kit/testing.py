@@ -40,7 +40,9 @@ def settings_from_toml(text: str, path: str = "<test>") -> Settings:
     return config_mod.parse(tomllib.loads(text), path)
 
 
-def junit_results(report: Path, name=lambda case: f"{case.get('classname', '')}::{case.get('name')}") -> tuple[int, dict[str, str]]:
+def junit_results(
+    report: Path, name=lambda case: f"{case.get('classname', '')}::{case.get('name')}"
+) -> tuple[int, dict[str, str]]:
     """From a pytest ``--junitxml`` report: the number of tests run (skips
     aside) and ``{test name: first line of its failure}`` for those that
     failed or errored. For adapters that run an engine's own test suite."""

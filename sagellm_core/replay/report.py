@@ -53,9 +53,7 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "config": rt.settings.path,
         "mode": mode,
         "workload": rt.settings.workload.path or "generator",
-        "plugins": {
-            section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.plugins.items()
-        },
+        "plugins": {section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.plugins.items()},
         "block_size": rt.block_size,
         "num_blocks": rt.num_blocks,
         "requests": c.requests_finished,
@@ -191,7 +189,14 @@ def figure_rows(reports: Sequence[dict]) -> list[list[str]]:
 
 def hook_rows(report: dict) -> list[list[str]]:
     return [
-        [name.removeprefix("sagellm_"), f"{s['calls']:,}", f"{s['answered']:,}", f"{s['mean_us']:.2f}", f"{s['p50_us']:.2f}", f"{s['p99_us']:.2f}"]
+        [
+            name.removeprefix("sagellm_"),
+            f"{s['calls']:,}",
+            f"{s['answered']:,}",
+            f"{s['mean_us']:.2f}",
+            f"{s['p50_us']:.2f}",
+            f"{s['p99_us']:.2f}",
+        ]
         for name, s in sorted(report["hooks"].items(), key=lambda kv: -kv[1]["calls"])
     ]
 
@@ -210,7 +215,10 @@ def print_reports(reports: Sequence[dict], console: Console | None = None) -> No
     console.print(table)
     for r in reports:
         if r.get("lifetime_failure"):
-            console.print(f"[yellow]{r['label']}: {r['lifetime_fallbacks']:,} predictions by the fallback; first failure: {r['lifetime_failure']}")
+            console.print(
+                f"[yellow]{r['label']}: {r['lifetime_fallbacks']:,} predictions by the fallback;"
+                f" first failure: {r['lifetime_failure']}"
+            )
     if len(reports) == 1 and reports[0]["hooks"]:
         hooks = Table(title="hook calls (timed by the HookTimer wrapper)")
         for i, h in enumerate(HOOK_HEADER):
@@ -249,7 +257,9 @@ def plot(reports: Sequence[dict], timelines: Sequence[list], path: str | Path) -
         t = [p[0] for p in timeline]
         top.plot(t, [p[1] for p in timeline], label=report["label"])
         bottom.plot(t, [p[2] / report["num_blocks"] for p in timeline], label=f"{report['label']} used")
-        bottom.plot(t, [p[3] / report["num_blocks"] for p in timeline], linestyle="--", label=f"{report['label']} cached")
+        bottom.plot(
+            t, [p[3] / report["num_blocks"] for p in timeline], linestyle="--", label=f"{report['label']} cached"
+        )
     top.set_ylabel("cumulative block hit rate")
     bottom.set_ylabel("share of pool")
     bottom.set_xlabel("time (s, simulated)")

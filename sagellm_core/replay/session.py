@@ -27,9 +27,7 @@ def default_config_path() -> Path:
     return Path(str(resources.files("sagellm_core") / "default.toml"))
 
 
-def load_settings(
-    path: str | Path | None, trace: str | None = None, overrides: dict | None = None
-) -> Settings:
+def load_settings(path: str | Path | None, trace: str | None = None, overrides: dict | None = None) -> Settings:
     settings = config_mod.load(path or default_config_path(), overrides)
     if trace is not None:
         source = "azure" if trace.endswith(".csv") else "mooncake"

@@ -81,7 +81,9 @@ def _installed(source: str):
     try:
         return entry.load()
     except Exception as exc:
-        raise ConfigError(f"[workload] source = {source!r} ({entry.value}) failed to import: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"[workload] source = {source!r} ({entry.value}) failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
@@ -123,7 +125,10 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                 raise TraceError(f"{where}: output_length = {output!r}: a positive integer")
             if not isinstance(row["timestamp"], (int, float)) or isinstance(row["timestamp"], bool):
                 raise TraceError(f"{where}: timestamp = {row['timestamp']!r}: milliseconds")
-            if not (isinstance(hashes, list) and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes)):
+            if not (
+                isinstance(hashes, list)
+                and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes)
+            ):
                 raise TraceError(f"{where}: hash_ids: a list of non-negative integers")
             if len(hashes) != -(-length // trace_block_tokens):
                 raise TraceError(
@@ -131,8 +136,12 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                     f" {trace_block_tokens}-token blocks need {-(-length // trace_block_tokens)}"
                 )
             labels = {}
-            for key, field_name in (("session", "session_id"), ("session_id", "session_id"), ("tenant", "tenant"),
-                                    ("cache_salt", "cache_salt")):
+            for key, field_name in (
+                ("session", "session_id"),
+                ("session_id", "session_id"),
+                ("tenant", "tenant"),
+                ("cache_salt", "cache_salt"),
+            ):
                 value = row.get(key)
                 if value is None:
                     continue
@@ -198,7 +207,10 @@ def generate(s: WorkloadSettings) -> Iterator[Request]:
         n = max(1, int(rng.lognormvariate(0.0, 0.6) * mean * 0.835))
         return array(TOKEN_ARRAY_TYPECODE, (rng.randrange(vocab) for _ in range(n)))
 
-    systems = [array(TOKEN_ARRAY_TYPECODE, (rng.randrange(vocab) for _ in range(s.system_prompt_tokens))) for _ in range(s.tenants)]
+    systems = [
+        array(TOKEN_ARRAY_TYPECODE, (rng.randrange(vocab) for _ in range(s.system_prompt_tokens)))
+        for _ in range(s.tenants)
+    ]
     # (arrival, tie-break, session, turn, context so far)
     heap: list = []
     t = 0.0

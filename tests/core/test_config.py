@@ -48,19 +48,43 @@ def test_good_config_is_typed():
     "edit, expected",
     [
         (("num_blocks = 100", "num_blocks = -3"), "good.toml: [kv_pool] num_blocks = -3: a positive number of blocks"),
-        (("num_blocks = 100", "num_blocks = 'many'"), "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks"),
+        (
+            ("num_blocks = 100", "num_blocks = 'many'"),
+            "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks",
+        ),
         (("num_blocks = 100", ""), "good.toml: [kv_pool]: missing key 'num_blocks'"),
-        (("block_size = 32", "block_size = 0"), "good.toml: [prefix_cache] block_size = 0: a positive number of tokens"),
-        (('[workload]', '[wrkload]'), "good.toml: unknown section [wrkload]; accepted: engine,"),
-        (('tenants = 2', 'tenants = 2\ncolour = "red"'), "good.toml: [workload]: unknown key 'colour'"),
-        (('tenants = 2', 'tenants = -1'), "good.toml: [workload] tenants = -1: a non-negative integer"),
-        (('source = "generator"', 'source = "kafka"'), "good.toml: [workload] source = 'kafka': accepted: generator, mooncake, azure"),
-        (('source = "generator"', 'source = "mooncake"'), "good.toml: [workload] source = 'mooncake' needs path = FILE"),
-        (('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs", "fcfs"]'), "good.toml: [scheduler] passes = ['fcfs', 'fcfs']: each pass at most once"),
-        (('passes = ["fcfs", "prefix-aware"]', 'passes = "fcfs"'), "good.toml: [scheduler] passes = 'fcfs': a list of pass names"),
-        (('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs"]'), "good.toml: [scheduler]: unknown key 'prefix-aware'"),
-        (('offload_evicted = true', 'offload_evicted = "yes"'), "good.toml: [transport] offload_evicted = 'yes': true or false"),
-        (('[eviction]\nplugin = "lru"', ''), "good.toml: [prefix_cache] is set but [eviction] is missing"),
+        (
+            ("block_size = 32", "block_size = 0"),
+            "good.toml: [prefix_cache] block_size = 0: a positive number of tokens",
+        ),
+        (("[workload]", "[wrkload]"), "good.toml: unknown section [wrkload]; accepted: engine,"),
+        (("tenants = 2", 'tenants = 2\ncolour = "red"'), "good.toml: [workload]: unknown key 'colour'"),
+        (("tenants = 2", "tenants = -1"), "good.toml: [workload] tenants = -1: a non-negative integer"),
+        (
+            ('source = "generator"', 'source = "kafka"'),
+            "good.toml: [workload] source = 'kafka': accepted: generator, mooncake, azure",
+        ),
+        (
+            ('source = "generator"', 'source = "mooncake"'),
+            "good.toml: [workload] source = 'mooncake' needs path = FILE",
+        ),
+        (
+            ('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs", "fcfs"]'),
+            "good.toml: [scheduler] passes = ['fcfs', 'fcfs']: each pass at most once",
+        ),
+        (
+            ('passes = ["fcfs", "prefix-aware"]', 'passes = "fcfs"'),
+            "good.toml: [scheduler] passes = 'fcfs': a list of pass names",
+        ),
+        (
+            ('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs"]'),
+            "good.toml: [scheduler]: unknown key 'prefix-aware'",
+        ),
+        (
+            ("offload_evicted = true", 'offload_evicted = "yes"'),
+            "good.toml: [transport] offload_evicted = 'yes': true or false",
+        ),
+        (('[eviction]\nplugin = "lru"', ""), "good.toml: [prefix_cache] is set but [eviction] is missing"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_culprit(edit, expected):
@@ -121,7 +145,10 @@ def test_overrides_apply_before_validation(tmp_path):
 def test_ttft_slo_must_be_a_positive_number(value):
     with pytest.raises(ConfigError, match=r"good.toml: \[workload\] ttft_slo_s = .*: a positive number of seconds"):
         settings_from_toml(GOOD.replace("tenants = 2", f"tenants = 2\nttft_slo_s = {value}"), "good.toml")
-    assert settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\nttft_slo_s = 2"), "good.toml").workload.ttft_slo_s == 2
+    assert (
+        settings_from_toml(GOOD.replace("tenants = 2", "tenants = 2\nttft_slo_s = 2"), "good.toml").workload.ttft_slo_s
+        == 2
+    )
 
 
 def test_time_scale_must_be_positive():
@@ -133,8 +160,12 @@ def test_session_range_must_be_a_range_within_0_and_1():
     from sagellm_core.errors import ConfigError
     from sagellm_core.kit.testing import settings_from_toml
 
-    with pytest.raises(ConfigError, match=r"\[workload\] session_from = 0.5, session_to = 0.2: 0 <= session_from < session_to <= 1"):
-        settings_from_toml('[kv_pool]\nnum_blocks = 8\nplugin = "paged"\n[workload]\nsession_from = 0.5\nsession_to = 0.2\n')
+    with pytest.raises(
+        ConfigError, match=r"\[workload\] session_from = 0.5, session_to = 0.2: 0 <= session_from < session_to <= 1"
+    ):
+        settings_from_toml(
+            '[kv_pool]\nnum_blocks = 8\nplugin = "paged"\n[workload]\nsession_from = 0.5\nsession_to = 0.2\n'
+        )
 
 
 @pytest.mark.parametrize(
@@ -142,7 +173,7 @@ def test_session_range_must_be_a_range_within_0_and_1():
     [
         ("[server]\nmax_waiting = 0\n", r"\[server\] max_waiting = 0: a positive integer"),
         ("[server]\nmax_waiting = -3\n", r"\[server\] max_waiting = -3: a non-negative integer"),
-        ("[server]\nmax_waiting = \"many\"\n", r"\[server\] max_waiting = 'many': a non-negative integer"),
+        ('[server]\nmax_waiting = "many"\n', r"\[server\] max_waiting = 'many': a non-negative integer"),
         ("[server]\nport = 8000\n", r"\[server\].*port"),
     ],
 )
@@ -152,7 +183,6 @@ def test_the_server_section_is_checked(section, words):
     assert "\n" not in str(err.value)
     good = settings_from_toml(GOOD + '\n[server]\nmax_waiting = 8\nmodel_name = "m"\n', "good.toml")
     assert (good.server.max_waiting, good.server.model_name) == (8, "m")
-
 
 
 def test_a_byte_order_mark_is_accepted_and_binary_is_one_line(tmp_path):
@@ -168,4 +198,6 @@ def test_a_byte_order_mark_is_accepted_and_binary_is_one_line(tmp_path):
 @pytest.mark.parametrize("key", ["tenants", "sessions_per_tenant", "turns"])
 def test_generator_counts_must_be_positive(key):
     with pytest.raises(ConfigError, match=rf"good.toml: \[workload\] {key} = 0: a positive integer"):
-        settings_from_toml(GOOD.replace("tenants = 2", f"tenants = 2\n{key} = 0" if key != "tenants" else "tenants = 0"), "good.toml")
+        settings_from_toml(
+            GOOD.replace("tenants = 2", f"tenants = 2\n{key} = 0" if key != "tenants" else "tenants = 0"), "good.toml"
+        )

@@ -1,7 +1,7 @@
 import pytest
 
-from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.drivers.stepping import ScheduledChunk
+from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 
 
 def model(hw="h100", name="llama-3.1-8b"):

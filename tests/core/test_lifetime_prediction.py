@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction
 
 # Token counts: no subnormal floats, whose products underflow to zero.
-lengths = st.lists(st.floats(0, 5000, allow_subnormal=False), min_size=len(QUANTILE_LEVELS), max_size=len(QUANTILE_LEVELS))
+lengths = st.lists(
+    st.floats(0, 5000, allow_subnormal=False), min_size=len(QUANTILE_LEVELS), max_size=len(QUANTILE_LEVELS)
+)
 
 
 def from_quantiles(values):

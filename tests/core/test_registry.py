@@ -7,8 +7,8 @@ import pytest
 
 from sagellm_core import registry
 from sagellm_core.errors import ConfigError
-from sagellm_core.runtime import Runtime
 from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
 
 BASE = """
 [kv_pool]
@@ -37,7 +37,10 @@ def test_only_selected_plugins_are_imported(sample_plugins):
 
 
 def test_plugin_that_fails_to_import_is_named(sample_plugins):
-    with pytest.raises(ConfigError, match=r"^cfg.toml: \[lifetime\]: plugin 'broken' \(broken_plugin:Nothing\) failed to import: RuntimeError"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^cfg.toml: \[lifetime\]: plugin 'broken' \(broken_plugin:Nothing\) failed to import: RuntimeError",
+    ):
         runtime("broken")
 
 
@@ -62,7 +65,9 @@ def test_block_list_of_another_group_does_not_block(sample_plugins, monkeypatch)
 
 
 def test_unknown_parameter_is_an_error_not_dropped(sample_plugins):
-    with pytest.raises(ConfigError, match=r"^cfg.toml: \[lifetime\] plugin 'fixed': unknown parameter 'tokns'; accepted: tokens$"):
+    with pytest.raises(
+        ConfigError, match=r"^cfg.toml: \[lifetime\] plugin 'fixed': unknown parameter 'tokns'; accepted: tokens$"
+    ):
         runtime("fixed", "tokns = 3")
 
 
@@ -79,7 +84,10 @@ def test_plugin_without_parameters_rejects_any(sample_plugins):
 
 
 def test_plugin_implementing_none_of_its_hooks(sample_plugins):
-    with pytest.raises(ConfigError, match=r"lifetime plugin 'silent' \(sagellm-sample-plugins 0.0.1\) does not implement sagellm_predict_lifetime"):
+    with pytest.raises(
+        ConfigError,
+        match=r"lifetime plugin 'silent' \(sagellm-sample-plugins 0.0.1\) does not implement sagellm_predict_lifetime",
+    ):
         runtime("silent")
 
 
@@ -97,7 +105,9 @@ def test_runtime_state_is_clean_after_start(sample_plugins):
 def test_unknown_engine_names_its_adapter_distribution():
     from sagellm_core.replay.session import build_engine
 
-    settings = settings_from_toml('[engine]\nname = "sglang"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml")
+    settings = settings_from_toml(
+        '[engine]\nname = "sglang"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml"
+    )
     with pytest.raises(ConfigError) as err:
         build_engine(settings)
     assert str(err.value).startswith("cfg.toml: [engine]: unknown engine plugin 'sglang'; installed: ")

@@ -11,8 +11,13 @@ def test_token_ids_become_one_int64_array_whatever_they_came_as():
     as_long = array("l", ids)  # 64-bit on this platform: taken as a buffer, in one copy
     strided = memoryview(array("q", range(100)))[::2]  # not contiguous
     int32 = array("i", ids)  # another width: element by element
-    for given, want in ((ids, expected), (tuple(ids), expected), (as_long, expected), (int32, expected),
-                        (strided, array("q", range(0, 100, 2)))):
+    for given, want in (
+        (ids, expected),
+        (tuple(ids), expected),
+        (as_long, expected),
+        (int32, expected),
+        (strided, array("q", range(0, 100, 2))),
+    ):
         got = as_token_array(given)
         assert got.typecode == "q" and got == want
     same = array("q", ids)

@@ -1,7 +1,6 @@
 import json
 
 import attrs
-
 import pytest
 
 from sagellm_core.config import WorkloadSettings
@@ -29,7 +28,7 @@ def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
     assert a.prompt_token_ids[512:600] != b.prompt_token_ids[512:600]
     # 16-token blocks: the first 32 agree, the 33rd differs.
     for i in range(32):
-        assert a.prompt_token_ids[i * 16:(i + 1) * 16] == b.prompt_token_ids[i * 16:(i + 1) * 16]
+        assert a.prompt_token_ids[i * 16 : (i + 1) * 16] == b.prompt_token_ids[i * 16 : (i + 1) * 16]
     assert a.prompt_token_ids[512:528] != b.prompt_token_ids[512:528]
 
 
@@ -38,19 +37,47 @@ def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
     [
         ("{not json", "t.jsonl:2: not a JSON object: Expecting property name enclosed in double quotes"),
         ('{"timestamp": 1, "input_length": 10, "output_length": 1}', "t.jsonl:2: missing key 'hash_ids'"),
-        ('{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}', "t.jsonl:2: input_length = 0: a positive integer"),
-        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "t.jsonl:2: hash_ids: a list of non-negative integers"),
-        ('{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: 1 hash_ids for input_length 1000; 512-token blocks need 2"),
-        ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: timestamp = 'x': milliseconds"),
+        (
+            '{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}',
+            "t.jsonl:2: input_length = 0: a positive integer",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}',
+            "t.jsonl:2: hash_ids: a list of non-negative integers",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}',
+            "t.jsonl:2: 1 hash_ids for input_length 1000; 512-token blocks need 2",
+        ),
+        (
+            '{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+            "t.jsonl:2: timestamp = 'x': milliseconds",
+        ),
         ("[1, 2]", "t.jsonl:2: not a JSON object"),
-        ('{"timestamp": 1, "input_length": true, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: input_length = True: a positive integer"),
-        ('{"timestamp": 1, "input_length": 10, "output_length": true, "hash_ids": [1]}', "t.jsonl:2: output_length = True: a positive integer"),
-        ('{"timestamp": true, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "t.jsonl:2: timestamp = True: milliseconds"),
-        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [false]}', "t.jsonl:2: hash_ids: a list of non-negative integers"),
-        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": ["a"]}',
-         "t.jsonl:2: tenant = ['a']: a string or an integer"),
-        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "session": true}',
-         "t.jsonl:2: session = True: a string or an integer"),
+        (
+            '{"timestamp": 1, "input_length": true, "output_length": 1, "hash_ids": [1]}',
+            "t.jsonl:2: input_length = True: a positive integer",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": true, "hash_ids": [1]}',
+            "t.jsonl:2: output_length = True: a positive integer",
+        ),
+        (
+            '{"timestamp": true, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+            "t.jsonl:2: timestamp = True: milliseconds",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [false]}',
+            "t.jsonl:2: hash_ids: a list of non-negative integers",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": ["a"]}',
+            "t.jsonl:2: tenant = ['a']: a string or an integer",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "session": true}',
+            "t.jsonl:2: session = True: a string or an integer",
+        ),
     ],
 )
 def test_broken_mooncake_line_is_one_line_error(tmp_path, line, message):
@@ -66,8 +93,15 @@ def test_mooncake_keeps_session_tenant_and_cache_salt(tmp_path):
     trace = write_mooncake(
         tmp_path / "t.jsonl",
         [
-            {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0], "session": 7, "tenant": "acme",
-             "cache_salt": "u1"},
+            {
+                "timestamp": 0,
+                "input_length": 10,
+                "output_length": 1,
+                "hash_ids": [0],
+                "session": 7,
+                "tenant": "acme",
+                "cache_salt": "u1",
+            },
             {"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [0], "session_id": "s-2"},
             {"timestamp": 2, "input_length": 10, "output_length": 1, "hash_ids": [0]},
         ],

@@ -4,8 +4,8 @@ runtime's own state is unchanged."""
 import pytest
 
 from sagellm_core.errors import PluginError
-from sagellm_core.runtime import Runtime
 from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
 CONFIG = """
@@ -61,8 +61,14 @@ def admit_fails(rt, match):
 @pytest.mark.parametrize(
     "eviction, match",
     [
-        ("stranger", "eviction plugin 'stranger' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned victims that are not evictable candidates: [10000]"),
-        ("greedy", "eviction plugin 'greedy' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned 4 victims, asked for at most 3"),
+        (
+            "stranger",
+            "eviction plugin 'stranger' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned victims that are not evictable candidates: [10000]",
+        ),
+        (
+            "greedy",
+            "eviction plugin 'greedy' (sagellm-bad-plugins 0.0.1) sagellm_select_victims returned 4 victims, asked for at most 3",
+        ),
         ("not-a-decision", "sagellm_select_victims returned [1, 2, 3], not an EvictionDecision"),
     ],
 )
@@ -76,7 +82,10 @@ def test_more_blocks_than_asked(bad_plugins):
     rt = runtime(pool="generous")
     state = rt.arrive(request("a", list(range(9))))
     before = snapshot(rt)
-    with pytest.raises(PluginError, match=r"^kv_pool plugin 'generous' \(sagellm-bad-plugins 0.0.1\) sagellm_allocate_blocks returned 4 blocks, asked for 3"):
+    with pytest.raises(
+        PluginError,
+        match=r"^kv_pool plugin 'generous' \(sagellm-bad-plugins 0.0.1\) sagellm_allocate_blocks returned 4 blocks, asked for 3",
+    ):
         rt.admit(state, 64)
     assert snapshot(rt)[:3] == before[:3]
 
@@ -87,7 +96,10 @@ def test_allocation_from_blocks_in_use(bad_plugins):
     assert rt.admit(first, 64) == 9
     second = rt.arrive(request("b", list(range(100, 105))))
     before = snapshot(rt)
-    with pytest.raises(PluginError, match=r"kv_pool plugin 'reusing' .* sagellm_allocate_blocks returned blocks already in use: \[0, 1\]"):
+    with pytest.raises(
+        PluginError,
+        match=r"kv_pool plugin 'reusing' .* sagellm_allocate_blocks returned blocks already in use: \[0, 1\]",
+    ):
         rt.admit(second, 64)
     assert snapshot(rt)[:3] == before[:3]
     assert second.block_ids == []
@@ -97,7 +109,10 @@ def test_prefix_cache_claiming_uncached_blocks(bad_plugins):
     rt = runtime(cache="over-matching")
     state = rt.arrive(request("a", list(range(9))))
     before = snapshot(rt)
-    with pytest.raises(PluginError, match=r"^prefix_cache plugin 'over-matching' .* sagellm_acquire_prefix matched blocks that are not cached: \(900, 901\)$"):
+    with pytest.raises(
+        PluginError,
+        match=r"^prefix_cache plugin 'over-matching' .* sagellm_acquire_prefix matched blocks that are not cached: \(900, 901\)$",
+    ):
         rt.admit(state, 64)
     assert snapshot(rt) == before
     rt.check_invariants()  # the lock the plugin took was rolled back
@@ -109,7 +124,10 @@ def test_prefix_cache_adopting_a_block_it_was_not_given(bad_plugins):
     assert rt.admit(state, 64) == 9
     state.num_computed_tokens = 9
     before = set(rt._cached)
-    with pytest.raises(PluginError, match=r"^prefix_cache plugin 'adopting-strangers' .* sagellm_insert_prefix adopted \[0, 1, 777\] .* it was not given or that were cached$"):
+    with pytest.raises(
+        PluginError,
+        match=r"^prefix_cache plugin 'adopting-strangers' .* sagellm_insert_prefix adopted \[0, 1, 777\] .* it was not given or that were cached$",
+    ):
         rt.cache(state)
     assert rt._cached == before  # nothing recorded as cached
 
@@ -132,7 +150,10 @@ def test_a_multi_line_plugin_message_is_one_line(bad_plugins):
 
 def test_nonsense_prediction_is_rejected(bad_plugins):
     rt = runtime(lifetime="negative")
-    with pytest.raises(PluginError, match=r"lifetime plugin 'negative' .* sagellm_predict_lifetime returned LifetimePrediction\(output_tokens=-5.0"):
+    with pytest.raises(
+        PluginError,
+        match=r"lifetime plugin 'negative' .* sagellm_predict_lifetime returned LifetimePrediction\(output_tokens=-5.0",
+    ):
         rt.arrive(request("a", [1, 2, 3]))
 
 
@@ -141,7 +162,10 @@ def test_pass_that_drops_a_request_is_named(bad_plugins):
 
     text = CONFIG.format(cache="radix", pool="paged", eviction="lru", lifetime="stat")
     text = text.replace("num_blocks = 6", "num_blocks = 600") + '[scheduler]\npasses = ["fcfs", "dropping"]\n'
-    with pytest.raises(PluginError, match=r"scheduler plugin 'fcfs' .* / scheduler plugin 'dropping' \(sagellm-bad-plugins 0.0.1\) sagellm_schedule_pass changed the set of waiting requests \(1 -> 0\); passes may only reorder"):
+    with pytest.raises(
+        PluginError,
+        match=r"scheduler plugin 'fcfs' .* / scheduler plugin 'dropping' \(sagellm-bad-plugins 0.0.1\) sagellm_schedule_pass changed the set of waiting requests \(1 -> 0\); passes may only reorder",
+    ):
         session.run(settings_from_toml(text))
 
 
@@ -187,7 +211,9 @@ def test_without_fallback_a_failing_predictor_stops_the_run(bad_plugins):
     from sagellm_core.replay import session
 
     text = FALLBACK_RUN.format(lifetime="garbage").replace('fallback = "stat"\n', "")
-    with pytest.raises(PluginError, match=r"^lifetime plugin 'garbage' .* returned 'about 300 tokens': it is not a LifetimePrediction$"):
+    with pytest.raises(
+        PluginError, match=r"^lifetime plugin 'garbage' .* returned 'about 300 tokens': it is not a LifetimePrediction$"
+    ):
         session.run(settings_from_toml(text))
 
 

@@ -14,9 +14,20 @@ def test_replay_default_writes_json_markdown_and_plot(tmp_path, capsys):
     png = tmp_path / "r.png"
     assert main(["replay", *SMALL, "--json", str(out), "--markdown", str(md), "--plot", str(png)]) == 0
     report = json.loads(out.read_text())
-    for key in ("block_hit_rate", "token_hit_rate", "tokens_saved", "reprefill_tokens", "evicted_blocks",
-                "preemptions", "pool_utilisation_mean", "ttft_s", "tpot_s", "throughput_tokens_per_s",
-                "lifetime_mae", "hooks"):
+    for key in (
+        "block_hit_rate",
+        "token_hit_rate",
+        "tokens_saved",
+        "reprefill_tokens",
+        "evicted_blocks",
+        "preemptions",
+        "pool_utilisation_mean",
+        "ttft_s",
+        "tpot_s",
+        "throughput_tokens_per_s",
+        "lifetime_mae",
+        "hooks",
+    ):
         assert key in report
     assert report["requests"] == 30
     assert report["hooks"]["sagellm_acquire_prefix"]["calls"] >= 30
@@ -108,7 +119,10 @@ def test_committed_hook_reference_is_current(capsys):
 
 def test_set_overrides_a_config_key(tmp_path):
     out = tmp_path / "r.json"
-    assert main(["replay", *SMALL, "--set", "eviction.plugin=lfu", "--set", "kv_pool.num_blocks=512", "--json", str(out)]) == 0
+    assert (
+        main(["replay", *SMALL, "--set", "eviction.plugin=lfu", "--set", "kv_pool.num_blocks=512", "--json", str(out)])
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["plugins"]["eviction"] == "lfu" and report["num_blocks"] == 512
     assert main(["replay", *SMALL, "--set", "kv_pool.num_blocks=1,2"]) == 2
@@ -121,8 +135,24 @@ def test_sweep_over_pool_size(tmp_path, capsys):
         '[kv_pool]\nplugin = "paged"\nnum_blocks = 100\n[eviction]\nplugin = "lru"\n'
     )
     out, md, png = tmp_path / "s.json", tmp_path / "s.md", tmp_path / "s.png"
-    args = ["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200,400,3000", "--set", "eviction.plugin=lfu",
-            "--max-requests", "60", "--quiet", "--json", str(out), "--markdown", str(md), "--plot", str(png)]
+    args = [
+        "sweep",
+        "--config",
+        str(config),
+        "--set",
+        "kv_pool.num_blocks=200,400,3000",
+        "--set",
+        "eviction.plugin=lfu",
+        "--max-requests",
+        "60",
+        "--quiet",
+        "--json",
+        str(out),
+        "--markdown",
+        str(md),
+        "--plot",
+        str(png),
+    ]
     assert main(args) == 0
     reports = json.loads(out.read_text())
     assert [r["sweep"]["value"] for r in reports] == [200, 400, 3000]
@@ -137,15 +167,40 @@ def test_sweep_over_pool_size(tmp_path, capsys):
     assert main(["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=200", "--quiet"]) == 2
     assert "exactly one --set KEY=V1,V2,... with several values" in capsys.readouterr().err
     # The axis may be a workload key: each value is its own workload.
-    assert main(["sweep", "--config", str(config), "--set", "workload.tenants=1,3", "--max-requests", "20", "--quiet",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--config",
+                str(config),
+                "--set",
+                "workload.tenants=1,3",
+                "--max-requests",
+                "20",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert [r["sweep"]["value"] for r in json.loads(out.read_text())] == [1, 3]
 
 
 def test_sweep_over_a_list_valued_key(tmp_path):
     md = tmp_path / "s.md"
-    args = ["sweep", "--config", "sagellm_core/default.toml", "--set", 'scheduler.passes=["fcfs"],["fcfs","prefix-aware"]',
-            "--max-requests", "40", "--quiet", "--markdown", str(md)]
+    args = [
+        "sweep",
+        "--config",
+        "sagellm_core/default.toml",
+        "--set",
+        'scheduler.passes=["fcfs"],["fcfs","prefix-aware"]',
+        "--max-requests",
+        "40",
+        "--quiet",
+        "--markdown",
+        str(md),
+    ]
     assert main(args) == 0
     header, _, row = md.read_text().splitlines()[:3]
     assert header == "| block_hit_rate \\ scheduler.passes | ['fcfs'] | ['fcfs', 'prefix-aware'] |"

@@ -23,7 +23,9 @@ def test_example_plugin_installs_into_a_fresh_environment(tmp_path):
     clean_env["COLUMNS"] = "200"
 
     def sagellm(*args):
-        return subprocess.run([str(bin_dir / "sagellm"), *args], capture_output=True, text=True, env=clean_env, cwd=tmp_path)
+        return subprocess.run(
+            [str(bin_dir / "sagellm"), *args], capture_output=True, text=True, env=clean_env, cwd=tmp_path
+        )
 
     listing = sagellm("plugins")
     assert listing.returncode == 0, listing.stderr
@@ -32,8 +34,18 @@ def test_example_plugin_installs_into_a_fresh_environment(tmp_path):
     config = PROJECT / "contrib" / "configs" / "example-fifo.toml"
     missing = sagellm("config", "check", str(config))
     assert missing.returncode == 2
-    assert "unknown prefix_cache plugin 'radix'; installed: none (first-party prefix_cache plugins: pip install sagellm-plugin-prefix-cache)" in missing.stderr
-    subprocess.run([*pip, str(PROJECT / "plugins" / "sagellm-plugin-prefix-cache"), str(PROJECT / "plugins" / "sagellm-plugin-kv-pool")], check=True)
+    assert (
+        "unknown prefix_cache plugin 'radix'; installed: none (first-party prefix_cache plugins: pip install sagellm-plugin-prefix-cache)"
+        in missing.stderr
+    )
+    subprocess.run(
+        [
+            *pip,
+            str(PROJECT / "plugins" / "sagellm-plugin-prefix-cache"),
+            str(PROJECT / "plugins" / "sagellm-plugin-kv-pool"),
+        ],
+        check=True,
+    )
     out = tmp_path / "r.json"
     run = sagellm("replay", "--config", str(config), "--json", str(out), "--quiet")
     assert run.returncode == 0, run.stderr

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sagellm_core.runtime import Runtime
 from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
 BLOCK = 4
@@ -39,10 +39,14 @@ bytes_per_block = 16
 
 def machine(policy: str, cache: str = "radix"):
     cache, _, cache_params = cache.partition(" ")  # "radix pin_after_hits = 2"
+
     class RuntimeMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.rt = Runtime(settings_from_toml(CONFIG.format(policy=policy, cache=cache, cache_params=cache_params)), hook_timing=False)
+            self.rt = Runtime(
+                settings_from_toml(CONFIG.format(policy=policy, cache=cache, cache_params=cache_params)),
+                hook_timing=False,
+            )
             self.cache = self.rt.plugins["prefix_cache"][0].instance
             self.running = []
             self.waiting = []
@@ -135,10 +139,23 @@ def machine(policy: str, cache: str = "radix"):
 
 @pytest.mark.parametrize(
     "policy, cache",
-    [("lru", "radix"), ("lfu", "radix"), ("s3fifo", "radix"), ("arc", "radix"), ("predictive", "radix"),
-     ("continuation", "radix"), ("cost", "radix"), ("slo", "radix"), ("fair", "radix isolate = \"tenant\""),
-     ("lru", "hash"), ("s3fifo", "hash"), ("continuation", "hash"), ("lru", "radix pin_after_hits = 2"),
-     ("predictive", "radix pin_after_hits = 2"), ("continuation", "radix pin_after_hits = 2")],
+    [
+        ("lru", "radix"),
+        ("lfu", "radix"),
+        ("s3fifo", "radix"),
+        ("arc", "radix"),
+        ("predictive", "radix"),
+        ("continuation", "radix"),
+        ("cost", "radix"),
+        ("slo", "radix"),
+        ("fair", 'radix isolate = "tenant"'),
+        ("lru", "hash"),
+        ("s3fifo", "hash"),
+        ("continuation", "hash"),
+        ("lru", "radix pin_after_hits = 2"),
+        ("predictive", "radix pin_after_hits = 2"),
+        ("continuation", "radix pin_after_hits = 2"),
+    ],
 )
 def test_runtime_block_accounting(policy, cache):
     case = machine(policy, cache).TestCase

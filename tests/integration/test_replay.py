@@ -1,7 +1,7 @@
 """The replay engine end to end, with the first-party plugins."""
 
-from sagellm_core.replay import session
 from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.replay import session
 
 TIMED = """
 [engine]
@@ -151,13 +151,16 @@ plugin = "lru"
 
 
 def test_host_tier_loads_evicted_prefixes_back():
-    from sagellm_core.replay import session
     from sagellm_core.kit.testing import settings_from_toml
+    from sagellm_core.replay import session
 
     device_only = session.run(settings_from_toml(HOST_TIER)).report
-    with_host = session.run(settings_from_toml(
-        HOST_TIER + '[transport]\nplugin = "local"\noffload_evicted = true\nhost_blocks = 4096\nbytes_per_block = 8\n'
-    ))
+    with_host = session.run(
+        settings_from_toml(
+            HOST_TIER
+            + '[transport]\nplugin = "local"\noffload_evicted = true\nhost_blocks = 4096\nbytes_per_block = 8\n'
+        )
+    )
     report = with_host.report
     assert device_only["host_hit_blocks"] == 0 and device_only["evicted_blocks"] > 0
     assert report["host_hit_blocks"] > 0
@@ -218,7 +221,9 @@ def test_closed_loop_sends_a_turn_only_after_the_previous_one_finished():
 
     def replay(closed_loop):
         text = TIMED.format(mode="timed", blocks=2048, eviction="lru", passes='["fcfs"]', budget=512, rate=50.0)
-        settings = settings_from_toml(text.replace('mode = "timed"', f'mode = "timed"\nclosed_loop = {str(closed_loop).lower()}'), "t.toml")
+        settings = settings_from_toml(
+            text.replace('mode = "timed"', f'mode = "timed"\nclosed_loop = {str(closed_loop).lower()}'), "t.toml"
+        )
         engine, _ = session.build_engine(settings)
         rt, outcomes = Runtime(settings), Outcomes()
         rt.pm.register(outcomes)
@@ -247,9 +252,12 @@ def test_arrivals_hold_a_turn_until_its_predecessor_is_done():
     from sagellm_core.replay.engine import Arrivals
     from sagellm_core.types import Request
 
-    turns = [Request("a1", [1], 1, arrival_s=0.0, session_id="a"), Request("b1", [1], 1, arrival_s=0.5),
-             Request("a2", [1], 1, arrival_s=1.0, session_id="a", deadline_s=3.0),
-             Request("a3", [1], 1, arrival_s=2.0, session_id="a")]
+    turns = [
+        Request("a1", [1], 1, arrival_s=0.0, session_id="a"),
+        Request("b1", [1], 1, arrival_s=0.5),
+        Request("a2", [1], 1, arrival_s=1.0, session_id="a", deadline_s=3.0),
+        Request("a3", [1], 1, arrival_s=2.0, session_id="a"),
+    ]
     arrivals = Arrivals(iter(turns), closed_loop=True)
     assert [r.request_id for r in arrivals.due(5.0)] == ["a1", "b1"]  # a2 and a3 wait for a1
     assert arrivals.next_arrival_s() is None

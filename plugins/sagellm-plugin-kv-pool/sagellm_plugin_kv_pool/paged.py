@@ -10,7 +10,7 @@ is kept up to date in O(1) per block, for the fragmentation figure.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import BlockAllocation, PoolUsage, Request

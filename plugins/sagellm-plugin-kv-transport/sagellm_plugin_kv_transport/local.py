@@ -113,7 +113,9 @@ class LocalTransport:
             return TransferResult(
                 False, 0, 0, 0.0, error=f"{n} blocks do not fit tier {plan.dst_tier!r} ({self._num_rows(dst)} blocks)"
             )
-        if max(plan.src_block_ids, default=0) >= self._num_rows(src) or max(plan.dst_block_ids, default=0) >= self._num_rows(dst):
+        if max(plan.src_block_ids, default=0) >= self._num_rows(src) or max(
+            plan.dst_block_ids, default=0
+        ) >= self._num_rows(dst):
             return TransferResult(False, 0, 0, 0.0, error="block id out of the tier's range")
         start = time.perf_counter()
         slots = list(plan.dst_block_ids) or self._host_slots_for(n, plan.block_keys)

@@ -52,8 +52,12 @@ def sagellm_register_commands(subparsers) -> None:
     p.add_argument("--predictor", action="append", help="a sagellm.lifetime plugin (repeat; default: all installed)")
     p.add_argument("--source", default="sharegpt", help="the workload (a [workload] source; default sharegpt)")
     p.add_argument("--max-requests", type=int, help="only the first N requests of the workload")
-    p.add_argument("--test-fraction", type=float, default=TEST_FRACTION,
-                   help=f"share of conversations held out (default {TEST_FRACTION})")
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=TEST_FRACTION,
+        help=f"share of conversations held out (default {TEST_FRACTION})",
+    )
     p.add_argument("--json", help="write the figures as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)

@@ -111,8 +111,9 @@ def build_predictor(name: str, workload: WorkloadSettings, block_size: int = 16)
 
 
 def _outcome(request: Request, prediction: LifetimePrediction | None) -> RequestOutcome:
-    return RequestOutcome(request, request.output_tokens, 0, request.arrival_s, request.arrival_s,
-                          request.arrival_s, 0, prediction)
+    return RequestOutcome(
+        request, request.output_tokens, 0, request.arrival_s, request.arrival_s, request.arrival_s, 0, prediction
+    )
 
 
 def evaluate(
@@ -179,12 +180,16 @@ def evaluate(
     rows = [scores[name].figures() for name in names]
     median = statistics.median(train_outputs) if train_outputs else 0
     errors = [abs(median - t) for t in test_outputs]
-    rows.append({
-        "predictor": f"median of training requests ({median:g})",
-        "requests": len(errors),
-        "mae": round(statistics.fmean(errors), 2) if errors else None,
-        "acc10": round(sum(e <= 0.1 * t for e, t in zip(errors, test_outputs)) / len(errors), 4) if errors else None,
-    })
+    rows.append(
+        {
+            "predictor": f"median of training requests ({median:g})",
+            "requests": len(errors),
+            "mae": round(statistics.fmean(errors), 2) if errors else None,
+            "acc10": round(sum(e <= 0.1 * t for e, t in zip(errors, test_outputs)) / len(errors), 4)
+            if errors
+            else None,
+        }
+    )
     return rows
 
 
@@ -199,8 +204,17 @@ def _stream(workload: WorkloadSettings, progress: bool) -> Iterable[Request]:
 
 def print_rows(rows: list[dict], console: Console | None = None) -> None:
     table = Table(title="lifetime predictors on the held-out split")
-    columns = ["predictor", "requests", "mae", "acc10", "latency_ms", "coverage80", "mean_confidence",
-               "mae_confident", "confident_share"]
+    columns = [
+        "predictor",
+        "requests",
+        "mae",
+        "acc10",
+        "latency_ms",
+        "coverage80",
+        "mean_confidence",
+        "mae_confident",
+        "confident_share",
+    ]
     for column in columns:
         table.add_column(column, justify="left" if column == "predictor" else "right")
     for row in rows:
@@ -209,8 +223,10 @@ def print_rows(rows: list[dict], console: Console | None = None) -> None:
     console.print(table)
     for row in rows:
         for g, r in row.get("remaining_mae", {}).items():
-            console.print(f"{row['predictor']}: remaining tokens after {g} generated ({r['requests']:,} requests):"
-                          f" MAE {r['refined']} refined, {r['naive']} naive")
+            console.print(
+                f"{row['predictor']}: remaining tokens after {g} generated ({r['requests']:,} requests):"
+                f" MAE {r['refined']} refined, {r['naive']} naive"
+            )
         if row.get("error"):
             console.print(f"[red]{row['predictor']}: {row['error']}")
 

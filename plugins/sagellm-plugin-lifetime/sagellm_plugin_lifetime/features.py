@@ -78,8 +78,13 @@ class History:
     ``max_prefixes`` newest prompts, for :meth:`near_duplicate` (none where
     ``duplicate_similarity`` is over 1)."""
 
-    def __init__(self, block_size: int = 16, max_sessions: int = 100_000, max_prefixes: int = 100_000,
-                 duplicate_similarity: float = 0.95):
+    def __init__(
+        self,
+        block_size: int = 16,
+        max_sessions: int = 100_000,
+        max_prefixes: int = 100_000,
+        duplicate_similarity: float = 0.95,
+    ):
         self.block_size = block_size
         self.max_sessions = max_sessions
         self.max_prefixes = max_prefixes
@@ -105,7 +110,7 @@ class History:
         return prompt - session.last_context_tokens if session and session.last_context_tokens < prompt else prompt
 
     def _message_key(self, request: Request, new: int) -> bytes:
-        tail = request.prompt_token_ids[request.num_prompt_tokens - new:].tobytes()
+        tail = request.prompt_token_ids[request.num_prompt_tokens - new :].tobytes()
         return hashlib.blake2b(tail, digest_size=16).digest()
 
     def features(self, request: Request) -> list[float]:
@@ -150,8 +155,12 @@ class History:
             if signature is None:  # finished without a prediction (evaluation's training turns)
                 signature = self.prompts.signature(request.prompt_token_ids)
             self.prompts.add(signature, value)
-        _remember(self.messages, self._message_key(request, self._new_tokens(request, self._session(request))),
-                  value, self.max_prefixes)
+        _remember(
+            self.messages,
+            self._message_key(request, self._new_tokens(request, self._session(request))),
+            value,
+            self.max_prefixes,
+        )
         _remember(self.prefixes, self._prefix_key(request), value, self.max_prefixes)
         if request.session_id is not None:
             session = self.sessions.pop(request.session_id, None) or _Session()

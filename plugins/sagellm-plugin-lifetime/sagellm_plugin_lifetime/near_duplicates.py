@@ -54,19 +54,19 @@ class NearDuplicates:
         self._buckets: list[dict[bytes, list[int]]] = [{} for _ in range(bands)]
 
     def signature(self, tokens: Sequence[int]) -> np.ndarray:
-        t = np.asarray(tokens[-self.window:], dtype=np.int64).astype(np.uint64)
+        t = np.asarray(tokens[-self.window :], dtype=np.int64).astype(np.uint64)
         if len(t) < SHINGLE:
             t = np.concatenate([t, np.zeros(SHINGLE - len(t), dtype=np.uint64)])
         n = len(t) - SHINGLE + 1
         grams = np.zeros(n, dtype=np.uint64)
         for k in range(SHINGLE):
-            grams = grams * _ROLL + t[k:k + n]
+            grams = grams * _ROLL + t[k : k + n]
         grams = np.unique(grams)
         return ((grams[:, None] * self._a + self._b) >> np.uint64(32)).min(0).astype(np.uint32)
 
     def _bands(self, signature: np.ndarray):
         for band in range(self.bands):
-            yield band, signature[band * self._rows:(band + 1) * self._rows].tobytes()
+            yield band, signature[band * self._rows : (band + 1) * self._rows].tobytes()
 
     def nearest(self, signature: np.ndarray) -> tuple[float, float] | None:
         """(estimated similarity, value) of the most similar remembered

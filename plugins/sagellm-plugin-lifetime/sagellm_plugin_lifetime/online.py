@@ -61,8 +61,9 @@ class OnlineLifetime:
     def __init__(self, settings: OnlineSettings, context: PluginContext):
         self.settings = settings
         self.name = context.name
-        self.history = History(context.block_size, settings.max_sessions,
-                               duplicate_similarity=settings.duplicate_similarity)
+        self.history = History(
+            context.block_size, settings.max_sessions, duplicate_similarity=settings.duplicate_similarity
+        )
         self.model = OnlineQuantileRegression(len(FEATURE_NAMES), settings.learning_rate, settings.prior_tokens)
         #: Features as they were at arrival, for the update at finish
         #: (bounded: a request that never finishes must not stay forever).

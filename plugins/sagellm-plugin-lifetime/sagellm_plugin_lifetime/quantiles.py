@@ -7,9 +7,9 @@ as decoding proceeds."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import attrs
-from collections.abc import Sequence
 
 from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction
 
@@ -19,8 +19,9 @@ CONFIDENCE_TOLERANCE = 0.5
 MEDIAN = QUANTILE_LEVELS.index(0.5)
 
 
-def prediction(log_quantiles: Sequence[float], predictor: str, trust: float = 1.0,
-               log_median: float | None = None) -> LifetimePrediction:
+def prediction(
+    log_quantiles: Sequence[float], predictor: str, trust: float = 1.0, log_median: float | None = None
+) -> LifetimePrediction:
     """A prediction from quantiles of ``log1p(output tokens)`` at
     :data:`QUANTILE_LEVELS` (sorted here, since separately learned quantiles
     may cross), moved as a whole to ``log_median`` where one is given (a

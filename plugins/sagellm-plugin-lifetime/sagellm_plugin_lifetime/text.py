@@ -97,17 +97,16 @@ def text_ids(text: str | None, buckets: int) -> list[int]:
         return [0]
     words = WORD.findall(text.lower())[:MAX_WORDS]
     grams = [*words, *(f"{a} {b}" for a, b in zip(words, words[1:]))]
-    return [1 + int.from_bytes(hashlib.blake2b(g.encode(), digest_size=4).digest(), "little") % (buckets - 1)
-            for g in grams] or [0]
+    return [
+        1 + int.from_bytes(hashlib.blake2b(g.encode(), digest_size=4).digest(), "little") % (buckets - 1) for g in grams
+    ] or [0]
 
 
 def _torch():
     try:
         import torch
     except ImportError:
-        raise ConfigError(
-            "lifetime plugin 'text' needs torch: pip install 'sagellm-plugin-lifetime[text]'"
-        ) from None
+        raise ConfigError("lifetime plugin 'text' needs torch: pip install 'sagellm-plugin-lifetime[text]'") from None
     return torch
 
 
@@ -121,8 +120,10 @@ def build_model(settings: TextSettings):
 
         def __init__(self):
             super().__init__()
-            layers = [(torch.nn.Linear(width, settings.hidden), torch.nn.Linear(settings.hidden, len(QUANTILE_LEVELS)))
-                      for _ in range(members)]  # nn.Linear's initialisation, member by member
+            layers = [
+                (torch.nn.Linear(width, settings.hidden), torch.nn.Linear(settings.hidden, len(QUANTILE_LEVELS)))
+                for _ in range(members)
+            ]  # nn.Linear's initialisation, member by member
             self.w1 = torch.nn.Parameter(torch.stack([a.weight.detach().T for a, _ in layers]))
             self.b1 = torch.nn.Parameter(torch.stack([a.bias.detach()[None] for a, _ in layers]))
             self.w2 = torch.nn.Parameter(torch.stack([b.weight.detach().T for _, b in layers]))
@@ -157,8 +158,11 @@ def _batch(torch, rows):
         offsets.append(start)
         ids.extend(gram_ids)
         start += len(gram_ids)
-    return (torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
-            torch.tensor([features for _, features in rows], dtype=torch.float32))
+    return (
+        torch.tensor(ids, dtype=torch.long),
+        torch.tensor(offsets, dtype=torch.long),
+        torch.tensor([features for _, features in rows], dtype=torch.float32),
+    )
 
 
 def pinball(torch, predicted, target):
@@ -212,7 +216,7 @@ def train(settings: TextSettings, requests: Iterable[Request] | None = None, blo
         model.train()
         permutation = torch.randperm(len(fit), generator=order).tolist()
         for start in range(0, len(fit), 128):
-            index = [fit[i] for i in permutation[start:start + 128]]
+            index = [fit[i] for i in permutation[start : start + 128]]
             # Each member learns on its own; their average is only for serving.
             loss = pinball(torch, model.members_forward(*_batch(torch, [rows[i] for i in index])), y[index])
             sparse.zero_grad()
@@ -224,8 +228,10 @@ def train(settings: TextSettings, requests: Iterable[Request] | None = None, blo
         with torch.no_grad():
             median = model(*_batch(torch, [rows[i] for i in check]))[:, MEDIAN]
             mae = (torch.expm1(median) - torch.expm1(y[check])).abs().mean().item()
-        log(f"epoch {epoch + 1}/{settings.epochs}: validation MAE {mae:.1f} tokens"
-            f" ({len(fit):,} training requests, {settings.members} members)")
+        log(
+            f"epoch {epoch + 1}/{settings.epochs}: validation MAE {mae:.1f} tokens"
+            f" ({len(fit):,} training requests, {settings.members} members)"
+        )
         if mae < best:
             best, best_state = mae, {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(best_state)
@@ -265,7 +271,9 @@ class TextLifetime:
             if settings.weights:
                 raise ConfigError(f"lifetime plugin 'text': weights {path}: no such file")
             print(f"sagellm: training lifetime model 'text' into {path} (once)", file=sys.stderr)
-            model = train(settings, block_size=context.block_size, log=lambda m: print(f"sagellm: {m}", file=sys.stderr))
+            model = train(
+                settings, block_size=context.block_size, log=lambda m: print(f"sagellm: {m}", file=sys.stderr)
+            )
             save(model, settings, path)
         self.model = load(settings, path)
         self.model.eval()

@@ -38,8 +38,9 @@ def test_every_predictor_beside_the_median_baseline():
 
 def test_a_crashing_predictor_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    declare_plugins(tmp_path, {"sagellm.lifetime": {"crashing-evaluated": "test_evaluate:Crashing"}},
-                    name="sagellm-evaluate-test")
+    declare_plugins(
+        tmp_path, {"sagellm.lifetime": {"crashing-evaluated": "test_evaluate:Crashing"}}, name="sagellm-evaluate-test"
+    )
     rows = evaluate.evaluate(["crashing-evaluated", "stat"], GENERATOR, fraction=0.3)
     assert rows[0]["error"] == "RuntimeError: model on fire"
     assert rows[1]["mae"] >= 0
@@ -47,8 +48,21 @@ def test_a_crashing_predictor_is_reported_and_the_others_go_on(tmp_path, monkeyp
 
 def test_cli_evaluate_writes_json(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    status = cli.main(["lifetime", "evaluate", "--predictor", "stat", "--source", "generator",
-                       "--max-requests", "120", "--json", str(out), "--quiet"])
+    status = cli.main(
+        [
+            "lifetime",
+            "evaluate",
+            "--predictor",
+            "stat",
+            "--source",
+            "generator",
+            "--max-requests",
+            "120",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert status == 0
     rows = json.loads(out.read_text())
     assert rows[0]["predictor"] == "stat" and "mae" in rows[0]

@@ -55,7 +55,7 @@ def test_memory_is_bounded_and_its_buckets_name_live_prompts_only(prompts, capac
             assert slots and len(slots) <= 16
             for slot in slots:
                 assert slot in live
-                assert memory._signatures[slot][band * 2:(band + 1) * 2].tobytes() == key
+                assert memory._signatures[slot][band * 2 : (band + 1) * 2].tobytes() == key
     # The newest copy of the last prompt answers for it.
     assert memory.nearest(memory.signature(prompt(prompts[-1], 20))) == (1.0, float(len(prompts) - 1))
 

@@ -23,8 +23,13 @@ def asked(seed, count):
         prompt, out = rng.choice(kinds)
         topic = rng.choice(["rivers", "tax law", "cats", "jazz", "rust", "the moon"])
         words = prompt.format(topic)
-        yield Request(f"{seed}-{i}", [rng.randrange(10**6) for _ in range(len(words.split()))],
-                      max(1, int(out * rng.uniform(0.9, 1.1))), session_id=f"{seed}-{i}", prompt_text=words)
+        yield Request(
+            f"{seed}-{i}",
+            [rng.randrange(10**6) for _ in range(len(words.split()))],
+            max(1, int(out * rng.uniform(0.9, 1.1))),
+            session_id=f"{seed}-{i}",
+            prompt_text=words,
+        )
 
 
 def test_text_model_learns_what_the_words_ask_for(tmp_path):
@@ -33,8 +38,12 @@ def test_text_model_learns_what_the_words_ask_for(tmp_path):
     weights = tmp_path / "w.pt"
     text.save(model, settings, weights)
     p = TextLifetime(TextSettings(weights=str(weights), **SMALL), CTX)
-    essay = p.sagellm_predict_lifetime(request=Request("e", [1, 2], 1, prompt_text="write a long detailed essay about trains"))
-    yes_no = p.sagellm_predict_lifetime(request=Request("y", [1, 2], 1, prompt_text="answer yes or no: is trains true?"))
+    essay = p.sagellm_predict_lifetime(
+        request=Request("e", [1, 2], 1, prompt_text="write a long detailed essay about trains")
+    )
+    yes_no = p.sagellm_predict_lifetime(
+        request=Request("y", [1, 2], 1, prompt_text="answer yes or no: is trains true?")
+    )
     assert essay.problem() is None and yes_no.problem() is None
     assert essay.output_tokens > 20 * yes_no.output_tokens
     assert len(essay.quantiles) == 9
@@ -51,8 +60,12 @@ def test_online_steps_change_the_head_only(tmp_path):
     settings = TextSettings(**{**SMALL, "epochs": 1, "online_batch": 4, "online_learning_rate": 1e-2})
     weights = tmp_path / "w.pt"
     text.save(text.train(settings, asked(0, 300), log=lambda m: None), settings, weights)
-    p = TextLifetime(TextSettings(**{**SMALL, "epochs": 1, "online_batch": 4, "online_learning_rate": 1e-2,
-                                     "weights": str(weights)}), CTX)
+    p = TextLifetime(
+        TextSettings(
+            **{**SMALL, "epochs": 1, "online_batch": 4, "online_learning_rate": 1e-2, "weights": str(weights)}
+        ),
+        CTX,
+    )
     bag = p.model.bag.weight.clone()
     head = [w.clone() for w in p.model.head.parameters()]
     for r in list(asked(5, 4)):
@@ -97,8 +110,9 @@ def test_training_features_never_see_a_held_out_reply():
 def test_members_are_trained_apart_and_served_averaged():
     settings = TextSettings(**{**SMALL, "epochs": 1, "members": 3})
     model = text.train(settings, asked(0, 300), log=lambda m: None)
-    batch = text._batch(torch, [(text.text_ids("write a long essay about jazz", settings.buckets), [0.5] * len(
-        text.FEATURE_NAMES))])
+    batch = text._batch(
+        torch, [(text.text_ids("write a long essay about jazz", settings.buckets), [0.5] * len(text.FEATURE_NAMES))]
+    )
     with torch.no_grad():
         members = model.members_forward(*batch)
         served = model(*batch)

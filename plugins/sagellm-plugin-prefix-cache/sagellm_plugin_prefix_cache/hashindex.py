@@ -29,7 +29,7 @@ import hashlib
 import os
 import pickle
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from attrs import field, frozen, validators
 
@@ -52,8 +52,15 @@ def none_hash() -> bytes:
     return sha256(os.environ.get("PYTHONHASHSEED", NONE_HASH_SEED))
 
 
-def block_hashes(token_ids, block_size: int, extra_keys=None, parent: bytes | None = None,
-                 start: int = 0, stop: int | None = None, root: bytes | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids,
+    block_size: int,
+    extra_keys=None,
+    parent: bytes | None = None,
+    start: int = 0,
+    stop: int | None = None,
+    root: bytes | None = None,
+) -> list[bytes]:
     """The chained hashes of the full blocks ``start .. stop`` of
     ``token_ids``, ``parent`` being the hash of block ``start - 1`` and
     ``root`` (default :func:`none_hash`) the parent of block 0."""
@@ -193,8 +200,9 @@ class HashPrefixCache:
         for page, (h, given) in enumerate(zip(hashes, block_ids)):
             block = self._by_hash.get(h)
             if block is None:
-                block = CachedBlock(given, page, parent.block_id if parent else None,
-                                    int.from_bytes(h[:8], "little"), namespace, tenant)
+                block = CachedBlock(
+                    given, page, parent.block_id if parent else None, int.from_bytes(h[:8], "little"), namespace, tenant
+                )
                 self._by_hash[h] = block
                 self._hash_of[given] = h
                 self._refs[given] = 0

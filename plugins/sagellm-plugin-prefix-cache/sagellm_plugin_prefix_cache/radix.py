@@ -28,7 +28,7 @@ worth nothing once its parent is gone.
 from __future__ import annotations
 
 import json
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from attrs import field, frozen, validators
 
@@ -39,7 +39,7 @@ from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch,
 class _Node:
     __slots__ = ("parent", "children", "keys", "edge", "blocks", "start", "lock_ref", "hits", "pinned")
 
-    def __init__(self, parent: "_Node | None", keys: list[bytes], blocks: list[CachedBlock], start: int):
+    def __init__(self, parent: _Node | None, keys: list[bytes], blocks: list[CachedBlock], start: int):
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
         self.keys = keys
@@ -58,7 +58,7 @@ class _Evictable:
 
     __slots__ = ("_cache",)
 
-    def __init__(self, cache: "RadixPrefixCache"):
+    def __init__(self, cache: RadixPrefixCache):
         self._cache = cache
 
     def __contains__(self, block_id: object) -> bool:
@@ -173,7 +173,7 @@ class RadixPrefixCache:
             self._pinned.add(mid)
         parent.children[mid.keys[0]] = mid
         child.keys, child.blocks = child.keys[j:], child.blocks[j:]
-        child.edge = child.edge[len(mid.edge):]
+        child.edge = child.edge[len(mid.edge) :]
         child.start += j
         child.parent = mid
         mid.children[child.keys[0]] = child
@@ -259,9 +259,7 @@ class RadixPrefixCache:
         num_pages = len(block_ids)
         namespace = self._namespace(request)
         node, matched = self._walk(self._root(namespace), token_ids, num_pages, split=True)
-        replaced = tuple(
-            (given, held) for given, held in zip(block_ids, matched) if given != held.block_id
-        )
+        replaced = tuple((given, held) for given, held in zip(block_ids, matched) if given != held.block_id)
         adopted: tuple[CachedBlock, ...] = ()
         page = len(matched)
         if page < num_pages:
@@ -284,8 +282,11 @@ class RadixPrefixCache:
             node, adopted = leaf, tuple(blocks)
             if self._events:
                 self._emit(
-                    type="stored", namespace=namespace, parent=parent.key if parent else None,
-                    keys=[b.key for b in blocks], block_size=self.block_size,
+                    type="stored",
+                    namespace=namespace,
+                    parent=parent.key if parent else None,
+                    keys=[b.key for b in blocks],
+                    block_size=self.block_size,
                 )
         # Move the request's lock down to the new end of its path. The old
         # path is a prefix of the new one, so no count falls to zero; blocks

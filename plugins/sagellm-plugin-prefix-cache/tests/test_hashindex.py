@@ -7,10 +7,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from prefix_cache_strategies import SERVE, drawn_request, req
 from sagellm_plugin_prefix_cache.hashindex import HashPrefixCache, HashSettings, block_hashes, none_hash, sha256
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
-
-from prefix_cache_strategies import SERVE, drawn_request, req
 
 from sagellm_core import PluginContext
 from sagellm_core.kit.testing import BlockIds
@@ -77,8 +76,9 @@ class SideBySide(RuleBasedStateMachine):
         assert [b.parent_id for b in m_radix.blocks] == [b.parent_id for b in m_hash.blocks]
         n_full = r.num_prompt_tokens // BS
         ids = list(m_radix.block_ids) + self.blocks.take(n_full - m_radix.num_blocks)
-        i_radix, i_hash = self.both("sagellm_insert_prefix", request=r, token_ids=r.prompt_token_ids[: n_full * BS],
-                                    block_ids=ids)
+        i_radix, i_hash = self.both(
+            "sagellm_insert_prefix", request=r, token_ids=r.prompt_token_ids[: n_full * BS], block_ids=ids
+        )
         for field in ("adopted", "locked"):
             assert [b.block_id for b in getattr(i_radix, field)] == [b.block_id for b in getattr(i_hash, field)]
         assert [(g, b.block_id) for g, b in i_radix.replaced] == [(g, b.block_id) for g, b in i_hash.replaced]

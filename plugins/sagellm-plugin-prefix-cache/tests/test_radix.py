@@ -3,9 +3,8 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
-
 from prefix_cache_strategies import SERVE, drawn_request, req
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
 from sagellm_core.kit.testing import BlockIds
@@ -115,14 +114,14 @@ class TreeMachine(RuleBasedStateMachine):
         match = self.cache.sagellm_acquire_prefix(request=r)
         assert all(b.namespace == namespace for b in match.blocks)  # namespaces never cross
         for i, block in enumerate(match.blocks):  # a match is the prompt's own pages
-            assert self.content[block.block_id] == r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes()
+            assert self.content[block.block_id] == r.prompt_token_ids[i * BS : (i + 1) * BS].tobytes()
         n_full = r.num_prompt_tokens // BS
         ids = list(match.block_ids) + self.blocks.take(n_full - match.num_blocks)
         result = self.cache.sagellm_insert_prefix(request=r, token_ids=r.prompt_token_ids[: n_full * BS], block_ids=ids)
         for given, cached in result.replaced:
             ids[ids.index(given)] = cached.block_id
         for i, block_id in enumerate(ids):
-            self.content.setdefault(block_id, r.prompt_token_ids[i * BS:(i + 1) * BS].tobytes())
+            self.content.setdefault(block_id, r.prompt_token_ids[i * BS : (i + 1) * BS].tobytes())
         self.holding[rid] = set(ids)
 
     @precondition(lambda self: self.holding)

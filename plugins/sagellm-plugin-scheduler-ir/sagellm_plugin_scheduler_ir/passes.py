@@ -11,7 +11,6 @@ from attrs import field, frozen, validators
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import ScheduleIR
 
-
 _arrival = attrgetter("request.arrival_s")
 _priority_arrival = attrgetter("request.priority", "request.arrival_s")
 
@@ -75,7 +74,9 @@ class ShortestPredictedSettings:
     aging_tokens_per_s: float = field(default=20.0, validator=[validators.instance_of(float), validators.gt(0)])
     #: Predictions less confident than this are ignored: the request is
     #: ranked as if ``default_tokens`` long.
-    min_confidence: float = field(default=0.0, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)])
+    min_confidence: float = field(
+        default=0.0, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
+    )
     default_tokens: float = field(default=256.0, validator=[validators.instance_of(float), validators.gt(0)])
     #: Also order ``running`` shortest remaining first, so the default
     #: preemption rule (the tail) preempts the request furthest from done.

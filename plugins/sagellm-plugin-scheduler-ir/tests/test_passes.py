@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sagellm_plugin_scheduler_ir.passes import (
     EarliestDeadlinePass,
     EarliestDeadlineSettings,
@@ -6,10 +8,12 @@ from sagellm_plugin_scheduler_ir.passes import (
     PrefixAwarePass,
     PrefixAwareSettings,
     PriorityPass,
+    ShortestPredictedPass,
+    ShortestPredictedSettings,
 )
 
 from sagellm_core import PluginContext
-from sagellm_core.types import Request, ScheduleIR, SequenceState
+from sagellm_core.types import LifetimePrediction, Request, ScheduleIR, SequenceState
 
 CTX = PluginContext("p", block_size=16, num_blocks=100)
 
@@ -59,12 +63,6 @@ def test_settings_validate():
 
 
 # --- sjf: shortest predicted job first, with aging ----------------------------
-
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from sagellm_plugin_scheduler_ir.passes import ShortestPredictedPass, ShortestPredictedSettings
-
-from sagellm_core.types import LifetimePrediction
 
 
 def predicted(rid, arrival, tokens, confidence=1.0, generated=0):
@@ -116,10 +114,7 @@ def test_sjf_orders_running_so_the_tail_is_furthest_from_done():
 
 
 @settings(max_examples=50, deadline=None)
-@given(
-    lengths=st.lists(st.integers(1, 4000), min_size=1, max_size=40),
-    aging=st.sampled_from([5.0, 20.0, 100.0]),
-)
+@given(lengths=st.lists(st.integers(1, 4000), min_size=1, max_size=40), aging=st.sampled_from([5.0, 20.0, 100.0]))
 def test_sjf_never_starves(lengths, aging):
     """One request is served a second; a stream of short ones keeps coming.
     The long request at the head of time is served within the aging bound:
@@ -146,8 +141,13 @@ def test_edf_serves_the_deadlines_that_can_still_be_met_first():
         s.first_token_s = 9.0 if started else None
         return s
 
-    states = [waiting("none", 0.0), waiting("late", 1.0, 4.0), waiting("soon", 3.0, 6.0),
-              waiting("later", 2.0, 8.0), waiting("preempted", 5.0, 5.5, started=True)]
+    states = [
+        waiting("none", 0.0),
+        waiting("late", 1.0, 4.0),
+        waiting("soon", 3.0, 6.0),
+        waiting("later", 2.0, 8.0),
+        waiting("preempted", 5.0, 5.5, started=True),
+    ]
     x = ScheduleIR(5.0, list(states), [], 100, 8)  # now = 5 s: "late" has missed its deadline
     EarliestDeadlinePass(EarliestDeadlineSettings(), CTX).sagellm_schedule_pass(ir=x)
     assert ids(x.waiting) == ["preempted", "soon", "later", "late", "none"]

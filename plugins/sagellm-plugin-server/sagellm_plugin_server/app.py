@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from sagellm_plugin_torch.engine import SamplingParams, StepOutput
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sagellm_core.errors import RequestError
 from sagellm_core.types import Request
-from sagellm_plugin_torch.engine import SamplingParams, StepOutput
 
 from .engine_thread import EngineThread, QueueFull
 from .metrics import ServerMetrics, kv_stats
@@ -67,15 +69,24 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return error(
+            exc.status_code,
+            str(exc.detail),
+            kind="not_found_error" if exc.status_code == 404 else "invalid_request_error",
+        )
 
     def tenant_of(http: HTTPRequest, user: str | None) -> str:
         return http.headers.get(TENANT_HEADER) or user or "default"
 
     def check_model(name: str | None) -> JSONResponse | None:
         if name is not None and name != model_name:
-            return error(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
-                         kind="not_found_error", param="model", code="model_not_found")
+            return error(
+                404,
+                f"The model `{name}` does not exist; this server serves `{model_name}`.",
+                kind="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         return None
 
     async def serve(body, http: HTTPRequest, prompt: list[int], max_tokens: int | None, chat: bool):
@@ -86,7 +97,9 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
         if max_tokens is None:
             max_tokens = context_limit - len(prompt)
             if max_tokens < 1:
-                return error(400, f"the prompt has {len(prompt)} tokens; the context holds {context_limit}", param="messages")
+                return error(
+                    400, f"the prompt has {len(prompt)} tokens; the context holds {context_limit}", param="messages"
+                )
         kind = "chatcmpl" if chat else "cmpl"
         rid = f"{kind}-{uuid.uuid4().hex}"
         request = Request(rid, prompt, max_tokens, tenant=tenant_of(http, body.user))
@@ -122,8 +135,12 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
         else:
             choice["text"] = detok.text
         return {
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model_name, "choices": [choice], "usage": usage(len(prompt), len(detok.ids)),
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": [choice],
+            "usage": usage(len(prompt), len(detok.ids)),
         }
 
     async def results(rid: str, outputs) -> AsyncIterator[StepOutput]:
@@ -142,7 +159,9 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
 
         def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
             if chat:
-                d: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                d: dict[str, Any] = (
+                    {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                )
                 choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
@@ -163,8 +182,14 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
                 if delta or finished:
                     yield chunk(delta, out.finish_reason if finished else None)
             if include_usage:
-                body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [],
-                        "usage": usage(prompt_tokens, len(detok.ids))}
+                body = {
+                    "id": rid,
+                    "object": kind,
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, len(detok.ids)),
+                }
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -172,8 +197,11 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
                 engine.abort_nowait(rid)
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -200,8 +228,18 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sagellm",
-                                             "max_model_len": context_limit}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "sagellm",
+                    "max_model_len": context_limit,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():

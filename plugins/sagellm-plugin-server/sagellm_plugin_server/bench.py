@@ -77,8 +77,11 @@ def load(args) -> list[BenchRequest]:
     path = Path(args.trace)
     if not path.is_file():
         raise TraceError(f"{path}: no such trace file")
-    requests = mooncake_requests(path, args.words_per_block, args.max_tokens) if path.suffix == ".jsonl" \
+    requests = (
+        mooncake_requests(path, args.words_per_block, args.max_tokens)
+        if path.suffix == ".jsonl"
         else sharegpt_requests(path, args.max_tokens)
+    )
     requests = requests[: args.max_requests] if args.max_requests else requests
     if args.rate:
         rng, t, timed = random.Random(args.seed), 0.0, []
@@ -95,8 +98,14 @@ async def one(client, url: str, model: str, request: BenchRequest, start: float)
     sent = time.perf_counter()
     first = None
     tokens = 0
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -113,8 +122,13 @@ async def one(client, url: str, model: str, request: BenchRequest, start: float)
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     end = time.perf_counter()
     first = first or end
-    return {"ok": True, "ttft_s": first - sent, "e2e_s": end - sent, "tokens": tokens,
-            "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None}
+    return {
+        "ok": True,
+        "ttft_s": first - sent,
+        "e2e_s": end - sent,
+        "tokens": tokens,
+        "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
+    }
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
@@ -139,7 +153,9 @@ async def run(args, requests: list[BenchRequest]) -> dict[str, Any]:
                 listing = (await client.get(f"{url}/v1/models")).json()
                 model = listing["data"][0]["id"]
             except Exception as exc:  # noqa: BLE001
-                raise SagellmError(f"--url {url}: cannot list its models ({type(exc).__name__}: {exc}); pass --model") from None
+                raise SagellmError(
+                    f"--url {url}: cannot list its models ({type(exc).__name__}: {exc}); pass --model"
+                ) from None
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(client, url, model, r, start)) for r in requests]
         results = []
@@ -148,8 +164,9 @@ async def run(args, requests: list[BenchRequest]) -> dict[str, Any]:
         else:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            with Progress(TextColumn("[bold]bench serve"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          transient=True) as bar:
+            with Progress(
+                TextColumn("[bold]bench serve"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+            ) as bar:
                 task = bar.add_task("requests", total=len(tasks))
                 for done in asyncio.as_completed(tasks):
                     results.append(await done)
@@ -158,8 +175,13 @@ async def run(args, requests: list[BenchRequest]) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     return {
-        "url": url, "model": model, "trace": str(args.trace), "requests": len(requests), "completed": len(ok),
-        "failed": len(results) - len(ok), "wall_s": round(wall, 3),
+        "url": url,
+        "model": model,
+        "trace": str(args.trace),
+        "requests": len(requests),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "wall_s": round(wall, 3),
         "ttft_s": percentiles([r["ttft_s"] for r in ok]),
         "tpot_s": percentiles([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
         "e2e_s": percentiles([r["e2e_s"] for r in ok]),

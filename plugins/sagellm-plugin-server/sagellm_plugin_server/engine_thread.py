@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
+
+from sagellm_plugin_torch.engine import EngineCore, SamplingParams, StepOutput
 
 from sagellm_core.types import Request
-from sagellm_plugin_torch.engine import EngineCore, SamplingParams, StepOutput
 
 
 class QueueFull(Exception):

@@ -17,7 +17,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
-
 from sagellm_plugin_torch.engine import EngineCore, StepOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -58,15 +57,26 @@ class ServerMetrics:
     def __init__(self, policy: str):
         self.policy = policy
         self.registry = CollectorRegistry()
-        self.ttft = Histogram("sagellm:time_to_first_token_seconds", "Time to first token.",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("sagellm:time_per_output_token_seconds", "Time per output token after the first.",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("sagellm:e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(
+            "sagellm:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "sagellm:time_per_output_token_seconds",
+            "Time per output token after the first.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "sagellm:e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
         self.lifetime_error = Histogram(
-            "sagellm:lifetime_abs_error_tokens", "|predicted - actual| output length per finished request.",
-            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000), registry=self.registry,
+            "sagellm:lifetime_abs_error_tokens",
+            "|predicted - actual| output length per finished request.",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
+            registry=self.registry,
         )
         self.success: dict[str, int] = {}
         self._snapshot: dict[str, Any] = {}
@@ -100,13 +110,20 @@ class ServerMetrics:
                 if stats.calls:
                     hooks[name.removeprefix("sagellm_")] = (stats.calls, stats.total_s, stats.percentile_us(0.99) / 1e6)
         return {
-            "running": len(core.running), "waiting": len(core.waiting),
+            "running": len(core.running),
+            "waiting": len(core.waiting),
             "kv_usage": usage.num_used_blocks / rt.num_blocks,
-            "query_tokens": c.query_tokens, "hit_tokens": c.hit_tokens,
-            "preemptions": c.preemptions, "prompt_tokens": c.query_tokens,
-            "generation_tokens": core.generated_tokens, "evicted_blocks": c.evicted_blocks,
-            "host_hit_blocks": c.host_hit_blocks, "transferred_bytes": c.transferred_bytes,
-            "transfers": c.transfers, "transfer_failures": c.transfer_failures, "hooks": hooks,
+            "query_tokens": c.query_tokens,
+            "hit_tokens": c.hit_tokens,
+            "preemptions": c.preemptions,
+            "prompt_tokens": c.query_tokens,
+            "generation_tokens": core.generated_tokens,
+            "evicted_blocks": c.evicted_blocks,
+            "host_hit_blocks": c.host_hit_blocks,
+            "transferred_bytes": c.transferred_bytes,
+            "transfers": c.transfers,
+            "transfer_failures": c.transfer_failures,
+            "hooks": hooks,
         }
 
     def render(self, snapshot: dict[str, Any]) -> str:
@@ -120,7 +137,9 @@ class ServerMetrics:
             return
         yield GaugeMetricFamily("sagellm:num_requests_running", "Requests in the running batch.", value=s["running"])
         yield GaugeMetricFamily("sagellm:num_requests_waiting", "Requests waiting to be admitted.", value=s["waiting"])
-        yield GaugeMetricFamily("sagellm:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", value=s["kv_usage"])
+        yield GaugeMetricFamily(
+            "sagellm:kv_cache_usage_perc", "Share of KV blocks in use (1 = full).", value=s["kv_usage"]
+        )
 
         def counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None):
             family = CounterMetricFamily(name, doc, labels=list(labels or {}))
@@ -132,19 +151,34 @@ class ServerMetrics:
         yield counter("sagellm:num_preemptions", "Requests preempted (recomputed later).", s["preemptions"])
         yield counter("sagellm:prompt_tokens", "Prompt tokens of admitted requests.", s["prompt_tokens"])
         yield counter("sagellm:generation_tokens", "Tokens generated.", s["generation_tokens"])
-        success = CounterMetricFamily("sagellm:request_success", "Requests finished, by reason.", labels=["finished_reason"])
+        success = CounterMetricFamily(
+            "sagellm:request_success", "Requests finished, by reason.", labels=["finished_reason"]
+        )
         for reason, count in sorted(self.success.items()):
             success.add_metric([reason], count)
         yield success
-        yield counter("sagellm:evicted_blocks", "Cached blocks evicted, by eviction policy.", s["evicted_blocks"], {"policy": self.policy})
-        yield counter("sagellm:host_tier_hit_blocks", "Blocks loaded back from the host tier instead of recomputed.", s["host_hit_blocks"])
+        yield counter(
+            "sagellm:evicted_blocks",
+            "Cached blocks evicted, by eviction policy.",
+            s["evicted_blocks"],
+            {"policy": self.policy},
+        )
+        yield counter(
+            "sagellm:host_tier_hit_blocks",
+            "Blocks loaded back from the host tier instead of recomputed.",
+            s["host_hit_blocks"],
+        )
         yield counter("sagellm:kv_transfer_bytes", "KV bytes moved between tiers.", s["transferred_bytes"])
         transfers = CounterMetricFamily("sagellm:kv_transfers", "KV transfers, by outcome.", labels=["outcome"])
         transfers.add_metric(["ok"], s["transfers"] - s["transfer_failures"])
         transfers.add_metric(["failed"], s["transfer_failures"])
         yield transfers
-        latency = SummaryMetricFamily("sagellm:hook_latency_seconds", "Time in each hook (all its plugins).", labels=["hook"])
-        p99 = GaugeMetricFamily("sagellm:hook_latency_p99_seconds", "Each hook's 99th percentile call time (sampled).", labels=["hook"])
+        latency = SummaryMetricFamily(
+            "sagellm:hook_latency_seconds", "Time in each hook (all its plugins).", labels=["hook"]
+        )
+        p99 = GaugeMetricFamily(
+            "sagellm:hook_latency_p99_seconds", "Each hook's 99th percentile call time (sampled).", labels=["hook"]
+        )
         for hook, (calls, total, q99) in sorted(s["hooks"].items()):
             latency.add_metric([hook], count_value=calls, sum_value=total)
             p99.add_metric([hook], q99)

@@ -51,7 +51,8 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> JSONResponse:
+def error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     """OpenAI's error body."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from sagellm_plugin_torch import testing
 
 
@@ -28,7 +27,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sagellm_core.cli", "serve", "--config", str(config), "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -53,6 +54,11 @@ class Server:
 
 def server_config(folder: Path, model: Path, max_waiting: int = 4096, max_num_seqs: int = 32) -> Path:
     return testing.write_config(
-        folder, model=str(model), num_blocks=256, block_size=4, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=256, extra=f"[server]\nmax_waiting = {max_waiting}\nmodel_name = \"tiny\"\n",
+        folder,
+        model=str(model),
+        num_blocks=256,
+        block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=256,
+        extra=f'[server]\nmax_waiting = {max_waiting}\nmodel_name = "tiny"\n',
     )

@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from sagellm_plugin_server.testing import Server, server_config
 from sagellm_plugin_torch import testing
 

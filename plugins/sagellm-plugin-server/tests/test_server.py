@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from sagellm_plugin_server.testing import Server, server_config
-from sagellm_core.types import Request
 from sagellm_plugin_torch import testing
 from sagellm_plugin_torch.engine import SamplingParams
+
+from sagellm_core.types import Request
 
 
 def client(server) -> openai.OpenAI:
@@ -45,7 +45,9 @@ def test_completions_equal_the_engines_offline_greedy_output(server, tiny_model_
 def test_streamed_completion_equals_the_whole_one(server):
     c = client(server)
     whole = c.completions.create(model="tiny", prompt="w20 w21 w22 w23", max_tokens=10, temperature=0)
-    parts = list(c.completions.create(model="tiny", prompt="w20 w21 w22 w23", max_tokens=10, temperature=0, stream=True))
+    parts = list(
+        c.completions.create(model="tiny", prompt="w20 w21 w22 w23", max_tokens=10, temperature=0, stream=True)
+    )
     assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
     assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
@@ -90,8 +92,11 @@ def test_reset_prefix_cache_evicts_what_no_request_holds(server):
 
 
 def test_a_tenant_header_reaches_the_runtime(server):
-    httpx.post(f"{server.url}/v1/completions", headers={"x-sagellm-tenant": "acme"},
-               json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 1}).raise_for_status()
+    httpx.post(
+        f"{server.url}/v1/completions",
+        headers={"x-sagellm-tenant": "acme"},
+        json={"prompt": [5, 6, 7, 8, 9], "max_tokens": 1},
+    ).raise_for_status()
     client(server).completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=1, user="globex")
     assert {"acme", "globex"} <= set(kv(server)["tenants"])
 
@@ -119,7 +124,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
 
 
 def test_malformed_json_is_a_400(server):
-    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "error" in response.json()
 
 
@@ -133,8 +140,14 @@ def test_load_with_cancellations_leaves_no_block_held(server):
     cancelled after their first chunk; bounded to two minutes."""
     rng = random.Random(0)
     prefixes = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [40, 41, 42, 43]]
-    plan = [(rng.choice(prefixes) + [rng.randrange(50, 120) for _ in range(rng.randrange(1, 12))],
-             rng.randrange(2, 12), i % 10 == 0) for i in range(1000)]
+    plan = [
+        (
+            rng.choice(prefixes) + [rng.randrange(50, 120) for _ in range(rng.randrange(1, 12))],
+            rng.randrange(2, 12),
+            i % 10 == 0,
+        )
+        for i in range(1000)
+    ]
 
     before = metrics(server)["sagellm:request_success_total"]
 
@@ -142,10 +155,17 @@ def test_load_with_cancellations_leaves_no_block_held(server):
         limit = asyncio.Semaphore(32)
         done = cancelled = 0
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
             async def one(prompt, max_tokens, cancel):
                 nonlocal done, cancelled
                 async with limit:
-                    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+                    body = {
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        "stream": True,
+                    }
                     async with http.stream("POST", "/v1/completions", json=body) as response:
                         assert response.status_code == 200
                         async for line in response.aiter_lines():
@@ -174,6 +194,7 @@ def test_load_with_cancellations_leaves_no_block_held(server):
 def test_a_full_waiting_queue_is_a_429_not_a_hang(tmp_path, tiny_model_dir):
     srv = Server(server_config(tmp_path, tiny_model_dir, max_waiting=1, max_num_seqs=1))
     try:
+
         async def burst():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
                 body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
@@ -191,11 +212,31 @@ def test_bench_serve_replays_a_mooncake_trace_against_the_server(server, tmp_pat
     import sys
 
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": i * 10, "input_length": 512 * 2, "output_length": 4, "hash_ids": [1, 2 + i % 3]} for i in range(12)]
+    rows = [
+        {"timestamp": i * 10, "input_length": 512 * 2, "output_length": 4, "hash_ids": [1, 2 + i % 3]}
+        for i in range(12)
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "-m", "sagellm_core.cli", "bench", "serve", "--url", server.url, "--trace", str(trace),
-                    "--words-per-block", "4", "--json", str(out), "--quiet"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sagellm_core.cli",
+            "bench",
+            "serve",
+            "--url",
+            server.url,
+            "--trace",
+            str(trace),
+            "--words-per-block",
+            "4",
+            "--json",
+            str(out),
+            "--quiet",
+        ],
+        check=True,
+    )
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["failed"] == 0 and report["ttft_s"]["p50"] > 0
 
@@ -219,8 +260,9 @@ def test_a_stop_string_ends_the_text_before_it(server):
     stop = words[2]
     cut = c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0, stop=[stop]).choices[0]
     assert cut.text == whole[: whole.find(stop)] and cut.finish_reason == "stop"
-    streamed = list(c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0,
-                                         stop=stop, stream=True))
+    streamed = list(
+        c.completions.create(model="tiny", prompt="w60 w61 w62", max_tokens=12, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(p.choices[0].text for p in streamed) == cut.text and streamed[-1].choices[0].finish_reason == "stop"
     assert kv(server, check=True)["invariants"] == "ok"
 
@@ -229,7 +271,11 @@ def test_sampling_with_a_seed_is_reproducible(server):
     c = client(server)
 
     def sample(seed):
-        return c.completions.create(model="tiny", prompt="w7 w8", max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+        return (
+            c.completions.create(model="tiny", prompt="w7 w8", max_tokens=12, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert sample(1) == sample(1)
     assert len({sample(s) for s in range(2, 6)}) > 1  # a near-uniform tiny model: different seeds differ
@@ -241,11 +287,20 @@ def test_bench_reads_sharegpt_conversations(tmp_path):
     from sagellm_plugin_server import bench
 
     path = tmp_path / "sharegpt.json"
-    path.write_text(json.dumps([
-        {"conversations": [{"from": "human", "value": "hello there"}, {"from": "gpt", "value": "one two three four"}]},
-        {"conversations": [{"from": "human", "value": "only a question"}]},
-        {"conversations": [{"from": "human", "value": "why?"}, {"from": "gpt", "value": "because " * 100}]},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "hello there"},
+                        {"from": "gpt", "value": "one two three four"},
+                    ]
+                },
+                {"conversations": [{"from": "human", "value": "only a question"}]},
+                {"conversations": [{"from": "human", "value": "why?"}, {"from": "gpt", "value": "because " * 100}]},
+            ]
+        )
+    )
     args = SimpleNamespace(trace=str(path), words_per_block=32, max_tokens=64, max_requests=None, rate=2.0, seed=0)
     requests = bench.load(args)
     assert [r.prompt for r in requests] == ["hello there", "why?"]

@@ -6,8 +6,8 @@ import pytest
 from sagellm_plugin_sharegpt import Conversation, turns
 
 from sagellm_core.config import WorkloadSettings
-from sagellm_core.replay import workloads
 from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.replay import workloads
 
 TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
 
@@ -17,8 +17,15 @@ def first(n, **kw):
 
 
 def test_turns_share_their_history_as_a_prefix():
-    conversation = Conversation("c", [("human", "hello there"), ("gpt", "hi, how can I help?"),
-                                      ("human", "tell me a joke"), ("gpt", "why did the chicken...")])
+    conversation = Conversation(
+        "c",
+        [
+            ("human", "hello there"),
+            ("gpt", "hi, how can I help?"),
+            ("human", "tell me a joke"),
+            ("gpt", "why did the chicken..."),
+        ],
+    )
     first_turn, second_turn = turns(conversation)
     assert first_turn.user_text == "hello there" and second_turn.user_text == "tell me a joke"
     history = first_turn.prompt_token_ids + first_turn.reply_token_ids
@@ -31,14 +38,18 @@ def test_messages_outside_a_pair_stay_in_later_prompts():
     conversation = Conversation("c", [("gpt", "as I was saying"), ("human", "go on"), ("gpt", "so then")])
     (only,) = turns(conversation)
     assert only.turn == 0
-    assert len(only.prompt_token_ids) > len(turns(Conversation("d", [("human", "go on"), ("gpt", "x")]))[0].prompt_token_ids)
+    assert len(only.prompt_token_ids) > len(
+        turns(Conversation("d", [("human", "go on"), ("gpt", "x")]))[0].prompt_token_ids
+    )
 
 
 def test_workload_is_in_arrival_order_with_text_and_sessions():
     requests = first(300)
     assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
     # (a few user messages in the dataset are empty strings)
-    assert all(r.prompt_text is not None and r.session_id and r.output_tokens == len(r.output_token_ids) for r in requests)
+    assert all(
+        r.prompt_text is not None and r.session_id and r.output_tokens == len(r.output_token_ids) for r in requests
+    )
     assert len({r.session_id for r in requests}) < len(requests)  # multi-turn
 
 
@@ -73,8 +84,12 @@ def test_config_accepts_the_installed_source():
 
 
 def test_empty_prompts_and_replies_are_left_out_but_stay_in_the_history():
-    conversation = Conversation("c", [("human", ""), ("gpt", "hello!"), ("human", "hi"), ("gpt", ""),
-                                      ("human", "and now?"), ("gpt", "now this")])
+    conversation = Conversation(
+        "c",
+        [("human", ""), ("gpt", "hello!"), ("human", "hi"), ("gpt", ""), ("human", "and now?"), ("gpt", "now this")],
+    )
     (kept,) = turns(conversation)
     assert kept.turn == 2 and kept.user_text == "and now?"
-    assert len(kept.prompt_token_ids) > len(turns(Conversation("d", [("human", "and now?"), ("gpt", "x")]))[0].prompt_token_ids)
+    assert len(kept.prompt_token_ids) > len(
+        turns(Conversation("d", [("human", "and now?"), ("gpt", "x")]))[0].prompt_token_ids
+    )

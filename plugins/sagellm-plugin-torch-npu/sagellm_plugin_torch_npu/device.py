@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import importlib
 import os
+from contextlib import AbstractContextManager as ContextManager
 from itertools import accumulate
 from types import ModuleType
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
+from sagellm_plugin_torch.devices import AttentionBatch, TorchDevice
 
 from sagellm_core.errors import ConfigError
-from sagellm_plugin_torch.devices import AttentionBatch, TorchDevice
 
 #: vllm-ascend aligns KV buffers to 2 MiB for disaggregated transfer.
 KV_ALIGNMENT = 2 * 1024 * 1024
@@ -52,11 +53,16 @@ def import_torch_npu() -> ModuleType:
     except ImportError as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, ModuleNotFoundError) and exc.name == "torch_npu":
-            reason = "torch_npu is not installed (pip install 'sagellm-plugin-torch-npu[npu]' on a machine with Ascend CANN)"
+            reason = (
+                "torch_npu is not installed (pip install 'sagellm-plugin-torch-npu[npu]' on a machine with Ascend CANN)"
+            )
         raise ConfigError(f"device 'npu': {reason}") from None
     except Exception as exc:  # CANN libraries missing load as OSError and others
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"device 'npu': torch_npu failed to load ({type(exc).__name__}: {first}); is Ascend CANN installed and sourced?") from None
+        raise ConfigError(
+            f"device 'npu': torch_npu failed to load ({type(exc).__name__}: {first});"
+            " is Ascend CANN installed and sourced?"
+        ) from None
 
 
 class NpuDevice(TorchDevice):
@@ -66,7 +72,9 @@ class NpuDevice(TorchDevice):
         self.torch_npu = torch_npu if torch_npu is not None else import_torch_npu()
         self.npu = self.torch_npu.npu
         if not self.npu.is_available():
-            raise ConfigError(f"device {self.name!r}: torch.npu.is_available() is false (no NPU visible to this process)")
+            raise ConfigError(
+                f"device {self.name!r}: torch.npu.is_available() is false (no NPU visible to this process)"
+            )
         self.torch_device = self._torch_device(index)
         self._stream = self.npu.Stream(self.torch_device)
         self._masks: dict[torch.device, torch.Tensor] = {}
@@ -116,8 +124,12 @@ class NpuDevice(TorchDevice):
 
     def write_kv(self, kv, layer, key, value, batch: AttentionBatch) -> None:
         self.torch_npu.npu_scatter_pa_kv_cache(
-            key.contiguous(), value.contiguous(), kv[layer, 0], kv[layer, 1],
-            batch.slot_mapping.to(torch.int32), cache_mode="Norm",
+            key.contiguous(),
+            value.contiguous(),
+            kv[layer, 0],
+            kv[layer, 1],
+            batch.slot_mapping.to(torch.int32),
+            cache_mode="Norm",
         )
 
     def _mask(self, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,6 @@ naming the argument, what the real kernels refuse."""
 
 import pytest
 import torch
-
 from sagellm_plugin_torch_npu.device import MASK_SIZE
 from sagellm_plugin_torch_npu.fake import AscendArgumentError, npu_fused_infer_attention_score, npu_scatter_pa_kv_cache
 
@@ -27,12 +26,18 @@ def attention_args(**change):
     caches = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS * DIM, dtype=torch.bfloat16)
     args = dict(
         query=torch.randn(3, HEADS, DIM, dtype=torch.bfloat16),
-        key=caches, value=caches.clone(),
+        key=caches,
+        value=caches.clone(),
         atten_mask=torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=1),
         block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
-        input_layout="TND", block_size=BLOCK,
-        actual_seq_lengths=[2, 3], actual_seq_lengths_kv=[20, 17],
-        num_heads=HEADS, num_key_value_heads=KV_HEADS, scale=DIM ** -0.5, sparse_mode=3,
+        input_layout="TND",
+        block_size=BLOCK,
+        actual_seq_lengths=[2, 3],
+        actual_seq_lengths_kv=[20, 17],
+        num_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        scale=DIM**-0.5,
+        sparse_mode=3,
     )
     args.update(change)
     return args
@@ -83,10 +88,22 @@ def test_attention_returns_tnd_output_and_a_softmax_placeholder():
         (dict(block_table=None), "block_table is required"),
         (dict(block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)), "int32"),
         (dict(block_size=32), "differs from the caches"),
-        (dict(key=torch.randn(NUM_BLOCKS, 8, KV_HEADS * DIM, dtype=torch.bfloat16),
-              value=torch.randn(NUM_BLOCKS, 8, KV_HEADS * DIM, dtype=torch.bfloat16), block_size=8), "multiple of 16"),
-        (dict(key=torch.randn(2, 1024, KV_HEADS * DIM, dtype=torch.bfloat16),
-              value=torch.randn(2, 1024, KV_HEADS * DIM, dtype=torch.bfloat16), block_size=1024), "up to 512"),
+        (
+            dict(
+                key=torch.randn(NUM_BLOCKS, 8, KV_HEADS * DIM, dtype=torch.bfloat16),
+                value=torch.randn(NUM_BLOCKS, 8, KV_HEADS * DIM, dtype=torch.bfloat16),
+                block_size=8,
+            ),
+            "multiple of 16",
+        ),
+        (
+            dict(
+                key=torch.randn(2, 1024, KV_HEADS * DIM, dtype=torch.bfloat16),
+                value=torch.randn(2, 1024, KV_HEADS * DIM, dtype=torch.bfloat16),
+                block_size=1024,
+            ),
+            "up to 512",
+        ),
         (dict(actual_seq_lengths=[2, 2]), "cumulative"),
         (dict(actual_seq_lengths=[1, 3]), None),  # valid: cumulative ends may differ
         (dict(actual_seq_lengths_kv=[40, 17]), "exceeds its block-table row"),
@@ -94,7 +111,10 @@ def test_attention_returns_tnd_output_and_a_softmax_placeholder():
         (dict(num_key_value_heads=3), "num_heads"),
         (dict(sparse_mode=0), "sparse_mode"),
         (dict(atten_mask=None), "2048 x 2048"),
-        (dict(atten_mask=torch.tril(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=-1)), "upper-triangular"),
+        (
+            dict(atten_mask=torch.tril(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8), diagonal=-1)),
+            "upper-triangular",
+        ),
         (dict(query=torch.randn(3, HEADS, 12, dtype=torch.bfloat16)), "head_dim"),
     ],
 )

@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 import torch
-
-from sagellm_core.errors import ConfigError
-from sagellm_core.registry import PluginContext
 from sagellm_plugin_torch import testing as helpers
 from sagellm_plugin_torch.devices import load_device
 from sagellm_plugin_torch.engine import TorchEngine, TorchSettings
 from sagellm_plugin_torch_npu.device import KV_ALIGNMENT
+
+from sagellm_core.errors import ConfigError
+from sagellm_core.registry import PluginContext
 
 
 @pytest.mark.parametrize(
@@ -37,8 +37,11 @@ def test_the_cli_refuses_it_with_exit_2_and_one_line(tmp_path, tiny_model_dir):
     path = helpers.write_config(tmp_path, model=str(tiny_model_dir), block_size=8)
     text = path.read_text().replace('name = "torch"', 'name = "torch"\ndevice = "npu-fake"\ndtype = "bfloat16"')
     path.write_text(text)
-    run = subprocess.run([sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--quiet"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "block_size 8" in run.stderr
 

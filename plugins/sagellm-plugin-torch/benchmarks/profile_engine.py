@@ -13,10 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from sagellm_core.types import Request
 from sagellm_plugin_torch import models
 from sagellm_plugin_torch import testing as helpers
 from sagellm_plugin_torch.engine import SamplingParams
+
+from sagellm_core.types import Request
 
 PARTS = {
     "model forward (all of it)": "runner.py:{forward}",
@@ -46,7 +47,10 @@ def main() -> int:
     profiler.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(profiler)
-    by_name = {f"{Path(f).name}:{{{n}}}" if f != "~" else f"{{{n}}}": (tt, ct) for (f, _, n), (_, _, tt, ct, _) in stats.stats.items()}
+    by_name = {
+        f"{Path(f).name}:{{{n}}}" if f != "~" else f"{{{n}}}": (tt, ct)
+        for (f, _, n), (_, _, tt, ct, _) in stats.stats.items()
+    }
     print(f"{core.step_index} steps, {32 * 32} tokens, {wall:.2f} s wall ({32 * 32 / wall:.1f} tok/s)")
     for label, key in PARTS.items():
         tottime, cumtime = by_name.get(key, (0.0, 0.0))

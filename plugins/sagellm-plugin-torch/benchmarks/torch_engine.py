@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from sagellm_core.types import Request
 from sagellm_plugin_torch import models
 from sagellm_plugin_torch import testing as helpers
 from sagellm_plugin_torch.engine import SamplingParams
+
+from sagellm_core.types import Request
 
 POLICY = (
     "Company support policy, section {i}: customers may return items within thirty days of delivery, "
@@ -64,7 +64,9 @@ def ttft_run(folder: Path, prompts: list[list[int]], cache: bool, concurrent: bo
 
 def throughput(folder: Path, model, tokenizer, prompts: list[list[int]], new_tokens: int) -> dict:
     rows = {}
-    core = helpers.engine_core(helpers.write_config(folder, num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048))
+    core = helpers.engine_core(
+        helpers.write_config(folder, num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048)
+    )
     forward_s = 0.0
     inner = core.runner.forward
 
@@ -85,8 +87,12 @@ def throughput(folder: Path, model, tokenizer, prompts: list[list[int]], new_tok
         core.step()
         steps += 1
     wall = time.perf_counter() - start
-    rows["sagellm torch engine"] = {"wall_s": wall, "tokens_per_s": len(prompts) * new_tokens / wall,
-                                    "model_forward_share": forward_s / wall, "steps": steps}
+    rows["sagellm torch engine"] = {
+        "wall_s": wall,
+        "tokens_per_s": len(prompts) * new_tokens / wall,
+        "model_forward_share": forward_s / wall,
+        "steps": steps,
+    }
 
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -95,8 +101,14 @@ def throughput(folder: Path, model, tokenizer, prompts: list[list[int]], new_tok
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=pad)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     wall = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
     rows["transformers generate (batched, padded)"] = {"wall_s": wall, "tokens_per_s": len(prompts) * new_tokens / wall}
@@ -104,8 +116,9 @@ def throughput(folder: Path, model, tokenizer, prompts: list[list[int]], new_tok
     try:
         from transformers import GenerationConfig
 
-        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  eos_token_id=-1, pad_token_id=pad)
+        config = GenerationConfig(
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad
+        )
         start = time.perf_counter()
         # Not under inference_mode: generate_batch runs its own thread, which
         # may not write tensors created in inference mode.
@@ -116,7 +129,9 @@ def throughput(folder: Path, model, tokenizer, prompts: list[list[int]], new_tok
             raise RuntimeError("generate_batch returned no tokens")
         rows["transformers continuous batching (generate_batch)"] = {"wall_s": wall, "tokens_per_s": generated / wall}
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
-        rows["transformers continuous batching (generate_batch)"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        rows["transformers continuous batching (generate_batch)"] = {
+            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        }
     return rows
 
 
@@ -124,7 +139,9 @@ def reload_run(folder: Path, prefix: list[int], filler: list[int], offload: bool
     # 140 blocks: the 2,000-token prefix (125 blocks) fits, and the filler
     # request that follows must evict it.
     core = helpers.engine_core(
-        helpers.write_config(folder, num_blocks=140, offload=offload, host_blocks=256, max_num_seqs=4, max_num_batched_tokens=4096)
+        helpers.write_config(
+            folder, num_blocks=140, offload=offload, host_blocks=256, max_num_seqs=4, max_num_batched_tokens=4096
+        )
     )
 
     def serve(rid: str, prompt: list[int]) -> float:
@@ -147,8 +164,14 @@ def reload_run(folder: Path, prefix: list[int], filler: list[int], offload: bool
         assert reloaded >= 100, f"the prefix was meant to come back from the host tier ({reloaded} blocks)"
     else:
         assert reloaded == 0
-    return {"ttft_s": ttft, "evicted_blocks": evicted, "host_blocks_loaded": reloaded, "device_hit_blocks": device_hits,
-            "bytes_moved": c.transferred_bytes, "transfer_s": c.transfer_s}
+    return {
+        "ttft_s": ttft,
+        "evicted_blocks": evicted,
+        "host_blocks_loaded": reloaded,
+        "device_hit_blocks": device_hits,
+        "bytes_moved": c.transferred_bytes,
+        "transfer_s": c.transfer_s,
+    }
 
 
 def main() -> int:
@@ -169,9 +192,15 @@ def main() -> int:
         key = "concurrent" if concurrent else "one_at_a_time"
         on = ttft_run(folder, prompts, True, concurrent)
         off = ttft_run(folder, prompts, False, concurrent)
-        results[f"ttft_{key}"] = {"cache_on": on, "cache_off": off, "ratio_off_over_on": off["mean_ttft_s"] / on["mean_ttft_s"]}
-        print(f"TTFT, 64 requests sharing {len(system_ids)} tokens, {key}: on {on['mean_ttft_s']:.3f} s,"
-              f" off {off['mean_ttft_s']:.3f} s: {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching")
+        results[f"ttft_{key}"] = {
+            "cache_on": on,
+            "cache_off": off,
+            "ratio_off_over_on": off["mean_ttft_s"] / on["mean_ttft_s"],
+        }
+        print(
+            f"TTFT, 64 requests sharing {len(system_ids)} tokens, {key}: on {on['mean_ttft_s']:.3f} s,"
+            f" off {off['mean_ttft_s']:.3f} s: {off['mean_ttft_s'] / on['mean_ttft_s']:.1f}x lower with caching"
+        )
 
     if "throughput" in parts:
         chats = helpers.chat_prompts(tokenizer, 32)
@@ -181,7 +210,10 @@ def main() -> int:
             if "error" in row:
                 print(f"throughput {name}: did not run: {row['error']}")
             else:
-                print(f"throughput {name}: {row['tokens_per_s']:.1f} tok/s (sagellm {base / row['tokens_per_s']:.2f}x this)")
+                print(
+                    f"throughput {name}: {row['tokens_per_s']:.1f} tok/s"
+                    f" (sagellm {base / row['tokens_per_s']:.2f}x this)"
+                )
         print(f"  engine step time in the model's forward: {rows['sagellm torch engine']['model_forward_share']:.1%}")
         results["throughput"] = rows
     if "reload" not in parts:
@@ -195,10 +227,12 @@ def main() -> int:
     host = reload_run(folder, prefix, filler, True)
     recompute = reload_run(folder, prefix, filler, False)
     results["reload_2000"] = {"host_tier": host, "recompute": recompute, "ratio": recompute["ttft_s"] / host["ttft_s"]}
-    print(f"2,000-token prefix ({host['device_hit_blocks']} blocks still on the device in both runs):"
-          f" host reload {host['ttft_s']:.3f} s ({host['host_blocks_loaded']} blocks,"
-          f" {host['transfer_s'] * 1e3:.1f} ms copying, both ways, all transfers), recompute {recompute['ttft_s']:.3f} s:"
-          f" {recompute['ttft_s'] / host['ttft_s']:.1f}x faster")
+    print(
+        f"2,000-token prefix ({host['device_hit_blocks']} blocks still on the device in both runs):"
+        f" host reload {host['ttft_s']:.3f} s ({host['host_blocks_loaded']} blocks,"
+        f" {host['transfer_s'] * 1e3:.1f} ms copying, both ways, all transfers), recompute {recompute['ttft_s']:.3f} s:"
+        f" {recompute['ttft_s'] / host['ttft_s']:.1f}x faster"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

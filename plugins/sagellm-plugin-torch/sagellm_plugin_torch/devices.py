@@ -26,8 +26,10 @@ Devices are found through the ``sagellm.torch_devices`` entry point group:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager as ContextManager
 from importlib import metadata
-from typing import Any, ContextManager, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -103,7 +105,9 @@ class TorchDevice:
 
     # ------------------------------------------------------------ kernels --
 
-    def write_kv(self, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, batch: AttentionBatch) -> None:
+    def write_kv(
+        self, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, batch: AttentionBatch
+    ) -> None:
         """Scatter ``key`` / ``value`` (``[tokens, kv_heads, head_dim]``) into
         ``kv[layer]`` at ``batch.slot_mapping``."""
         k_cache, v_cache = kv[layer, 0], kv[layer, 1]
@@ -128,7 +132,9 @@ class TorchDevice:
         with self.stream():
             rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
             dst.index_copy_(
-                BLOCK_DIM, torch.tensor(dst_ids, dtype=torch.long, device=dst.device), rows.to(dst.device, non_blocking=True)
+                BLOCK_DIM,
+                torch.tensor(dst_ids, dtype=torch.long, device=dst.device),
+                rows.to(dst.device, non_blocking=True),
             )
             done = self.event()
             done.record()
@@ -162,8 +168,12 @@ def paged_attention_reference(
         v = v_cache[tables].flatten(1, 2)
         mask = torch.arange(k.shape[1], device=query.device)[None, :] < batch.seq_lens_tensor[:, None]
         o = F.scaled_dot_product_attention(
-            query[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+            query[:, :, None, :],
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
         )  # [seqs, heads, 1, head_dim]
         return o.view(tables.shape[0], *query.shape[1:])
     out = torch.empty_like(query)
@@ -175,8 +185,12 @@ def paged_attention_reference(
         positions = torch.arange(ctx - n, ctx, device=query.device)
         mask = torch.arange(ctx, device=query.device)[None, :] <= positions[:, None]
         o = F.scaled_dot_product_attention(
-            query[start : start + n].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            query[start : start + n].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         out[start : start + n] = o[0].transpose(0, 1)
     return out
@@ -222,7 +236,9 @@ def load_device(spec: str) -> TorchDevice:
     try:
         cls = found[name].load()
     except Exception as exc:
-        raise ConfigError(f"[engine] device = {spec!r}: {found[name].value} failed to import: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"[engine] device = {spec!r}: {found[name].value} failed to import: {type(exc).__name__}: {exc}"
+        ) from None
     if index and not index.isdigit():
         raise ConfigError(f"[engine] device = {spec!r}: the index after ':' must be a number")
     return cls(int(index) if index else None)

@@ -20,17 +20,17 @@ reload (``[transport] offload_evicted``) move real K/V bytes.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 import torch
 from attrs import field, frozen, validators
 
+from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
-from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from . import models
@@ -136,7 +136,9 @@ class EngineCore:
 
     # ----------------------------------------------------------- requests --
 
-    def add_request(self, request: Request, sampling: SamplingParams | None = None, *, arrival_s: float | None = None) -> None:
+    def add_request(
+        self, request: Request, sampling: SamplingParams | None = None, *, arrival_s: float | None = None
+    ) -> None:
         """Queue ``request``; a :class:`RequestError` (and nothing queued) if
         it can never be served. It arrives now on the engine's clock, or at
         ``arrival_s`` (a replayed trace's arrival, already due), so that its
@@ -203,7 +205,6 @@ class EngineCore:
         rt = self.rt
         now = self.clock()
         rt.set_time(now)
-        usage = rt.pool_usage()
         ir = ScheduleIR(
             now_s=now,
             waiting=list(self.waiting),
@@ -305,7 +306,9 @@ class EngineCore:
 
     # ---------------------------------------------------------- one-shot --
 
-    def generate(self, requests: Iterable[Request], sampling: Callable[[Request], SamplingParams] | None = None) -> dict[str, list[int]]:
+    def generate(
+        self, requests: Iterable[Request], sampling: Callable[[Request], SamplingParams] | None = None
+    ) -> dict[str, list[int]]:
         """Serve ``requests`` together (all arrive now); return each one's
         generated token ids."""
         results: dict[str, list[int]] = {}
@@ -346,8 +349,11 @@ class TorchEngine:
             now = core.clock()
             while pending is not None and pending.arrival_s <= now:
                 try:
-                    core.add_request(pending, SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos),
-                                     arrival_s=pending.arrival_s)
+                    core.add_request(
+                        pending,
+                        SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos),
+                        arrival_s=pending.arrival_s,
+                    )
                 except RequestError:
                     rt.reject(rt.arrive(pending))
                     on_request()

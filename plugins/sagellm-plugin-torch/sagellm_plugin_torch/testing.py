@@ -20,10 +20,18 @@ SYSTEM_PROMPTS = [
     "You are an astronomy guide for curious children. Use simple words and one vivid comparison per answer.",
 ]
 QUESTIONS = [
-    "What is the capital of France?", "Name a river in Egypt.", "How tall is Mount Everest?",
-    "What does a for loop do?", "How do I reverse a list?", "What is a dictionary?",
-    "How do I boil an egg?", "What goes well with rice?", "How long do I bake bread?",
-    "Why is the sky blue?", "What is a black hole?", "How far away is the Moon?",
+    "What is the capital of France?",
+    "Name a river in Egypt.",
+    "How tall is Mount Everest?",
+    "What does a for loop do?",
+    "How do I reverse a list?",
+    "What is a dictionary?",
+    "How do I boil an egg?",
+    "What goes well with rice?",
+    "How long do I bake bread?",
+    "Why is the sky blue?",
+    "What is a black hole?",
+    "How far away is the Moon?",
 ]
 FOLLOW_UPS = ["Tell me more.", "Can you give an example?", "Why is that?", "Summarise that in one line."]
 EARLIER_REPLY = "Here is a short answer to your question, with the key facts first."
@@ -59,7 +67,7 @@ def write_config(
     extra: str = "",
 ) -> Path:
     # Without a plugin, [prefix_cache] only sets the block size: no caching.
-    cache = f'[prefix_cache]\nblock_size = {block_size}\n' + ('plugin = "radix"\n' if prefix_cache else "")
+    cache = f"[prefix_cache]\nblock_size = {block_size}\n" + ('plugin = "radix"\n' if prefix_cache else "")
     text = f"""
 [engine]
 name = "torch"
@@ -113,10 +121,13 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[i
     for prompt in prompts:
         ids = torch.tensor([prompt])
         result = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
             pad_token_id=model.generation_config.eos_token_id,
         )
-        out.append(result[0, len(prompt):].tolist())
+        out.append(result[0, len(prompt) :].tolist())
     return out
 
 
@@ -140,9 +151,17 @@ def save_tiny_model(
     if model_type == "qwen3":
         extra["head_dim"] = hidden_size // num_heads
     config = AutoConfig.for_model(
-        model_type, vocab_size=128, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
-        eos_token_id=127, bos_token_id=1, **extra,
+        model_type,
+        vocab_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        eos_token_id=127,
+        bos_token_id=1,
+        **extra,
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     raw = Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))

@@ -7,24 +7,33 @@ import sys
 
 import pytest
 import torch
-
+from sagellm_plugin_torch import models
 from sagellm_plugin_torch import testing as helpers
+from sagellm_plugin_torch.devices import load_device
+
 from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.types import Request, TransferPlan
-from sagellm_plugin_torch import models
-from sagellm_plugin_torch.devices import load_device
 
 
 @pytest.fixture
 def tiny_core(tmp_path, tiny_model_dir):
     return helpers.engine_core(
-        helpers.write_config(tmp_path, model=str(tiny_model_dir), num_blocks=16, block_size=4, offload=True, host_blocks=8)
+        helpers.write_config(
+            tmp_path, model=str(tiny_model_dir), num_blocks=16, block_size=4, offload=True, host_blocks=8
+        )
     )
 
 
 def snapshot(core):
     c = core.rt.counters
-    return (len(core.waiting), len(core.running), core.rt.pool_usage(), c.requests_finished, c.requests_rejected, c.query_blocks)
+    return (
+        len(core.waiting),
+        len(core.running),
+        core.rt.pool_usage(),
+        c.requests_finished,
+        c.requests_rejected,
+        c.query_blocks,
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,8 +75,9 @@ def test_unknown_or_absent_devices_are_one_line():
 
 
 def test_a_pool_larger_than_memory_is_refused_before_the_runtime_builds_it(tiny_model_dir):
-    from sagellm_core.registry import PluginContext
     from sagellm_plugin_torch.engine import TorchEngine, TorchSettings
+
+    from sagellm_core.registry import PluginContext
 
     # The engine plugin is built before the runtime (and its pool plugin).
     with pytest.raises(ConfigError, match=r"num_blocks = 1099511627776 needs .* GiB of KV"):
@@ -100,19 +110,38 @@ def test_abort_frees_a_running_request_at_once(tiny_core):
 
 def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
     path = helpers.write_config(
-        tmp_path, model=str(tiny_model_dir), num_blocks=64, block_size=4,
+        tmp_path,
+        model=str(tiny_model_dir),
+        num_blocks=64,
+        block_size=4,
         extra='[workload]\nsource = "generator"\ntenants = 2\nsessions_per_tenant = 2\nturns = 2\n'
         "system_prompt_tokens = 24\nuser_tokens = 8\noutput_tokens = 4\nsession_rate = 100.0\nthink_time_s = 0.01\n",
     )
     out = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--json", str(out), "--quiet"], check=True)
-
+    subprocess.run(
+        [sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--json", str(out), "--quiet"],
+        check=True,
+    )
 
     report = json.loads(out.read_text())
     assert report["requests"] == 8 and report["mode"] == "timed" and report["block_hit_rate"] > 0
     gen = subprocess.run(
-        [sys.executable, "-m", "sagellm_core.cli", "generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw", "--max-tokens", "3"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "sagellm_core.cli",
+            "generate",
+            "--config",
+            str(path),
+            "--prompt",
+            "w5 w6 w7",
+            "--raw",
+            "--max-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     core = helpers.engine_core(path)
     offline = core.generate([Request("x", [5, 6, 7], 3)])["x"]

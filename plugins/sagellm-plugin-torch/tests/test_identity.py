@@ -6,7 +6,6 @@ asserts that it did what its name says (it evicted, it reloaded, it
 preempted), so no row passes by doing nothing."""
 
 import pytest
-
 from sagellm_plugin_torch import testing as helpers
 
 pytestmark = pytest.mark.engine

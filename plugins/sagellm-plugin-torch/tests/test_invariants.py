@@ -3,11 +3,10 @@ random-weight Llama, so hundreds of examples run in seconds): the runtime's
 block accounting holds after every operation, and every request ends
 finished, aborted or rejected with its blocks returned."""
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sagellm_plugin_torch import testing as helpers
+
 from sagellm_core.errors import RequestError
 from sagellm_core.types import Request
 
@@ -28,12 +27,21 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(ops=operations, offload=st.booleans(), cache=st.booleans(), num_blocks=st.integers(6, 24))
 def test_block_accounting_holds(tmp_path, tiny_model_dir, ops, offload, cache, num_blocks):
     path = helpers.write_config(
-        tmp_path, model=str(tiny_model_dir), num_blocks=num_blocks, block_size=4,
-        prefix_cache=cache, offload=offload, host_blocks=16, max_num_seqs=4, max_num_batched_tokens=32,
+        tmp_path,
+        model=str(tiny_model_dir),
+        num_blocks=num_blocks,
+        block_size=4,
+        prefix_cache=cache,
+        offload=offload,
+        host_blocks=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
     )
     core = helpers.engine_core(path)
     rt = core.rt
