@@ -1,7 +1,7 @@
 """FIFO eviction: cached blocks leave in the order they entered the cache,
 whatever their reuse. A baseline from the caching literature, and the example
 of a plugin built outside the sagellm repository: it knows the core's
-hookspecs and value types, nothing else.
+hookspecs, value types and plugin kit, nothing else.
 
 Config::
 
@@ -10,12 +10,12 @@ Config::
     leaf_first = true
 """
 
-from collections import OrderedDict
+import math
 
 from attrs import frozen
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import EvictionDecision
+from sagellm_core.kit.eviction import PriorityEviction
 
 
 @frozen
@@ -25,43 +25,33 @@ class FIFOSettings:
     leaf_first: bool = True
 
 
-class FIFOEviction:
+class FIFOEviction(PriorityEviction):
+    """The base keeps the evictable blocks and picks the lowest priority:
+    here a block's place in the order blocks were cached, which the base
+    does not know, so this policy extends its ``blocks_cached`` and
+    ``blocks_evicted`` observations (calling ``super()``, marked with
+    ``@hookimpl`` again)."""
+
     Settings = FIFOSettings
 
     def __init__(self, settings: FIFOSettings, context: PluginContext):
+        super().__init__(settings, context)
         self.leaf_first = settings.leaf_first
-        self._order: OrderedDict[int, bool] = OrderedDict()  # block -> evictable
+        self._cached: dict[int, int] = {}  # block -> its place in cache order
+        self._count = 0
 
     @hookimpl
     def sagellm_blocks_cached(self, blocks):
+        super().sagellm_blocks_cached(blocks)
         for block in reversed(blocks) if self.leaf_first else blocks:
-            self._order[block.block_id] = False
-
-    @hookimpl
-    def sagellm_blocks_released(self, blocks):
-        for block in blocks:
-            if block.block_id in self._order:
-                self._order[block.block_id] = True
-
-    @hookimpl
-    def sagellm_blocks_touched(self, blocks):
-        for block in blocks:
-            if block.block_id in self._order:
-                self._order[block.block_id] = False
+            self._count += 1
+            self._cached[block.block_id] = self._count
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks):
+        super().sagellm_blocks_evicted(blocks)
         for block in blocks:
-            self._order.pop(block.block_id, None)
+            self._cached.pop(block.block_id, None)
 
-    @hookimpl
-    def sagellm_select_victims(self, num_blocks, candidates):
-        # O(n) in the worst case (locked blocks at the head); fine for an
-        # example, and why first-party policies keep only evictable blocks.
-        victims = []
-        for block_id, evictable in self._order.items():
-            if evictable and block_id in candidates:
-                victims.append(block_id)
-                if len(victims) == num_blocks:
-                    break
-        return EvictionDecision(tuple(victims))
+    def priority(self, block, now_s):
+        return self._cached.get(block.block_id, math.inf)  # (not seen cached: last)

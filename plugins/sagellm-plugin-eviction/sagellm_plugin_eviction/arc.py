@@ -115,4 +115,3 @@ class ARCEviction:
             if cls == 1:
                 size_t1 -= 1
         return EvictionDecision(tuple(chosen))
-

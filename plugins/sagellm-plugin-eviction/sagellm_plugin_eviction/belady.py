@@ -1,8 +1,9 @@
 """Belady's MIN as an offline oracle: evict the block whose next use is
 farthest in the future (never used again first, deepest first among equals).
 
-It reads the future from the run's workload (``context.workload``): for
-every full block of every prompt, the chained content key
+It reads the future from its context (``PluginContext.future_requests``, the
+requests the replay will send, in arrival order): for every full block of
+every prompt, the chained content key
 (:func:`sagellm_core.types.chain_key`) and the positions of the requests
 that use it. The prefix cache reports each cached block's key, so the next use
 of a block is a binary search. Requests are placed by arrival: exact in the
@@ -21,7 +22,6 @@ import math
 from collections import defaultdict
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.replay import workloads
 from sagellm_core.types import ROOT_KEY, CachedBlock, EvictionDecision, Request, chain_key
 
 
@@ -29,12 +29,12 @@ class BeladyEviction:
     """``[eviction] plugin = "belady"``"""
 
     def __init__(self, settings, context: PluginContext):
-        if context.workload is None:
-            raise ValueError("belady reads the future from the replayed workload; there is none here")
+        if context.future_requests is None:
+            raise ValueError("belady needs the future requests, which only a replay knows (context.future_requests)")
         bs = context.block_size
         self._uses: dict[int, list[int]] = defaultdict(list)
         self._position: dict[str, int] = {}
-        for i, request in enumerate(workloads.load(context.workload)):
+        for i, request in enumerate(context.future_requests()):
             self._position[request.request_id] = i
             tokens, key = request.prompt_token_ids, ROOT_KEY
             for page in range(len(tokens) // bs):
@@ -75,7 +75,12 @@ class BeladyEviction:
         heap, live = self._heap, self._next
         chosen, passed, seen = [], [], set()
         while heap and len(chosen) < num_blocks:
-            entry = heapq.heappop(heap)  # stale entries (hit or evicted since) are dropped
+            # Stale entries (hit or evicted since) are dropped. An entry is
+            # live when its next use is the block's: a block id the cache
+            # reused may revive an older entry with the same next use, which
+            # reorders only ties; the published figures (evicted blocks,
+            # fragmentation) depend on it, so it stays.
+            entry = heapq.heappop(heap)
             if live.get(entry[2]) == -entry[0] and entry[2] not in seen:
                 seen.add(entry[2])
                 (chosen if entry[2] in candidates else passed).append(entry)

@@ -53,9 +53,8 @@ from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
-
-from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, KEY, PARENT, VALUE, LeafChains
-from sagellm_plugin_eviction.predictive import AGE_BINS, AGE_UNIT_S, age_bin, bin_age
+from sagellm_plugin_eviction.ages import AGE_BINS, AGE_UNIT_S, age_bin, bin_age
+from sagellm_plugin_eviction.chains import LeafChains
 
 
 @frozen
@@ -89,8 +88,16 @@ def turn_features(turns: int, new_blocks: int, blocks: int, previous_gap_s: floa
     """Bias, log turns so far, log blocks the turn added, log chain length,
     log gap before this turn (0 with a flag on a first turn)."""
     first = previous_gap_s is None
-    return numpy.array([1.0, math.log(turns), math.log1p(new_blocks), math.log1p(blocks),
-                        0.0 if first else math.log1p(previous_gap_s), float(first)])
+    return numpy.array(
+        [
+            1.0,
+            math.log(turns),
+            math.log1p(new_blocks),
+            math.log1p(blocks),
+            0.0 if first else math.log1p(previous_gap_s),
+            float(first),
+        ]
+    )
 
 
 class ContinuationEviction(LeafChains):
@@ -99,7 +106,7 @@ class ContinuationEviction(LeafChains):
     Settings = ContinuationSettings
 
     def __init__(self, settings: ContinuationSettings, context: PluginContext):
-        super().__init__(context)  # records: [turn, uses, key, parent, children, held, depth] (chains.py)
+        super().__init__(context)  # a record's value: its turn, None until released (chains.py)
         self.settings = settings
         self.weights = numpy.zeros(6)
         # Gaps are observed only within the label window: a pseudo-count in
@@ -149,8 +156,8 @@ class ContinuationEviction(LeafChains):
 
     def _leaf(self, block_id: int) -> None:
         meta = self._meta[block_id]
-        turn = meta[VALUE]
-        if turn is not None and not meta[HELD] and meta[CHILDREN] == 0 and block_id not in self._leaf_turn:
+        turn = meta.value
+        if turn is not None and not meta.held and meta.children == 0 and block_id not in self._leaf_turn:
             self._leaf_turn[block_id] = turn
             turn.leaves.add(block_id)
             if turn.slot < 0:
@@ -194,16 +201,16 @@ class ContinuationEviction(LeafChains):
         meta = self._meta.get(end.block_id)
         hit = None
         while meta is not None:
-            turn = self._pending.get(meta[KEY])
+            turn = self._pending.get(meta.key)
             if turn is not None:
-                return (turn, meta[DEPTH], True) if meta[CHILDREN] <= 1 else (None, -1, False)
-            if hit is None and meta[VALUE] is not None:
+                return (turn, meta.depth, True) if meta.children <= 1 else (None, -1, False)
+            if hit is None and meta.value is not None:
                 hit = meta
-            meta = self._meta.get(meta[PARENT]) if meta[PARENT] is not None else None
+            meta = self._meta.get(meta.parent) if meta.parent is not None else None
         if hit is not None:
-            turn = hit[VALUE]
-            if turn.labelled and 2 * (hit[DEPTH] + 1) >= turn.end_depth + 1:
-                return turn, hit[DEPTH], self._pending.get(turn.end_key) is turn
+            turn = hit.value
+            if turn.labelled and 2 * (hit.depth + 1) >= turn.end_depth + 1:
+                return turn, hit.depth, self._pending.get(turn.end_key) is turn
         return None, -1, False
 
     # -------------------------------------------------------- observations --
@@ -220,7 +227,7 @@ class ContinuationEviction(LeafChains):
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:
-                meta[HELD] = True
+                meta.held = True
                 self._not_leaf(block.block_id)
 
     @hookimpl
@@ -233,8 +240,9 @@ class ContinuationEviction(LeafChains):
         previous, shared_depth, pending = self._previous(end)
         self._turns_opened += 1
         if previous is None:
-            turn = Turn(turn_features(1, end.depth + 1, end.depth + 1, None),
-                        now_s, self._turns_opened, 1, end.key, end.depth)
+            turn = Turn(
+                turn_features(1, end.depth + 1, end.depth + 1, None), now_s, self._turns_opened, 1, end.key, end.depth
+            )
         else:
             gap = now_s - previous.released_at
             if pending:
@@ -242,10 +250,16 @@ class ContinuationEviction(LeafChains):
                 self._learn(previous, continued=True)
                 self.gaps[age_bin(gap)] += 1.0
             new_blocks = max(0, end.depth - shared_depth)  # 0: the same prompt again
-            turn = Turn(turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
-                        now_s, self._turns_opened, previous.turns + 1, end.key, end.depth)
+            turn = Turn(
+                turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
+                now_s,
+                self._turns_opened,
+                previous.turns + 1,
+                end.key,
+                end.depth,
+            )
         end_meta = self._meta.get(end.block_id)
-        if end_meta is not None and end_meta[CHILDREN] == 0:
+        if end_meta is not None and end_meta.children == 0:
             # A chain that ends inside others' (a shared system prompt) is
             # reused by every prompt that extends it: that says nothing about
             # conversations ending, and its blocks are not leaves to weigh.
@@ -289,10 +303,10 @@ class ContinuationEviction(LeafChains):
                 if len(victims) == num_blocks:
                     return EvictionDecision(tuple(victims))
                 # Its parent is next if this turn owns it and nothing else hangs from it.
-                parent = self._meta[block][PARENT]
+                parent = self._meta[block].parent
                 meta = self._meta.get(parent) if parent is not None else None
                 if meta is not None:
                     children_taken[parent] += 1
-                    if meta[VALUE] is turn and not meta[HELD] and meta[CHILDREN] == children_taken[parent]:
+                    if meta.value is turn and not meta.held and meta.children == children_taken[parent]:
                         stack.append(parent)
         return EvictionDecision(tuple(victims))

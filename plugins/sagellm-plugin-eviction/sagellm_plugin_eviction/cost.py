@@ -33,8 +33,7 @@ from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
-
-from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, USES, VALUE, LeafChains
+from sagellm_plugin_eviction.chains import LeafChains
 
 
 @frozen
@@ -50,7 +49,7 @@ class CostAwareEviction(LeafChains):
     Settings = CostSettings
 
     def __init__(self, settings: CostSettings, context: PluginContext):
-        super().__init__(context)  # records: [priority, uses, ...] (chains.py)
+        super().__init__(context)  # a record's value: the block's priority (chains.py)
         self.settings = settings
         self.block_size = context.block_size
         self.clock = 0.0
@@ -66,10 +65,10 @@ class CostAwareEviction(LeafChains):
     def _leaf(self, block_id: int) -> None:
         """Push the block if it is an evictable leaf."""
         meta = self._meta[block_id]
-        if not meta[HELD] and meta[CHILDREN] == 0:
+        if not meta.held and meta.children == 0:
             self._pushes += 1
             self._pushed[block_id] = self._pushes
-            heapq.heappush(self._heap, (meta[VALUE], self._pushes, block_id))
+            heapq.heappush(self._heap, (meta.value, self._pushes, block_id))
             if len(self._heap) > 2 * len(self._pushed) + 1024:
                 # Stale entries above the victims would stay forever: compact.
                 self._heap = [e for e in self._heap if self._pushed.get(e[2]) == e[1]]
@@ -90,20 +89,20 @@ class CostAwareEviction(LeafChains):
         for block in blocks:
             meta = self._meta.get(block.block_id)
             if meta is not None:
-                meta[USES] += 1
-                meta[HELD] = True
+                meta.uses += 1
+                meta.held = True
                 self._not_leaf(block.block_id)
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
-        self._release(blocks, lambda meta: self.clock + meta[USES] * self.cost(meta[DEPTH]))
+        self._release(blocks, lambda meta: self.clock + meta.uses * self.cost(meta.depth))
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
             meta = self._forget(block.block_id)
             if meta is not None:
-                self.clock = max(self.clock, meta[VALUE])
+                self.clock = max(self.clock, meta.value)
 
     # ------------------------------------------------------------ decision --
 

@@ -3,9 +3,9 @@ cache (weighted by ``weights``); a victim comes from the tenant furthest
 over its share, least recently released first within it (LRU per tenant).
 Without it, LRU lets the busiest tenants push everyone else's prefixes out.
 
-A block's tenant is read from its namespace (``CachedBlock.namespace``,
-``tenant=NAME``), which the prefix cache sets with ``isolate = "tenant"``:
-blocks that tenants share belong to no tenant and are shared out as one.
+A block's tenant is ``CachedBlock.tenant``, which the prefix cache sets
+with ``isolate = "tenant"``; blocks that tenants share (``None``) are
+shared out as one more tenant, named ``""``.
 """
 
 from __future__ import annotations
@@ -18,20 +18,16 @@ from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
 
 
-def tenant_of(block: CachedBlock) -> str:
-    for part in block.namespace.split(";"):
-        if part.startswith("tenant="):
-            return part[len("tenant="):]
-    return ""
-
-
 @frozen
 class FairSettings:
     #: Share weights by tenant name; a tenant not named weighs 1.
-    weights: dict = field(factory=dict, validator=validators.deep_mapping(
-        key_validator=validators.instance_of(str),
-        value_validator=[validators.instance_of((int, float)), validators.gt(0)],
-    ))
+    weights: dict = field(
+        factory=dict,
+        validator=validators.deep_mapping(
+            key_validator=validators.instance_of(str),
+            value_validator=[validators.instance_of((int, float)), validators.gt(0)],
+        ),
+    )
 
 
 class FairEviction:
@@ -52,7 +48,7 @@ class FairEviction:
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...]) -> None:
         for block in blocks:
-            tenant = tenant_of(block)
+            tenant = "" if block.tenant is None else block.tenant
             self._tenant[block.block_id] = tenant
             self._held[tenant] = self._held.get(tenant, 0) + 1
 

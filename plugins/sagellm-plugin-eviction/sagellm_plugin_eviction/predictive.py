@@ -31,28 +31,13 @@ its leaf, and its parent becomes a leaf in turn.
 
 from __future__ import annotations
 
-import math
-
 import numpy
-from attrs import field, frozen, validators
+from attrs import define, field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
-
-from sagellm_plugin_eviction.chains import CHILDREN, DEPTH, HELD, USES, VALUE, LeafChains
-
-#: Age bins: bin b holds ages up to ``AGE_UNIT_S * (2 ** (b / 2) - 1)``.
-AGE_BINS = 48
-AGE_UNIT_S = 0.05
-
-
-def age_bin(age_s: float) -> int:
-    return min(AGE_BINS - 1, int(2.0 * math.log2(1.0 + max(0.0, age_s) / AGE_UNIT_S)))
-
-
-def bin_age(b: int) -> float:
-    """The middle of bin ``b``, in seconds."""
-    return AGE_UNIT_S * (2.0 ** ((b + 0.5) / 2.0) - 1.0)
+from sagellm_plugin_eviction.ages import AGE_BINS, AGE_UNIT_S, age_bin, bin_age
+from sagellm_plugin_eviction.chains import ChainRecord, LeafChains
 
 
 @frozen
@@ -68,17 +53,20 @@ class PredictiveSettings:
     seed: int = field(default=0, validator=validators.instance_of(int))
 
 
-#: The record's field after chains.py's: the block's class.
-CLASS = DEPTH + 1
+@define(slots=True, eq=False)
+class ClassedRecord(ChainRecord):
+    #: The block's class (use count and depth band).
+    cls: int = 0
 
 
 class PredictiveEviction(LeafChains):
     """``[eviction] plugin = "predictive"``"""
 
     Settings = PredictiveSettings
+    Record = ClassedRecord
 
     def __init__(self, settings: PredictiveSettings, context: PluginContext):
-        super().__init__(context)  # records: [released at (s), uses, ..., depth, class] (chains.py)
+        super().__init__(context)  # a record's value: its release time, in s (chains.py)
         self.settings = settings
         self.rng = numpy.random.default_rng(settings.seed)
         # The evictable leaves, for sampling: in arrays by position, the
@@ -105,7 +93,7 @@ class PredictiveEviction(LeafChains):
 
     def _leaf(self, block_id: int) -> None:
         meta = self._meta[block_id]
-        if not meta[HELD] and meta[CHILDREN] == 0 and block_id not in self._position:
+        if not meta.held and meta.children == 0 and block_id not in self._position:
             index = self._count
             if index == len(self._block_at):
                 self._block_at = numpy.resize(self._block_at, 2 * index)
@@ -114,8 +102,8 @@ class PredictiveEviction(LeafChains):
             self._count += 1
             self._position[block_id] = index
             self._block_at[index] = block_id
-            self._released_at[index] = meta[VALUE]
-            self._class_of[index] = meta[CLASS]
+            self._released_at[index] = meta.value
+            self._class_of[index] = meta.cls
 
     def _not_leaf(self, block_id: int) -> None:
         index = self._position.pop(block_id, None)
@@ -160,7 +148,7 @@ class PredictiveEviction(LeafChains):
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         for block in blocks:
             meta = self._cache(block, now_s)
-            meta.append(self._class(meta[USES], meta[DEPTH]))
+            meta.cls = self._class(meta.uses, meta.depth)
 
     @hookimpl
     def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -168,10 +156,10 @@ class PredictiveEviction(LeafChains):
             meta = self._meta.get(block.block_id)
             if meta is None:
                 continue
-            self._record(self._hits, meta[CLASS], now_s - meta[VALUE])
-            meta[USES] += 1
-            meta[CLASS] = self._class(meta[USES], meta[DEPTH])
-            meta[HELD] = True
+            self._record(self._hits, meta.cls, now_s - meta.value)
+            meta.uses += 1
+            meta.cls = self._class(meta.uses, meta.depth)
+            meta.held = True
             self._not_leaf(block.block_id)
 
     @hookimpl
@@ -184,7 +172,7 @@ class PredictiveEviction(LeafChains):
         for block in blocks:
             meta = self._forget(block.block_id)
             if meta is not None:
-                self._record(self._ends, meta[CLASS], now_s - meta[VALUE])
+                self._record(self._ends, meta.cls, now_s - meta.value)
 
     # ------------------------------------------------------------ decision --
 

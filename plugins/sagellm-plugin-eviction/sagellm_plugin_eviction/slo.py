@@ -11,7 +11,8 @@ queues longest when memory is tightest. A prefix is held back from its
 request's arrival until the request finishes (its blocks are held while it
 runs). When only held-back blocks are left, those of requests without a
 deadline, or past it (it can no longer be met), go first, then the most
-slack first.
+slack first. Preemption is the runtime's default (the last running request,
+vLLM's FCFS rule).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from itertools import islice
-from typing import Sequence
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import (
@@ -27,11 +27,9 @@ from sagellm_core.types import (
     EvictionCandidates,
     EvictionDecision,
     LifetimePrediction,
-    PreemptionDecision,
     PrefixMatch,
     Request,
     RequestOutcome,
-    SequenceState,
 )
 
 
@@ -70,8 +68,9 @@ class SLOEviction:
     # -------------------------------------------------------- observations --
 
     @hookimpl
-    def sagellm_request_arrived(self, request: Request, prediction: LifetimePrediction | None,
-                                match: PrefixMatch) -> None:
+    def sagellm_request_arrived(
+        self, request: Request, prediction: LifetimePrediction | None, match: PrefixMatch
+    ) -> None:
         self._now = max(self._now, request.arrival_s)
         if not match.blocks:
             return
@@ -120,8 +119,3 @@ class SLOEviction:
             held.sort(key=lambda item: -math.inf if item[0] is None else -item[0])
             victims.extend(b for _, b in held[: num_blocks - len(victims)])
         return EvictionDecision(tuple(victims))
-
-    @hookimpl
-    def sagellm_select_preemption(self, running: Sequence[SequenceState]) -> PreemptionDecision:
-        # vLLM's FCFS rule, as LRU.
-        return PreemptionDecision(running[-1].request_id)

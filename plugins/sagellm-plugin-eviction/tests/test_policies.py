@@ -42,20 +42,20 @@ def chain(first, n, start_depth=0, parent=None):
 def test_lru_evicts_least_recently_released_leaf_first():
     lru = LRUEviction(None, CTX)
     a, b = chain(0, 3), chain(10, 2)
-    lru.sagellm_blocks_released(blocks=a)
-    lru.sagellm_blocks_released(blocks=b)
+    lru.sagellm_blocks_released(blocks=a, now_s=0.0)
+    lru.sagellm_blocks_released(blocks=b, now_s=0.0)
     assert lru.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (2, 1, 0, 11)
     lru.sagellm_blocks_touched(blocks=a[:2])  # a hit on blocks 0 and 1
     assert lru.sagellm_select_victims(num_blocks=9, candidates=EVERY_BLOCK).victim_ids == (2, 11, 10)
-    lru.sagellm_blocks_released(blocks=a[:2])
+    lru.sagellm_blocks_released(blocks=a[:2], now_s=1.0)
     lru.sagellm_blocks_evicted(blocks=(a[2],))
     assert lru.sagellm_select_victims(num_blocks=9, candidates=EVERY_BLOCK).victim_ids == (11, 10, 1, 0)
 
 
 def test_selection_does_not_change_the_policy():
     for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX)):
-        policy.sagellm_blocks_cached(blocks=chain(0, 3)) if hasattr(policy, "sagellm_blocks_cached") else None
-        policy.sagellm_blocks_released(blocks=chain(0, 3))
+        policy.sagellm_blocks_cached(blocks=chain(0, 3))
+        policy.sagellm_blocks_released(blocks=chain(0, 3), now_s=0.0)
         first = policy.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids
         assert policy.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == first
 
@@ -64,22 +64,22 @@ def test_lfu_keeps_frequently_hit_blocks():
     lfu = LFUEviction(None, CTX)
     hot, cold = chain(0, 2), chain(10, 2)
     lfu.sagellm_blocks_cached(blocks=hot + cold)
-    lfu.sagellm_blocks_released(blocks=hot)
-    lfu.sagellm_blocks_released(blocks=cold)
+    lfu.sagellm_blocks_released(blocks=hot, now_s=0.0)
+    lfu.sagellm_blocks_released(blocks=cold, now_s=0.0)
     for _ in range(3):
         lfu.sagellm_blocks_touched(blocks=hot)
-        lfu.sagellm_blocks_released(blocks=hot)
+        lfu.sagellm_blocks_released(blocks=hot, now_s=0.0)
     # Cold blocks go first, leaf before parent; hot ones last.
     assert lfu.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (11, 10, 1, 0)
     lfu.sagellm_blocks_evicted(blocks=cold)
     assert lfu.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (1, 0)
 
 
-def test_lru_preempts_the_last_running_request():
-    from sagellm_core.types import Request, SequenceState
-
-    running = [SequenceState(Request(f"r{i}", [1], 1)) for i in range(3)]
-    assert LRUEviction(None, CTX).sagellm_select_preemption(running=running).request_id == "r2"
+def test_lru_and_slo_leave_preemption_to_the_runtime():
+    # The runtime's fallback is vLLM's FCFS rule (the last running request),
+    # which is what both would answer.
+    for policy in (LRUEviction(None, CTX), SLOEviction(None, CTX)):
+        assert not hasattr(policy, "sagellm_select_preemption")
 
 
 def s3fifo(settings, context):
@@ -102,8 +102,9 @@ def cost(settings, context):
     return CostAwareEviction(CostSettings(), context)
 
 
-@pytest.mark.parametrize("policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, continuation,
-                                        fair, cost, SLOEviction])
+@pytest.mark.parametrize(
+    "policy_cls", [LRUEviction, LFUEviction, s3fifo, ARCEviction, predictive, continuation, fair, cost, SLOEviction]
+)
 @given(ops=st.lists(st.tuples(st.sampled_from("crte"), st.integers(0, 7)), max_size=60), k=st.integers(1, 6))
 def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
     """Against a model of the evictable set built from the same observations."""
@@ -145,24 +146,24 @@ def test_victims_are_always_evictable_and_distinct(policy_cls, ops, k):
             cached.difference_update(victims)
 
 
-def test_belady_evicts_the_block_used_farthest_in_the_future(tmp_path):
-    import json
+def pages(*ids):
+    """The tokens of 4-token pages with these ids."""
+    return [t for i in ids for t in range(i * 4, i * 4 + 4)]
 
-    from sagellm_core.config import WorkloadSettings
-    from sagellm_core.types import ROOT_KEY, chain_key
+
+def test_belady_evicts_the_block_used_farthest_in_the_future():
     from sagellm_plugin_eviction.belady import BeladyEviction
 
-    # Trace blocks of 4 tokens: A is used by requests 0, 2 and 3; B by 0 and 1; C never again.
-    rows = [
-        {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2, 3]},
-        {"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [1, 2, 9]},
-        {"timestamp": 2, "input_length": 5, "output_length": 1, "hash_ids": [1, 8]},
-        {"timestamp": 3, "input_length": 5, "output_length": 1, "hash_ids": [1, 7]},
+    from sagellm_core.types import ROOT_KEY, chain_key
+
+    # Pages A (1) and B (1, 2): A is used by every request, B by r0 and r1 only.
+    future = [
+        Request("r0", pages(1, 2, 3), 1),
+        Request("r1", pages(1, 2) + [99], 1),
+        Request("r2", pages(1, 8), 1),
+        Request("r3", pages(1, 7), 1),
     ]
-    trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    workload = WorkloadSettings(source="mooncake", path=str(trace), trace_block_tokens=4)
-    oracle = BeladyEviction(None, PluginContext("belady", 4, 10, workload=workload))
+    oracle = BeladyEviction(None, PluginContext("belady", 4, 10, future_requests=lambda: iter(future)))
 
     def key(*hashes):
         k = ROOT_KEY
@@ -172,23 +173,29 @@ def test_belady_evicts_the_block_used_farthest_in_the_future(tmp_path):
 
     a = CachedBlock(0, 0, None, key(1))
     b = CachedBlock(1, 1, 0, key(1, 2))
-    oracle.sagellm_request_arrived(request=Request("mooncake-1", [0], 1))
+    oracle.sagellm_request_arrived(request=future[0])
     oracle.sagellm_blocks_released(blocks=(a, b))
-    # After request 0: B is next used at 1, A at 1 as well; deeper B goes first.
+    # After r0: A and B are both next used by r1; the deeper B goes first.
     assert oracle.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (1,)
-    oracle.sagellm_request_arrived(request=Request("mooncake-2", [0], 1))
+    oracle.sagellm_request_arrived(request=future[1])
     oracle.sagellm_blocks_touched(blocks=(a, b))
     oracle.sagellm_blocks_released(blocks=(a, b))
-    # After request 1: B is never used again, A is used by request 2.
+    # After r1: B is never used again, A is used by r2.
     assert oracle.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
     assert oracle.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)  # no side effects
 
 
-def test_belady_needs_a_workload():
+def test_belady_needs_the_future_and_does_not_import_the_replay():
+    import subprocess
+    import sys
+
     from sagellm_plugin_eviction.belady import BeladyEviction
 
-    with pytest.raises(ValueError, match="reads the future from the replayed workload"):
+    with pytest.raises(ValueError, match="belady needs the future requests"):
         BeladyEviction(None, CTX)
+    # It gets the future through its context, not by importing the replay engine.
+    code = "import sys, sagellm_plugin_eviction.belady; print('sagellm_core.replay' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_s3fifo_drops_one_hit_wonders_and_keeps_reused_blocks():
@@ -220,9 +227,8 @@ def test_policies_choose_only_among_the_blocks_offered():
     pinned checkpoint blocks): the choice skips the others."""
     for policy in (LRUEviction(None, CTX), LFUEviction(None, CTX), predictive(None, CTX)):
         timed = {"now_s": 0.0} if isinstance(policy, PredictiveEviction) else {}
-        if hasattr(policy, "sagellm_blocks_cached"):
-            policy.sagellm_blocks_cached(blocks=chain(0, 3), **timed)
-        policy.sagellm_blocks_released(blocks=chain(0, 3), **timed)
+        policy.sagellm_blocks_cached(blocks=chain(0, 3), **timed)
+        policy.sagellm_blocks_released(blocks=chain(0, 3), now_s=0.0)
         if isinstance(policy, PredictiveEviction):
             # it offers leaves only: evict the leaf, then its parent is one
             assert policy.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (2,)
@@ -325,7 +331,8 @@ def test_continuation_learns_which_conversations_come_back():
     now = 100.0 * 200
     short, long = talk.turn(now, new_blocks=2), talk.turn(now, new_blocks=8)
     talk.turn(now + 10.0, new_blocks=1)  # time moves on
-    probability = p.continuation_probability(numpy.array([p._meta[c[-1].block_id][0].features for c in (short, long)]))
+    features = numpy.array([p._meta[c[-1].block_id].value.features for c in (short, long)])
+    probability = p.continuation_probability(features)
     assert probability[0] > 0.6 > 0.3 > probability[1]
     offered = {short[-1].block_id, long[-1].block_id}
     assert p.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (long[-1].block_id,)
@@ -351,8 +358,8 @@ def test_continuation_keeps_a_turn_whose_next_one_is_due():
     offered = {due[-1].block_id, fresh[-1].block_id}
     assert p.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (fresh[-1].block_id,)
     lru = LRUEviction(None, CTX)
-    lru.sagellm_blocks_released(blocks=due)
-    lru.sagellm_blocks_released(blocks=fresh)
+    lru.sagellm_blocks_released(blocks=due, now_s=now)
+    lru.sagellm_blocks_released(blocks=fresh, now_s=now + 45.0)
     assert lru.sagellm_select_victims(num_blocks=1, candidates=offered).victim_ids == (due[-1].block_id,)
 
 
@@ -364,7 +371,7 @@ def test_continuation_does_not_take_a_shared_prefix_for_a_conversation():
     talk = Conversations(p)
 
     def turns(chain):
-        return p._meta[chain[-1].block_id][0].turns
+        return p._meta[chain[-1].block_id].value.turns
 
     system = talk.turn(0.0, new_blocks=1)
     # The first prompt to extend it cannot be told from a next turn.
@@ -384,7 +391,7 @@ def test_continuation_finds_a_next_turn_that_leaves_the_chain_before_its_output(
     earlier = talk.turn(0.0, new_blocks=4)  # 3 prompt blocks and 1 of output
 
     def turns(chain):
-        return p._meta[chain[-1].block_id][0].turns
+        return p._meta[chain[-1].block_id].value.turns
 
     assert turns(talk.turn(1.0, previous=earlier[:1], new_blocks=3)) == 1
     assert earlier[-1].key in p._pending
@@ -402,13 +409,12 @@ def test_continuation_takes_observations_that_do_not_fit_a_tree():
     for now, block in enumerate((deep, shallow)):
         p.sagellm_blocks_cached(blocks=(block,), now_s=float(now))
         p.sagellm_blocks_released(blocks=(block,), now_s=float(now))
-    assert p._meta[2][0].turns == 2
+    assert p._meta[2].value.turns == 2
     assert set(p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids) == {1, 2}
 
 
 def tenant_chain(first, n, tenant):
-    return tuple(CachedBlock(first + i, i, first + i - 1 if i else None, first + i, f"tenant={tenant}")
-                 for i in range(n))
+    return tuple(CachedBlock(first + i, i, first + i - 1 if i else None, first + i, tenant=tenant) for i in range(n))
 
 
 def test_fair_takes_from_the_tenant_furthest_over_its_share():
@@ -458,7 +464,7 @@ def test_cost_keeps_the_block_used_more_and_then_the_deeper_one():
     again = CachedBlock(4, 0, None, 1)  # the evicted content, cached again: its use is remembered
     p.sagellm_blocks_cached(blocks=(again,))
     p.sagellm_blocks_released(blocks=(again,))
-    assert p._meta[4][1] == 2
+    assert p._meta[4].uses == 2
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (2,)
 
 
@@ -487,8 +493,7 @@ def test_slo_holds_back_waiting_prefixes_and_gives_up_those_without_a_chance_fir
     assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (1, 0, 11, 10)
     # A waiting request without a deadline holds its prefix back too, but
     # gives it up before one that can still meet its deadline.
-    p.sagellm_request_arrived(request=Request("n", [1] * 40, 1, arrival_s=2.0), prediction=None,
-                              match=PrefixMatch(old))
+    p.sagellm_request_arrived(request=Request("n", [1] * 40, 1, arrival_s=2.0), prediction=None, match=PrefixMatch(old))
     assert p.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)
     # Past its deadline, r's prefix is worth no more than n's: LRU order among them.
     p.sagellm_blocks_touched(blocks=(), now_s=7.5)
@@ -501,8 +506,9 @@ def test_slo_gives_up_the_most_slack_first_and_forgets_finished_requests():
     urgent, relaxed, free = chain(0, 1), chain(10, 1), chain(20, 1)
     p.sagellm_blocks_released(blocks=urgent + relaxed, now_s=0.0)
     for rid, blocks, deadline in (("u", urgent, 3.0), ("r", relaxed, 30.0)):
-        p.sagellm_request_arrived(request=Request(rid, [1] * 40, 1, deadline_s=deadline), prediction=None,
-                                  match=PrefixMatch(blocks))
+        p.sagellm_request_arrived(
+            request=Request(rid, [1] * 40, 1, deadline_s=deadline), prediction=None, match=PrefixMatch(blocks)
+        )
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (10,)
     p.sagellm_blocks_released(blocks=free, now_s=1.0)
     assert p.sagellm_select_victims(num_blocks=1, candidates=EVERY_BLOCK).victim_ids == (20,)
@@ -510,7 +516,21 @@ def test_slo_gives_up_the_most_slack_first_and_forgets_finished_requests():
     p.sagellm_request_finished(outcome=outcome)  # its prefix is LRU's again, just released
     assert p.deadline(10) is None and p._guarded.keys() == {"u"}
     assert p.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids == (20, 10, 0)
-    assert p.sagellm_request_arrived(request=Request("x", [1], 1, deadline_s=1.0), prediction=None,
-                                     match=EMPTY_MATCH) is None
+    assert (
+        p.sagellm_request_arrived(request=Request("x", [1], 1, deadline_s=1.0), prediction=None, match=EMPTY_MATCH)
+        is None
+    )
     p.sagellm_blocks_evicted(blocks=urgent)
     assert p.deadline(0) is None and 0 not in p._guards
+
+
+def test_fair_reads_the_tenant_field_and_shares_out_shared_blocks_as_one():
+    p = FairEviction(FairSettings(), CTX)
+    # The namespace does not matter; a shared block (tenant None) counts under "".
+    a = tuple(CachedBlock(i, i, i - 1 if i else None, i, "tenant=zzz", tenant="a") for i in range(3))
+    shared = (CachedBlock(10, 0, None, 10, "tenant=a"),)
+    for blocks in (a, shared):
+        p.sagellm_blocks_cached(blocks=blocks)
+        p.sagellm_blocks_released(blocks=blocks)
+    assert p.usage() == {"a": 3, "": 1}
+    assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (2, 1, 0, 10)
