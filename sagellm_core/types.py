@@ -88,7 +88,10 @@ class SequenceState:
     the block lists, ``cached_tokens_hint`` and ``num_preemptions``, and sets
     ``num_computed_tokens`` at admission and preemption; the engine advances
     ``num_computed_tokens`` and ``num_output_tokens`` as it computes and
-    stamps ``first_token_s`` and ``finish_s``. Passes only read it."""
+    stamps ``first_token_s`` and ``finish_s``. An engine that keeps its own
+    blocks and queues (vLLM, LMDeploy) mirrors ``status``,
+    ``num_computed_tokens`` and ``num_preemptions`` from its own sequence
+    before passes read them. Passes only read it."""
 
     request: Request
     prediction: LifetimePrediction | None = None

@@ -17,23 +17,17 @@ import heapq
 import math
 from array import array
 from collections import deque
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 from attrs import field, frozen, validators
 
+from sagellm_core.drivers.serial import serve_serially
+from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.runtime import Runtime
-from sagellm_core.drivers.serial import serve_serially
-from sagellm_core.drivers.stepping import pack_step
-from sagellm_core.types import (
-    PoolUsage,
-    Request,
-    RequestOutcome,
-    ScheduleIR,
-    SequenceState,
-)
+from sagellm_core.types import PoolUsage, Request, RequestOutcome, ScheduleIR, SequenceState
 
 MODES = ("timed", "cache-only")
 
@@ -195,12 +189,7 @@ class ReplayEngine:
             settings.step_overhead_s,
         )
 
-    def run(
-        self,
-        rt: Runtime,
-        requests: Iterator[Request],
-        on_request: Callable[[], None] = lambda: None,
-    ) -> Recorder:
+    def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
         recorder = Recorder(prefill_flops=(self.cost.model.flops_per_token, self.cost.model.flops_per_token_pair))
         if self.settings.mode == "cache-only":
             self._cache_only(rt, requests, recorder, on_request)
@@ -238,7 +227,6 @@ class ReplayEngine:
         waiting: list[SequenceState] = []
         running: list[SequenceState] = []
         now = 0.0
-        step = 0
         while True:
             for request in arrivals.due(now):
                 rt.set_time(request.arrival_s)
@@ -250,7 +238,6 @@ class ReplayEngine:
                 now = nxt
                 continue
             rt.set_time(now)
-            usage = rt.pool_usage()
             ir = ScheduleIR(
                 now_s=now,
                 waiting=list(waiting),
@@ -270,7 +257,7 @@ class ReplayEngine:
                 on_request()
                 continue
             duration = self.cost.step_time(plan.chunks)
-            start, now = now, now + duration
+            now += duration
             rt.set_time(now)
             by_id = {st.request_id: st for st in running}
             for chunk in plan.chunks:
@@ -289,9 +276,7 @@ class ReplayEngine:
                     recorder.record(rt.finish(state))
                     arrivals.done(state.request, now)
                     on_request()
-            step += 1
-            recorder.steps = step
+            recorder.steps += 1
             recorder.batched_tokens += plan.num_batched_tokens
-            usage = rt.pool_usage()
-            recorder.sample(rt, now, usage)
+            recorder.sample(rt, now, rt.pool_usage())
         recorder.simulated_s = now

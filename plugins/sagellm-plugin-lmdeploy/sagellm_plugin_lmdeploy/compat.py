@@ -55,7 +55,7 @@ adapter refuses to start.
 
 from __future__ import annotations
 
-from sagellm_core.adapters import check_engine_version
+from sagellm_core.drivers.engines import check_engine_version
 
 SUPPORTED = ((0, 18, 0), (0, 19, 0))  # [low, high)
 INSTALL_HINT = "see plugins/sagellm-plugin-lmdeploy/README.md, 'Installing LMDeploy'"
@@ -92,6 +92,7 @@ stock_add_sequence = SequenceLifecycle.add_sequence
 stock_transition = SequenceLifecycle.transition
 stock_remove_sequence = SequenceLifecycle.remove_sequence
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy  # noqa: E402
+
 
 def connector_factory_users() -> list:
     """The modules that bound LMDeploy's ``build_kv_connector`` at import:

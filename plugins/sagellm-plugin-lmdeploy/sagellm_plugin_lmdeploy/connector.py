@@ -25,10 +25,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sagellm_core.tiers import HostTierIndex
+from sagellm_core.parts.tiers import HostTierIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, TransferPlan, chain_key
-
 from sagellm_plugin_lmdeploy.compat import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -113,7 +112,14 @@ class SagellmConnector(KVConnectorBase):
         keys = block_keys(request, first + len(block_ids), self.block_size)[first:]
         slots = self.host.slots(keys)
         result = self._runtime().transfer(
-            TransferPlan("host", "device", tuple(slots), self.block_size, tuple(block_ids), tuple(k.to_bytes(8, "little") for k in keys))
+            TransferPlan(
+                "host",
+                "device",
+                tuple(slots),
+                self.block_size,
+                tuple(block_ids),
+                tuple(k.to_bytes(8, "little") for k in keys),
+            )
         )
         if result is not None and not result.ok:
             raise RuntimeError(f"sagellm transport failed to load {len(slots)} blocks: {result.error}")
@@ -139,7 +145,9 @@ class SagellmConnector(KVConnectorBase):
                 continue
             device = [int(block_ids[i]) for i in todo]
             plan_keys = tuple(keys[i].to_bytes(8, "little") for i in todo)
-            result = self._runtime().transfer(TransferPlan("device", "host", tuple(device), self.block_size, (), plan_keys))
+            result = self._runtime().transfer(
+                TransferPlan("device", "host", tuple(device), self.block_size, (), plan_keys)
+            )
             if result is None or not result.ok:
                 continue  # no transport, or it failed (counted by the runtime): not offloaded
             self.host.record([keys[i] for i in todo], result.dst_block_ids)
@@ -184,7 +192,9 @@ class SagellmConnector(KVConnectorBase):
         for request_id, slots, device in meta.loads:
             src = torch.tensor(slots, dtype=torch.long)
             for name, cache in self.device_caches.items():
-                cache[torch.tensor(device, dtype=torch.long, device=cache.device)] = self.host_caches[name][src].to(cache.device)
+                cache[torch.tensor(device, dtype=torch.long, device=cache.device)] = self.host_caches[name][src].to(
+                    cache.device
+                )
             self._loaded.add(request_id)
 
     def start_save_kv(self) -> None:

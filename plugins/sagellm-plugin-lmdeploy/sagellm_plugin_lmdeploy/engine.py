@@ -23,10 +23,11 @@ LMDeploy's own.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from attrs import field, frozen, validators
 
+from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
@@ -77,7 +78,9 @@ def build_scheduler(num_blocks: int, block_size: int, max_batches: int, clock: b
         max_prefill_token_num=1 << 22,  # a prompt in one prefill, as the replay admits it
         device_type="cpu",
     )
-    scheduler = lm.Scheduler(scheduler_config, cache_config, seq_meta=lm.SequenceMeta(block_size, strategy=lm.ARSequenceStrategy()))
+    scheduler = lm.Scheduler(
+        scheduler_config, cache_config, seq_meta=lm.SequenceMeta(block_size, strategy=lm.ARSequenceStrategy())
+    )
     if clock:
         logical_clock(scheduler.block_manager.allocator)
     return scheduler
@@ -109,15 +112,13 @@ class LmdeployEngine:
         s = self.settings
         scheduler = build_scheduler(rt.num_blocks, rt.block_size, s.max_batches, s.logical_clock)
         self.block_trie = scheduler.block_trie
-        recorder = Recorder()
         sampled = lm.numpy.array([0], dtype=lm.numpy.int64)
-        for number, request in enumerate(requests):
-            rt.now_s = request.arrival_s
-            state = rt.arrive(request) if s.scheduler == "sagellm" else SequenceState(request=request)
+        sessions = itertools.count()  # one per request, served or not
+
+        def serve(state: SequenceState) -> PoolUsage | None:
+            request, number = state.request, next(sessions)
             if blocks_for(request.num_prompt_tokens + s.prealloc_tokens, rt.block_size) > rt.num_blocks:
-                rt.reject(state)
-                on_request()
-                continue
+                return None
             session = scheduler.add_session(number)
             seq = session.add_sequence(
                 lm.numpy.asarray(request.prompt_token_ids, dtype=lm.numpy.int64),
@@ -126,16 +127,15 @@ class LmdeployEngine:
             out = scheduler.schedule(is_prefill=True, prealloc_size=s.prealloc_tokens)
             if seq not in out.running:
                 raise RuntimeError(f"LMDeploy did not admit request {request.request_id} into an idle pool")
-            rt.count_admission(state, seq.num_history_ids // rt.block_size)
+            rt.admitted(state, seq.num_history_ids // rt.block_size)
             scheduler.activate_seqs(out.running)
             seq.update_token_ids(sampled, mode=lm.UpdateTokenMode.PREFILL)
             seq.finish()
             scheduler.end_session(number)
             state.num_output_tokens = 1
             state.first_token_s = state.finish_s = rt.now_s
-            free = scheduler.block_manager.get_num_free_gpu_blocks()
-            recorder.sample(rt, rt.now_s, PoolUsage(rt.num_blocks, free))
-            recorder.record(rt.conclude(state))
-            on_request()
-        recorder.simulated_s = rt.now_s
-        return recorder
+            return PoolUsage(rt.num_blocks, scheduler.block_manager.get_num_free_gpu_blocks())
+
+        # Stock LMDeploy has no sagellm decisions: its requests are counted, not arrived.
+        arrive = rt.arrive if s.scheduler == "sagellm" else SequenceState
+        return serve_serially(rt, requests, serve, Recorder(), on_request, arrive=arrive)

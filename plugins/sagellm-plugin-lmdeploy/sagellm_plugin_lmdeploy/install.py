@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from sagellm_core.adapters import engine_sections, load_engine_runtime
+from sagellm_core.drivers.engines import engine_sections, load_engine_runtime
 from sagellm_core.runtime import Runtime
-
 from sagellm_plugin_lmdeploy import compat, lifecycle, preemption
 from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
 from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED

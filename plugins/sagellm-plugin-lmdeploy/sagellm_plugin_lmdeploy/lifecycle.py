@@ -38,7 +38,7 @@ def _sagellm_trie(lifecycle):
 
 def _arrive(trie, seq) -> None:
     runtime = trie.sagellm.runtime
-    runtime.now_s = time.perf_counter()
+    runtime.set_time(time.perf_counter())
     sequence_state(seq, runtime, trie)
 
 
@@ -47,7 +47,8 @@ def _finish(trie, seq) -> None:
     if state is None:
         return
     runtime = trie.sagellm.runtime
-    runtime.now_s = state.finish_s = time.perf_counter()
+    state.finish_s = time.perf_counter()
+    runtime.set_time(state.finish_s)
     state.num_output_tokens = seq.num_new_tokens
     runtime.conclude(state)
 

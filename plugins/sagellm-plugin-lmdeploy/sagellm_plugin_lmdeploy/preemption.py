@@ -25,7 +25,6 @@ The helper learns the batch from ``schedule_running``, which
 from __future__ import annotations
 
 from sagellm_core.types import RequestStatus
-
 from sagellm_plugin_lmdeploy import compat
 from sagellm_plugin_lmdeploy.reorder import sequence_state
 

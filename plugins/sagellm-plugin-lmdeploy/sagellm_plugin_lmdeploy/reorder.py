@@ -14,9 +14,7 @@ from __future__ import annotations
 import weakref
 
 from sagellm_core.types import Request, RequestStatus, ScheduleIR, SequenceState
-
 from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
-
 
 #: id(sequence) -> its state, dropped when LMDeploy drops the sequence
 #: (sequences are unhashable dataclasses: no WeakKeyDictionary).
@@ -37,13 +35,10 @@ def sequence_state(seq, runtime, trie) -> SequenceState:
             output_tokens=seq.sampling_param.max_new_tokens,
             arrival_s=seq.arrive_time,
         )
-        prediction = runtime.predict_lifetime(request)
         if state is None:
             weakref.finalize(seq, _states.pop, id(seq), None)
-        state = _states[id(seq)] = SequenceState(request=request, prediction=prediction)
-        match = trie.arrival_match(seq)
-        state.cached_tokens_hint = match.num_blocks * trie.block_size
-        runtime.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
+        # The trie's match (or the prefix-cache plugin's, through it).
+        state = _states[id(seq)] = runtime.arrive(request, match=trie.arrival_match(seq))
     return state
 
 
@@ -71,14 +66,10 @@ class SagellmPrefillReorderer(_PrefillReorderer):
         by_state = {id(state): seq for state, seq in zip(states, rest)}
         ir = ScheduleIR(
             now_s=runtime.now_s,
-            step=0,
             waiting=list(states),
             running=[],
             token_budget=self.prefill_scheduler.cache_config.max_prefill_token_num,
             max_num_seqs=self.prefill_scheduler.scheduler_config.max_batches,
-            block_size=trie.block_size,
-            num_free_blocks=trie.allocator.get_num_free_blocks(),
-            num_evictable_blocks=len(observer.evictable),
         )
         runtime.schedule(ir)
         return ready + [by_state[id(state)] for state in ir.waiting]

@@ -27,29 +27,24 @@ match.
 
 from __future__ import annotations
 
+from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixMatch, chain_key
-
 from sagellm_plugin_lmdeploy.compat import BlockTrie, numpy
 from sagellm_plugin_lmdeploy.matching import PluginMatcher
 
 
-class TrieObserver:
-    """What sagellm knows of the trie: a :class:`CachedBlock` and the node
-    per cached block, and the evictable set (referenced by the trie alone)."""
+class TrieObserver(BlockObserver):
+    """What sagellm knows of the trie (the shared :class:`BlockObserver`: a
+    :class:`CachedBlock` per cached block, the evictable set: referenced by
+    the trie alone), and the trie node and content key of each."""
 
     def __init__(self, runtime: Runtime, block_size: int):
-        self.runtime = runtime
+        super().__init__(runtime)
         self.block_size = block_size
-        self.cached: dict[int, CachedBlock] = {}
         self.by_key: dict[int, CachedBlock] = {}  # content key -> cached block (the trie holds one per key)
         self.nodes: dict[int, object] = {}
-        self.evictable: set[int] = set()
-
-    def _observe(self, hook: str, blocks: list[CachedBlock]) -> None:
-        if blocks:
-            self.runtime.observe(hook, blocks=tuple(blocks), now_s=self.runtime.now_s)
 
     def _describe(self, node) -> CachedBlock:
         parent = node.parent
@@ -79,9 +74,7 @@ class TrieObserver:
         return out
 
     def on_matched(self, blocks: list[CachedBlock], ref_counts) -> None:
-        hit = [b for b, refs in zip(blocks, ref_counts) if refs > 1 and b.block_id in self.cached]
-        self.evictable.difference_update(b.block_id for b in hit)
-        self._observe("sagellm_blocks_touched", hit)
+        self.touch(b.block_id for b, refs in zip(blocks, ref_counts) if refs > 1)
 
     def on_trie_extended(self, nodes: list, ref_counts) -> None:
         """LMDeploy's trie walked ``nodes`` to attach a sequence's blocks."""
@@ -90,8 +83,8 @@ class TrieObserver:
             known = self.cached.get(node.block_id)
             if known is None:
                 self.nodes[node.block_id] = node
-                # Cached now: the next node's description reads its parent's key.
-                known = self.cached[node.block_id] = self._describe(node)
+                # Recorded now: the next node's description reads its parent's key.
+                known = self.add(self._describe(node))
                 new.append(known)
                 new_refs.append(refs)
             elif refs > 1 and node.block_id in self.evictable:
@@ -102,29 +95,20 @@ class TrieObserver:
         """``new`` blocks were cached; sequences' duplicates were folded into
         the cached ``folded`` ones."""
         for block, refs in zip(new, ref_counts):
-            self.cached[block.block_id] = block
+            self.add(block)
             self.by_key[block.key] = block
             if refs == 1:  # traversed, not taken (LMDeploy's recompute overlap)
                 self.evictable.add(block.block_id)
-        folded = [b for b in folded if b.block_id in self.evictable]
-        self.evictable.difference_update(b.block_id for b in folded)
-        self._observe("sagellm_blocks_touched", folded)
-        self._observe("sagellm_blocks_cached", new)
+        self.touch(b.block_id for b in folded if b.block_id in self.evictable)
+        self.report_cached(new)
 
     def on_freed(self, block_ids, ref_counts) -> None:
-        released = [
-            self.cached[b]
-            for b, refs in zip(block_ids.tolist(), ref_counts.tolist())
-            if refs == 1 and b in self.cached and b not in self.evictable
-        ]
-        self.evictable.update(b.block_id for b in released)
-        self._observe("sagellm_blocks_released", released)
+        self.release(b for b, refs in zip(block_ids.tolist(), ref_counts.tolist()) if refs == 1)
 
-    def forget(self, block_id: int) -> CachedBlock:
-        self.evictable.discard(block_id)
+    def forget(self, block_id: int) -> CachedBlock | None:
+        block = super().forget(block_id)
         self.nodes.pop(block_id, None)
-        block = self.cached.pop(block_id)
-        if self.by_key.get(block.key) is block:
+        if block is not None and self.by_key.get(block.key) is block:
             del self.by_key[block.key]
         return block
 
@@ -135,7 +119,7 @@ class TrieObserver:
         tokens = numpy.asarray(token_ids, dtype=numpy.int64)
         blocks = []
         for start in range(0, num_blocks * self.block_size, self.block_size):
-            key = chain_key(key, tokens[start:start + self.block_size].tobytes())
+            key = chain_key(key, tokens[start : start + self.block_size].tobytes())
             block = self.by_key.get(key)
             if block is None:
                 break
@@ -306,7 +290,9 @@ class SagellmBlockTrie(BlockTrie):
         if result.replaced:
             self.allocator.free(numpy.array([given for given, _ in result.replaced], dtype=numpy.int64))
         self.sagellm.on_inserted(
-            list(result.adopted), self._refs([b.block_id for b in result.adopted]), [held for _, held in result.replaced]
+            list(result.adopted),
+            self._refs([b.block_id for b in result.adopted]),
+            [held for _, held in result.replaced],
         )
 
     def evict(self, max_num_blocks: int) -> int:
@@ -321,17 +307,20 @@ class SagellmBlockTrie(BlockTrie):
             candidates = Unpinned(observer.evictable, pinned) if pinned else observer.evictable
             if not len(candidates):
                 break
-            victims = observer.runtime.select_victims(max_num_blocks - evicted - len(removed), candidates)
+            victims = observer.select_victims(max_num_blocks - evicted - len(removed), candidates)
             if not victims:
                 break  # the policy keeps the rest; the caller makes do with fewer
-            gone = self._remove_from_plugin(victims) if self.matcher is not None else self._remove_from_trie(victims, pinned)
+            gone = (
+                self._remove_from_plugin(victims)
+                if self.matcher is not None
+                else self._remove_from_trie(victims, pinned)
+            )
             if not gone:
                 break  # every victim is pinned by an SSM checkpoint copy
             removed.extend(gone)
         if removed:
             self._allocator_free(numpy.array([b.block_id for b in removed]))
-            observer.runtime.counters.evicted_blocks += len(removed)
-            observer._observe("sagellm_blocks_evicted", removed)
+            observer.flush_evicted()
         return evicted + len(removed)
 
     def _remove_from_plugin(self, victims) -> list[CachedBlock]:
@@ -342,18 +331,23 @@ class SagellmBlockTrie(BlockTrie):
             raise PluginError(
                 f"{self.sagellm.runtime.who('prefix_cache')} removed blocks that sequences hold: {held[:8]}"
             )
-        return [self.sagellm.forget(b.block_id) for b in gone]
+        return [self.sagellm.evict(b.block_id) for b in gone]
 
     def _remove_from_trie(self, victims, pinned: set[int]) -> list[CachedBlock]:
         """Detach each victim's subtree from LMDeploy's trie (its cached
         descendants go with it: no lookup reaches them once it is gone)."""
         observer, leaves = self.sagellm, self._kv_lifecycle.leaves
+        nodes = observer.nodes
+
+        def children(block_id: int) -> list[int]:  # in the trie's order
+            return [child.block_id for child in nodes[block_id].children.values()]
+
         removed: list[CachedBlock] = []
         for victim in victims:
             if victim not in observer.evictable:
                 continue  # went with an ancestor chosen before it
-            node = observer.nodes[victim]
-            subtree = self._subtree_leaves_first(node)
+            node = nodes[victim]
+            subtree = [nodes[b] for b in reversed(observer.subtree(victim, children))]  # leaves first
             if any(self._state_checkpoints.is_pinned(n) for n in subtree):
                 pinned.add(victim)  # an SSM checkpoint copy is reading it: not now
                 continue
@@ -362,16 +356,7 @@ class SagellmBlockTrie(BlockTrie):
                 self._state_checkpoints.release_checkpoint(gone)
                 gone.detach_leaf()
                 leaves.discard(gone)
-                removed.append(observer.forget(gone.block_id))
+                removed.append(observer.evict(gone.block_id))
             if parent is not None and parent.parent is not None and not parent.children:
                 leaves.add(parent)
         return removed
-
-    def _subtree_leaves_first(self, node) -> list:
-        order, stack = [], [node]
-        while stack:
-            current = stack.pop()
-            order.append(current)
-            stack.extend(current.children.values())
-        order.reverse()  # every node after all of its descendants
-        return order

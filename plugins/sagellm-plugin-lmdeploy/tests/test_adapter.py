@@ -7,16 +7,16 @@ import json
 
 import numpy as np
 import pytest
-
-from sagellm_core import hookimpl, session
-from sagellm_core.errors import ConfigError, PluginError
-from sagellm_core.runtime import Runtime
-from sagellm_core.testing import declare_plugins, settings_from_toml
-
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
 from sagellm_plugin_lmdeploy.install import installed, runtime_for
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
+
+from sagellm_core import hookimpl
+from sagellm_core.errors import ConfigError, PluginError
+from sagellm_core.kit.testing import declare_plugins, settings_from_toml
+from sagellm_core.replay import session
+from sagellm_core.runtime import Runtime
 
 from .conftest import HERE
 
@@ -33,9 +33,11 @@ def mooncake_config(
         f'[engine]\nname = "{engine}"\n'
         + ('mode = "cache-only"\nprealloc_tokens = 16\n' if replay else f'scheduler = "{scheduler}"\n')
         + f'[workload]\nsource = "mooncake"\npath = "{trace}"\nmax_requests = {n}\n'
-        + "[prefix_cache]\nblock_size = 16\n" + (f'plugin = "{matching}"\n' if matching else "")
+        + "[prefix_cache]\nblock_size = 16\n"
+        + (f'plugin = "{matching}"\n' if matching else "")
         # sagellm's paged pool also picks LMDeploy's physical blocks when sagellm decides.
-        + f"[kv_pool]\nnum_blocks = {blocks}\n" + ('plugin = "paged"\n' if replay or scheduler == "sagellm" else "")
+        + f"[kv_pool]\nnum_blocks = {blocks}\n"
+        + ('plugin = "paged"\n' if replay or scheduler == "sagellm" else "")
         + f'[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
     )
 
@@ -120,14 +122,24 @@ def test_pinned_prefixes_survive_inside_lmdeploy(pin_after_hits):
     prompt A is matched twice (pinned), then B once, then a long unrelated
     prompt flushes all but two blocks of the pool: LRU keeps B's (used
     last), so the next request of A misses, unless A is pinned."""
-    rt = runtime(f'[prefix_cache]\nplugin = "radix"\npin_after_hits = {pin_after_hits}\nmax_pinned_share = 0.25\n'
-                 '[kv_pool]\nnum_blocks = 32\n[eviction]\nplugin = "lru"\n')
+    rt = runtime(
+        f'[prefix_cache]\nplugin = "radix"\npin_after_hits = {pin_after_hits}\nmax_pinned_share = 0.25\n'
+        '[kv_pool]\nnum_blocks = 32\n[eviction]\nplugin = "lru"\n'
+    )
 
     def prompt(system: int, n: int):  # a 2-block system prompt, then 200 tokens of the request's own
         return np.concatenate([np.arange(system, system + 32), np.arange(100 * n, 100 * n + 200)]).astype(np.int64)
 
     flush = np.arange(50_000, 50_464, dtype=np.int64)  # 29 blocks, 30 with LMDeploy's decode reserve
-    order = [prompt(5000, 0), prompt(5000, 1), prompt(5000, 2), prompt(7000, 3), prompt(7000, 4), flush, prompt(5000, 5)]
+    order = [
+        prompt(5000, 0),
+        prompt(5000, 1),
+        prompt(5000, 2),
+        prompt(7000, 3),
+        prompt(7000, 4),
+        flush,
+        prompt(5000, 5),
+    ]
     hits = []
     with installed(rt):
         scheduler = build_scheduler(32, 16, max_batches=1)
@@ -201,7 +213,9 @@ def test_the_passes_order_lmdeploys_prefills():
     with installed(rt):
         scheduler = build_scheduler(64, 16, max_batches=1)
         assert isinstance(scheduler.block_trie, SagellmBlockTrie)
-        warm = scheduler.add_session(0).add_sequence(np.arange(64, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+        warm = scheduler.add_session(0).add_sequence(
+            np.arange(64, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+        )
         out = scheduler.schedule(is_prefill=True, prealloc_size=16)
         scheduler.activate_seqs(out.running)
         warm.update_token_ids(np.array([0]), mode=lm.UpdateTokenMode.PREFILL)
@@ -209,7 +223,11 @@ def test_the_passes_order_lmdeploys_prefills():
         scheduler.end_session(0)
         seqs = []
         for number, prompt in enumerate([np.arange(1000, 1040), np.arange(2000, 2040), np.arange(0, 70)], start=1):
-            seqs.append(scheduler.add_session(number).add_sequence(prompt.astype(np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)))
+            seqs.append(
+                scheduler.add_session(number).add_sequence(
+                    prompt.astype(np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+                )
+            )
         out = scheduler.schedule(is_prefill=True, prealloc_size=16)
     assert out.running == [seqs[2]]  # the cached 64-token prefix first
     assert seqs[2].num_history_ids == 64
@@ -281,8 +299,8 @@ def test_policies(tmp_path):
         tmp_path,
         {
             "sagellm.eviction": {
-                "stranger": "sagellm_core.testing:StrangerVictims",
-                "oldest-first": "sagellm_core.testing:OldestFirstPreemption",
+                "stranger": "sagellm_core.kit.testing:StrangerVictims",
+                "oldest-first": "sagellm_core.kit.testing:OldestFirstPreemption",
             }
         },
         name="sagellm-lmdeploy-test-policies",
@@ -298,8 +316,12 @@ def decode_until_preempted(policy: str | None):
     rt = runtime(f'[kv_pool]\nnum_blocks = 6\n[eviction]\nplugin = "{policy}"\n') if policy else None
     with installed(rt) if rt else contextlib.nullcontext():
         scheduler = build_scheduler(6, 16, max_batches=2)
-        a = scheduler.add_session(0).add_sequence(np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8))
-        b = scheduler.add_session(1).add_sequence(np.arange(100, 148, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8))
+        a = scheduler.add_session(0).add_sequence(
+            np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8)
+        )
+        b = scheduler.add_session(1).add_sequence(
+            np.arange(100, 148, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=8)
+        )
         out = scheduler.schedule(is_prefill=True, prealloc_size=0)
         assert out.running == [a, b] and scheduler.block_manager.get_num_free_gpu_blocks() == 0
         scheduler.activate_seqs(out.running)
@@ -328,13 +350,17 @@ def test_a_victim_that_is_not_evictable_is_named(test_policies):
     rt = runtime('[kv_pool]\nnum_blocks = 8\n[eviction]\nplugin = "stranger"\n')
     with installed(rt):
         scheduler = build_scheduler(8, 16, max_batches=1)
-        first = scheduler.add_session(0).add_sequence(np.arange(96, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+        first = scheduler.add_session(0).add_sequence(
+            np.arange(96, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+        )
         out = scheduler.schedule(is_prefill=True, prealloc_size=0)
         scheduler.activate_seqs(out.running)
         first.update_token_ids(np.array([0]), mode=lm.UpdateTokenMode.PREFILL)
         first.finish()
         scheduler.end_session(0)
-        scheduler.add_session(1).add_sequence(np.arange(500, 596, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+        scheduler.add_session(1).add_sequence(
+            np.arange(500, 596, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+        )
         with pytest.raises(PluginError, match="eviction plugin 'stranger'.*not evictable candidates"):
             scheduler.schedule(is_prefill=True, prealloc_size=0)
 
@@ -364,7 +390,9 @@ def test_the_kv_pool_plugin_picks_lmdeploys_physical_blocks():
     with installed(rt):
         scheduler = build_scheduler(16, 16, max_batches=1)
         assert isinstance(scheduler.block_manager.allocator._gpu_allocator, SagellmPhysicalAllocator)
-        seq = scheduler.add_session(0).add_sequence(np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+        seq = scheduler.add_session(0).add_sequence(
+            np.arange(40, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+        )
         scheduler.schedule(is_prefill=True, prealloc_size=16)
     table = scheduler.get_block_tables([seq])[0]
     assert len(table) == 4 and rt.pool_usage().num_free_blocks == 12

@@ -6,13 +6,12 @@ choosing host slots."""
 from __future__ import annotations
 
 import numpy as np
-
-from sagellm_core.testing import settings_from_toml
-
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.connector import SagellmConnector
 from sagellm_plugin_lmdeploy.engine import logical_clock
 from sagellm_plugin_lmdeploy.install import installed, runtime_for
+
+from sagellm_core.kit.testing import settings_from_toml
 
 BS = 16
 POOL = 8
@@ -41,7 +40,9 @@ def step(scheduler, worker, cache, tag: float):
 
 def serve(scheduler, worker, cache, number, tokens):
     """Serve one request; its computed KV is tagged with ``number * 1e6``."""
-    seq = scheduler.add_session(number).add_sequence(np.asarray(tokens, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1))
+    seq = scheduler.add_session(number).add_sequence(
+        np.asarray(tokens, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+    )
     for _ in range(10):
         running = step(scheduler, worker, cache, number * 1e6)
         if seq in running:
@@ -62,7 +63,11 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     )
     rt = runtime_for(settings_from_toml(text))
     cache_config = lm.CacheConfig(
-        max_batches=1, block_size=BS, num_cpu_blocks=0, num_gpu_blocks=POOL, enable_prefix_caching=True,
+        max_batches=1,
+        block_size=BS,
+        num_cpu_blocks=0,
+        num_gpu_blocks=POOL,
+        enable_prefix_caching=True,
         device_type="cpu",
         kv_transfer_config=lm.KVTransferConfig(
             kv_connector="SagellmConnector", kv_role="kv_both", kv_connector_extra_config={"host_blocks": HOST}
@@ -103,7 +108,11 @@ def test_install_teaches_lmdeploys_factory_the_connector():
     from lmdeploy.pytorch.engine.model_agent import agent
 
     cache_config = lm.CacheConfig(
-        max_batches=1, block_size=BS, num_cpu_blocks=0, num_gpu_blocks=POOL, device_type="cpu",
+        max_batches=1,
+        block_size=BS,
+        num_cpu_blocks=0,
+        num_gpu_blocks=POOL,
+        device_type="cpu",
         kv_transfer_config=lm.KVTransferConfig(kv_connector="SagellmConnector", kv_role="kv_both"),
     )
     rt = runtime_for(settings_from_toml(f"[kv_pool]\nnum_blocks = {POOL}\n"))

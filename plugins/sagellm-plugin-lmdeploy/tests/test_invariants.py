@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from sagellm_core.testing import settings_from_toml
-
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
 from sagellm_plugin_lmdeploy.install import installed, runtime_for
+
+from sagellm_core.kit.testing import settings_from_toml
 
 BS = 4
 POOL = 24

@@ -24,9 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import config as config_mod
-from sagellm_core.session import run
+from sagellm_core.replay.session import run
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "traces" / "mooncake_conversation.jsonl"
+)
 
 CONFIG = """
 [engine]
@@ -58,7 +60,9 @@ def settings(engine: str, policy: str, args, scheduler: str = "sagellm"):
     replay = engine == "replay"
     text = CONFIG.format(
         engine=engine,
-        engine_params='mode = "cache-only"' if replay else f'scheduler = "{scheduler}"\nmax_num_batched_tokens = 262144',
+        engine_params='mode = "cache-only"'
+        if replay
+        else f'scheduler = "{scheduler}"\nmax_num_batched_tokens = 262144',
         trace=Path(args.trace).resolve(),
         limit=f"max_requests = {args.max_requests}" if args.max_requests else "",
         cache_plugin='plugin = "radix"' if replay else "",
@@ -88,8 +92,14 @@ def table(title: str, rows: list[dict]) -> Table:
     for col in ("run", "requests", "query blocks", "hit blocks", "block hit rate", "wall (s)"):
         t.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
-        t.add_row(r["label"], f"{r['requests']:,}", f"{r['query_blocks']:,}", f"{r['hit_blocks']:,}",
-                  f"{r['rate']:.4f}", f"{r['wall_s']:.1f}")
+        t.add_row(
+            r["label"],
+            f"{r['requests']:,}",
+            f"{r['query_blocks']:,}",
+            f"{r['hit_blocks']:,}",
+            f"{r['rate']:.4f}",
+            f"{r['wall_s']:.1f}",
+        )
     return t
 
 
@@ -113,7 +123,11 @@ def main() -> int:
         others.append(measure(f"sagellm replay, {policy}", settings("replay", policy, args)))
     console.print(table("sagellm policies inside vLLM and in replay", others))
     pairs = [(lru[0], lru[1]), (lru[0], lru[2])] + list(zip(others[::2], others[1::2]))
-    differ = [(a["label"], b["label"]) for a, b in pairs if (a["hit_blocks"], a["query_blocks"]) != (b["hit_blocks"], b["query_blocks"])]
+    differ = [
+        (a["label"], b["label"])
+        for a, b in pairs
+        if (a["hit_blocks"], a["query_blocks"]) != (b["hit_blocks"], b["query_blocks"])
+    ]
     for a, b in differ:
         console.print(f"[red]differ: {a} / {b}")
     if not differ:

@@ -27,13 +27,12 @@ from rich.console import Console
 from rich.table import Table
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
-
-from sagellm_core import PluginContext
-from sagellm_core.testing import BlockIds, serve_prompt
-from sagellm_core.types import Request
-
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler
+
+from sagellm_core import PluginContext
+from sagellm_core.kit.testing import BlockIds, serve_prompt
+from sagellm_core.types import Request
 
 BS = 16
 NUM_BLOCKS = 100_000
@@ -63,20 +62,31 @@ def sagellm_side(all_prompts):
     lru = LRUEviction(None, PluginContext("lru", BS, NUM_BLOCKS + 1000))
     block_ids = BlockIds()
     for i, tokens in enumerate(all_prompts):
-        lru.sagellm_blocks_released(blocks=serve_prompt(cache, Request(f"r{i}", tokens, 1), BS, block_ids))
+        lru.sagellm_blocks_released(blocks=serve_prompt(cache, Request(f"r{i}", tokens, 1), BS, block_ids), now_s=0.0)
     return cache, lru
 
 
 def vllm_side(all_prompts):
-    scheduler = build_scheduler("stock", block_size=BS, num_blocks=NUM_BLOCKS + 1000, max_num_batched_tokens=8192,
-                                max_num_seqs=256, max_model_len=PROMPT + 16)
+    scheduler = build_scheduler(
+        "stock",
+        block_size=BS,
+        num_blocks=NUM_BLOCKS + 1000,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=PROMPT + 16,
+    )
     kv = scheduler.kv_cache_manager
     v.init_none_hash(v.sha256)
     hasher = v.get_request_block_hasher(BS, v.sha256)
     for i, tokens in enumerate(all_prompts):
-        req = v.VllmRequest(request_id=f"r{i}", prompt_token_ids=tokens,
-                            sampling_params=v.SamplingParams(max_tokens=1), pooling_params=None,
-                            arrival_time=float(i), block_hasher=hasher)
+        req = v.VllmRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=tokens,
+            sampling_params=v.SamplingParams(max_tokens=1),
+            pooling_params=None,
+            arrival_time=float(i),
+            block_hasher=hasher,
+        )
         blocks, num_computed, *_ = kv.get_computed_blocks(req)
         kv.allocate_slots(req, len(tokens) - num_computed, num_computed, blocks)
         req.num_computed_tokens = len(tokens)
@@ -93,23 +103,41 @@ def main() -> None:
 
     probe = Request("probe", probe_tokens, 1)
     assert cache.sagellm_lookup_prefix(request=probe).num_blocks == 124
-    vprobe = v.VllmRequest(request_id="probe", prompt_token_ids=probe_tokens,
-                           sampling_params=v.SamplingParams(max_tokens=1), pooling_params=None,
-                           arrival_time=0.0, block_hasher=hasher)
+    vprobe = v.VllmRequest(
+        request_id="probe",
+        prompt_token_ids=probe_tokens,
+        sampling_params=v.SamplingParams(max_tokens=1),
+        pooling_params=None,
+        arrival_time=0.0,
+        block_hasher=hasher,
+    )
     _, hit_tokens, *_ = kv.get_computed_blocks(vprobe)
     assert hit_tokens == 124 * BS, hit_tokens
 
     ours = p50_us(lambda: cache.sagellm_lookup_prefix(request=probe))
     theirs = p50_us(lambda: kv.get_computed_blocks(vprobe))
-    hashing = p50_us(lambda: hasher(v.VllmRequest(
-        request_id="h", prompt_token_ids=probe_tokens, sampling_params=v.SamplingParams(max_tokens=1),
-        pooling_params=None, arrival_time=0.0, block_hasher=None)), repeat=300)
+    hashing = p50_us(
+        lambda: hasher(
+            v.VllmRequest(
+                request_id="h",
+                prompt_token_ids=probe_tokens,
+                sampling_params=v.SamplingParams(max_tokens=1),
+                pooling_params=None,
+                arrival_time=0.0,
+                block_hasher=None,
+            )
+        ),
+        repeat=300,
+    )
 
     every = set(range(NUM_BLOCKS + 1000))
     victims = p50_us(lambda: lru.sagellm_select_victims(num_blocks=64, candidates=every), repeat=3000)
     taken: list = []
-    take = p50_us(lambda: taken.extend(pool.get_new_blocks(64)), repeat=500,
-                  setup=lambda: (pool.free_blocks(taken), taken.clear()))
+    take = p50_us(
+        lambda: taken.extend(pool.get_new_blocks(64)),
+        repeat=500,
+        setup=lambda: (pool.free_blocks(taken), taken.clear()),
+    )
     rows = [
         ("prefix lookup, 2,000 tokens, 124 blocks hit: sagellm radix", ours, 1.0),
         ("  vLLM get_computed_blocks (hashes precomputed)", theirs, theirs / ours),

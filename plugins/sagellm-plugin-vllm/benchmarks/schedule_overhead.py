@@ -18,12 +18,12 @@ import statistics
 import time
 import tomllib
 
-from sagellm_core import config as config_mod
-from sagellm_core.runtime import Runtime
-
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
 from sagellm_plugin_vllm.live import ENGINE_OWNS
+
+from sagellm_core import config as config_mod
+from sagellm_core.runtime import Runtime
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000
@@ -45,8 +45,7 @@ hook_timing = false
 
 def runtime(passes: str) -> Runtime:
     settings = config_mod.parse(
-        tomllib.loads(CONFIG.format(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, passes=passes)),
-        "<benchmark>",
+        tomllib.loads(CONFIG.format(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, passes=passes)), "<benchmark>"
     )
     return Runtime(settings, engine_owns=ENGINE_OWNS)
 
@@ -127,7 +126,10 @@ def main() -> None:
     finally:
         gc.enable()
     base = statistics.median(times["stock vLLM"])
-    print(f"schedule() per step, {RUNNING} running (decode) + {WAITING} waiting, {args.steps} steps each, vLLM {v.VLLM_VERSION}")
+    print(
+        f"schedule() per step, {RUNNING} running (decode) + {WAITING} waiting,"
+        f" {args.steps} steps each, vLLM {v.VLLM_VERSION}"
+    )
     print(f"{'scheduler':<28} {'p50 (ms)':>9} {'p90 (ms)':>9} {'ratio p50':>10}")
     for name, samples in times.items():
         p50 = statistics.median(samples)

@@ -29,131 +29,85 @@ request holds the cached original instead, until it frees its blocks.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
+from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import CachedBlock
-
 from sagellm_plugin_vllm.compat import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, VllmRequest
 
 
-class BlockObserver:
-    """What sagellm knows of vLLM's cached blocks: one :class:`CachedBlock`
-    per hashed block, the parent/child links between them, and the evictable
-    set (hashed, no reference) handed to the victim-selection hook."""
+class PoolObserver(BlockObserver):
+    """What sagellm knows of vLLM's cached blocks (the shared
+    :class:`BlockObserver`: one :class:`CachedBlock` per hashed block, the
+    links between them, the evictable set: hashed, no reference), and the
+    private copies of cached blocks that requests recomputed."""
 
     def __init__(self, runtime: Runtime):
-        self.runtime = runtime
-        self.cached: dict[int, CachedBlock] = {}
-        self.children: dict[int, set[int]] = {}
-        self.evictable: set[int] = set()
-        self._evicted: list[CachedBlock] = []
+        super().__init__(runtime)
         #: duplicate block id -> the cached original its request holds instead
         self.original_of: dict[int, int] = {}
 
-    def _now(self) -> float:
-        return self.runtime.now_s
-
     def on_cached(self, request: VllmRequest, blocks: Sequence[KVCacheBlock], start: int, stop: int) -> None:
         namespace = request.cache_salt or ""
+        cached, original_of = self.cached, self.original_of
         new: list[CachedBlock] = []
         for depth in range(start, stop):
             block = blocks[depth]
             if (
                 block.is_null
                 or block.block_hash is None
-                or block.block_id in self.cached
-                or block.block_id in self.original_of  # a private copy
+                or block.block_id in cached
+                or block.block_id in original_of  # a private copy
             ):
                 continue
             if depth:
                 before = blocks[depth - 1].block_id
-                parent = self.cached.get(self.original_of.get(before, before))  # a copy stands for its original
+                parent = cached.get(original_of.get(before, before))  # a copy stands for its original
             else:
                 parent = None
             if depth and parent is None:
                 continue  # its parent was never reported (cached before sagellm attached)
-            cached = CachedBlock(
-                block.block_id,
-                depth,
-                parent.block_id if parent else None,
-                # vLLM's chained hash (tokens, parent, cache_salt, LoRA) is the
-                # content key; its first 8 bytes as sagellm's 64-bit key.
-                int.from_bytes(block.block_hash[:8], "little"),
-                namespace,
+            new.append(
+                self.add(
+                    CachedBlock(
+                        block.block_id,
+                        depth,
+                        parent.block_id if parent else None,
+                        # vLLM's chained hash (tokens, parent, cache_salt, LoRA) is the
+                        # content key; its first 8 bytes as sagellm's 64-bit key.
+                        int.from_bytes(block.block_hash[:8], "little"),
+                        namespace,
+                    )
+                )
             )
-            self.cached[block.block_id] = cached
-            if parent is not None:
-                self.children.setdefault(parent.block_id, set()).add(block.block_id)
-            new.append(cached)
         if new:
-            self.runtime.observe("sagellm_blocks_cached", blocks=tuple(new), now_s=self._now())
-
-    def on_touched(self, blocks: Sequence[KVCacheBlock]) -> None:
-        hit = tuple(self.cached[b.block_id] for b in blocks if b.block_id in self.cached)
-        if hit:
-            self.evictable.difference_update(b.block_id for b in hit)
-            self.runtime.observe("sagellm_blocks_touched", blocks=hit, now_s=self._now())
+            self.report_cached(new)
 
     def on_freed(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
         # vLLM frees a request's blocks tail first; sagellm reports a chain
         # root first, as the radix cache releases it.
-        released = [
-            self.cached[b.block_id] for b in ordered_blocks if b.ref_cnt == 0 and b.block_id in self.cached
-        ]
-        if released:
-            released.reverse()
-            self.evictable.update(b.block_id for b in released)
-            self.runtime.observe("sagellm_blocks_released", blocks=tuple(released), now_s=self._now())
-
-    def on_evicted(self, block: KVCacheBlock) -> None:
-        """Forget an evicted block; reported by :meth:`flush_evicted`, once
-        per allocation rather than once per block."""
-        cached = self.cached.pop(block.block_id, None)
-        if cached is None:
-            return
-        self.evictable.discard(block.block_id)
-        if cached.parent_id is not None:
-            siblings = self.children.get(cached.parent_id)
-            if siblings is not None:
-                siblings.discard(block.block_id)
-        self.children.pop(block.block_id, None)
-        self._evicted.append(cached)
-
-    def flush_evicted(self) -> None:
-        if self._evicted:
-            evicted, self._evicted = tuple(self._evicted), []
-            self.runtime.counters.evicted_blocks += len(evicted)
-            self.runtime.observe("sagellm_blocks_evicted", blocks=evicted, now_s=self._now())
+        freed = [b.block_id for b in ordered_blocks if b.ref_cnt == 0]
+        freed.reverse()
+        self.release(freed)
 
     def choose_victims(self, num_blocks: int) -> list[int]:
         """Up to ``num_blocks`` victims from the policy (checked by the
         runtime), each followed by its free cached descendants."""
-        victims = self.runtime.select_victims(num_blocks, self.evictable)
+        victims = self.select_victims(num_blocks)
         if not victims:
             raise PluginError(
                 f"{self.runtime.who('eviction')} sagellm_select_victims chose no victim among"
                 f" {len(self.evictable)} evictable blocks while vLLM needs {num_blocks}"
             )
-        chosen: list[int] = []
-        seen: set[int] = set()
-        for victim in victims:
-            stack = [victim]
-            while stack:
-                block_id = stack.pop()
-                if block_id in seen or block_id not in self.evictable:
-                    continue
-                seen.add(block_id)
-                chosen.append(block_id)
-                stack.extend(self.children.get(block_id, ()))
-        return chosen
+        return self.with_descendants(victims)
 
 
 class SagellmFreeBlockQueue(FreeKVCacheBlockQueue):
     """``FreeKVCacheBlockQueue`` whose cached victims sagellm picks."""
 
-    def __init__(self, blocks: list[KVCacheBlock], pool: "SagellmBlockPool"):
+    def __init__(self, blocks: list[KVCacheBlock], pool: SagellmBlockPool):
         super().__init__(blocks)
         self.pool = pool
 
@@ -192,7 +146,7 @@ class SagellmBlockPool(BlockPool):
     victims. Built directly (the runtime from ``sagellm_runtime`` or
     ``$SAGELLM_CONFIG``), or made from a pool vLLM built (:func:`attach`)."""
 
-    sagellm: BlockObserver
+    sagellm: PoolObserver
 
     def __init__(self, *args, sagellm_runtime: Runtime | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -206,7 +160,7 @@ class SagellmBlockPool(BlockPool):
         free = self.free_block_queue.get_all_free_blocks()
         if len(free) != self.num_gpu_blocks - 1:
             raise PluginError("sagellm-plugin-vllm: attach before the first allocation (blocks are in use)")
-        self.sagellm = BlockObserver(runtime)
+        self.sagellm = PoolObserver(runtime)
         for block in free:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = SagellmFreeBlockQueue(free, self)
@@ -231,7 +185,7 @@ class SagellmBlockPool(BlockPool):
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().touch(blocks)
-        self.sagellm.on_touched(blocks)
+        self.sagellm.touch([b.block_id for b in blocks])
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         ordered = list(ordered_blocks)
@@ -263,14 +217,14 @@ class SagellmBlockPool(BlockPool):
         reset = super().reset_prefix_cache()
         if reset:  # every hash is gone: every cached block is evicted
             for block_id in list(self.sagellm.cached):
-                self.sagellm.on_evicted(self.blocks[block_id])
+                self.sagellm.evict(block_id)
             self.sagellm.flush_evicted()
         return reset
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
         if evicted:
-            self.sagellm.on_evicted(block)
+            self.sagellm.evict(block.block_id)
         return evicted
 
 

@@ -26,7 +26,7 @@ adapter refuses to start rather than misbehave.
 
 from __future__ import annotations
 
-from sagellm_core.adapters import check_engine_version
+from sagellm_core.drivers.engines import check_engine_version
 
 SUPPORTED = ((0, 33, 0), (0, 34, 0))  # [low, high)
 INSTALL_HINT = "see plugins/sagellm-plugin-vllm/README.md, 'Installing vLLM'"
@@ -36,20 +36,11 @@ VLLM_VERSION = check_engine_version("vllm", "vllm", SUPPORTED, INSTALL_HINT)
 import torch  # noqa: E402
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
-    FreeKVCacheBlockQueue,
-    KVCacheBlock,
-    get_request_block_hasher,
-    init_none_hash,
-)
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue, SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402

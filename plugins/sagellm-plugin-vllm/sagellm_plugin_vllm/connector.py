@@ -29,10 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sagellm_core.tiers import HostTierIndex
+from sagellm_core.parts.tiers import HostTierIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import TransferPlan
-
 from sagellm_plugin_vllm.compat import (
     CacheHitSource,
     KVConnectorBase_V1,
@@ -131,12 +130,16 @@ class SagellmConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]):
         self._local_hit.pop(request.request_id, None)
         full = min(len(request.block_hashes), len(block_ids))
-        todo = [(b, bytes(h)) for b, h in zip(block_ids[:full], request.block_hashes[:full]) if bytes(h) not in self.host]
+        todo = [
+            (b, bytes(h)) for b, h in zip(block_ids[:full], request.block_hashes[:full]) if bytes(h) not in self.host
+        ]
         if not todo:
             return False, None
         device = tuple(b for b, _ in todo)
         keys = tuple(k for _, k in todo)
-        result = self._runtime().transfer(TransferPlan("device", "host", _sagellm_ids(device), self.block_size, (), keys))
+        result = self._runtime().transfer(
+            TransferPlan("device", "host", _sagellm_ids(device), self.block_size, (), keys)
+        )
         if result is None or not result.ok or len(result.dst_block_ids) != len(device):
             return False, None  # no transport, or it failed (counted by the runtime): nothing offloaded
         self.host.record(keys, result.dst_block_ids)
@@ -195,5 +198,3 @@ def register() -> None:
     it makes ``SagellmConnector`` a known connector name."""
     if NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(NAME, __name__, NAME)
-
-

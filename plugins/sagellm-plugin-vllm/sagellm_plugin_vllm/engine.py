@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from attrs import define, field, frozen, validators
 
+from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
@@ -120,7 +121,8 @@ def build_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[
             v.KVCacheGroupSpec(
-                ["layer"], v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
+                ["layer"],
+                v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=v.torch.float32),
             )
         ],
     )
@@ -183,9 +185,7 @@ class VllmEngine:
         self.settings = settings
         self.vllm_version = compat.VLLM_VERSION
 
-    def run(
-        self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None
-    ) -> Recorder:
+    def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
         from sagellm_plugin_vllm import compat as v
 
         s = self.settings
@@ -215,14 +215,12 @@ class VllmEngine:
         #: vLLM's own prefix-cache counters over the run (it hands them out
         #: per step, with its scheduler stats).
         self.prefix_cache_stats = PrefixTotals()
-        for request in requests:
-            rt.now_s = request.arrival_s
-            state = SequenceState(request=request)
+
+        def serve(state: SequenceState) -> PoolUsage | None:
+            request = state.request
             too_long = request.num_prompt_tokens >= s.max_model_len
             if too_long or blocks_for(request.num_prompt_tokens, rt.block_size) > rt.num_blocks:
-                rt.reject(state)
-                on_request()
-                continue
+                return None
             vreq = v.VllmRequest(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids.tolist(),
@@ -242,8 +240,11 @@ class VllmEngine:
                 if not admitted and out.num_scheduled_tokens:
                     admitted = True
                     prefill = vreq.prefill_stats  # vLLM's split of the hit, until outputs take it
-                    rt.count_admission(state, prefill.num_local_cached_tokens // rt.block_size)
-                    rt.counters.host_hit_blocks += prefill.num_external_cached_tokens // rt.block_size
+                    rt.admitted(
+                        state,
+                        prefill.num_local_cached_tokens // rt.block_size,
+                        prefill.num_external_cached_tokens // rt.block_size,
+                    )
                 connector_output = None
                 if worker is not None:
                     worker.bind_connector_metadata(out.kv_connector_metadata)
@@ -256,10 +257,14 @@ class VllmEngine:
                     stats = client.scheduler_stats
                     if stats is not None and stats.prefix_cache_stats is not None:
                         self.prefix_cache_stats.record_from(stats.prefix_cache_stats)
-            recorder.sample(rt, rt.now_s, PoolUsage(rt.num_blocks, pool.get_num_free_blocks()))
-            if s.scheduler == "stock":
-                state.num_output_tokens = 1
-                recorder.record(rt.conclude(state))
-            on_request()
-        recorder.simulated_s = rt.now_s
-        return recorder
+            return PoolUsage(rt.num_blocks, pool.get_num_free_blocks())
+
+        def finish(state: SequenceState) -> RequestOutcome | None:
+            if s.scheduler != "stock":
+                return None  # the sagellm scheduler concluded it (on_finished)
+            state.num_output_tokens = 1
+            return rt.conclude(state)
+
+        # The sagellm scheduler's add_request arrives each request with
+        # vLLM's own match; the driver's state counts its admission.
+        return serve_serially(rt, requests, serve, recorder, on_request, arrive=SequenceState, finish=finish)

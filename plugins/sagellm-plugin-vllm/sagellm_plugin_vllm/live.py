@@ -4,7 +4,7 @@ sized to the pool vLLM actually allocated."""
 
 from __future__ import annotations
 
-from sagellm_core.adapters import CONFIG_ENV, load_engine_runtime
+from sagellm_core.drivers.engines import CONFIG_ENV, load_engine_runtime
 from sagellm_core.runtime import Runtime
 
 #: vLLM serves these sections with its own hash table and block pool.
@@ -18,5 +18,5 @@ def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> R
         engine_owns=ENGINE_OWNS,
         path=path,
         where="sagellm-plugin-vllm",
-        how=f"pass --additional-config '{{\"sagellm_config\": \"FILE\"}}' or set {CONFIG_ENV}",
+        how=f'pass --additional-config \'{{"sagellm_config": "FILE"}}\' or set {CONFIG_ENV}',
     )

@@ -29,12 +29,11 @@ environment variable; a harness may pass a built ``Runtime`` instead.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from operator import attrgetter
-from typing import Callable
 
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import PrefixMatch, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
-
 from sagellm_plugin_vllm.block_pool import attach
 from sagellm_plugin_vllm.compat import (
     AsyncScheduler,
@@ -46,7 +45,6 @@ from sagellm_plugin_vllm.compat import (
 )
 from sagellm_plugin_vllm.connector import SagellmConnector
 from sagellm_plugin_vllm.live import load_runtime
-
 
 #: vLLM request -> its SequenceState (set at add_request).
 _sagellm_state = attrgetter("sagellm_state")
@@ -98,7 +96,6 @@ class SagellmDecisions:
         self.policy = SchedulingPolicy.PRIORITY
         self._marked: dict[str, tuple[VllmRequest, int]] = {}
         self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
-        self._step = 0
 
     # ------------------------------------------------------------ requests --
 
@@ -108,19 +105,16 @@ class SagellmDecisions:
         if not is_new:
             return
         if self._wall_clock:
-            self.sagellm.now_s = time.time()
-        req = sagellm_request(request)
-        prediction = self.sagellm.predict_lifetime(req)
-        state = SequenceState(request=req, prediction=prediction)
-        computed, num_hit_tokens, *_ = self.kv_cache_manager.get_computed_blocks(request)
-        state.cached_tokens_hint = num_hit_tokens
-        # Kept on the request itself: each step maps every waiting request to
-        # its state, and an attribute read through map() is C-speed.
-        request.sagellm_state = state
+            self.sagellm.set_time(time.time())
+        # vLLM's own lookup is the match (sagellm's prefix cache does not
+        # run inside vLLM), described as the pool's observer knows the blocks.
+        computed, *_ = self.kv_cache_manager.get_computed_blocks(request)
         observer = getattr(self.kv_cache_manager.block_pool, "sagellm", None)
         hit = computed.blocks[0] if computed.blocks and observer is not None else ()
         match = PrefixMatch(tuple(observer.cached[b.block_id] for b in hit if b.block_id in observer.cached))
-        self.sagellm.observe("sagellm_request_arrived", request=req, prediction=prediction, match=match)
+        # Kept on the request itself: each step maps every waiting request to
+        # its state, and an attribute read through map() is C-speed.
+        request.sagellm_state = self.sagellm.arrive(sagellm_request(request), match=match)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)
@@ -165,7 +159,7 @@ class SagellmDecisions:
 
     def schedule(self, *args, **kwargs):
         if self._wall_clock:
-            self.sagellm.now_s = time.time()
+            self.sagellm.set_time(time.time())
         self._run_passes()
         # Allocation can fail (and vLLM preempt) only if the free blocks
         # cannot cover the step's worst case: every scheduled token and
@@ -173,8 +167,13 @@ class SagellmDecisions:
         # Only then is allocate_slots watched, sparing the common step a
         # Python frame per request.
         manager = self.kv_cache_manager
-        worst = -(-(self.max_num_scheduled_tokens + self.max_num_running_reqs * self.num_lookahead_tokens)
-                  // self.block_size) + self.max_num_running_reqs
+        worst = (
+            -(
+                -(self.max_num_scheduled_tokens + self.max_num_running_reqs * self.num_lookahead_tokens)
+                // self.block_size
+            )
+            + self.max_num_running_reqs
+        )
         watch = manager.block_pool.get_num_free_blocks() <= worst
         if watch:
             manager.allocate_slots = self._allocate_slots
@@ -193,20 +192,13 @@ class SagellmDecisions:
             return
         waiting = list(map(_sagellm_state, self.waiting))
         running = self._running_states()
-        pool = self.kv_cache_manager.block_pool
-        observer = getattr(pool, "sagellm", None)  # None if a caller swapped in its own manager
         ir = ScheduleIR(
             now_s=self.sagellm.now_s,
-            step=self._step,
             waiting=waiting,
             running=running,
             token_budget=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs,
-            block_size=self.block_size,
-            num_free_blocks=pool.get_num_free_blocks(),
-            num_evictable_blocks=len(observer.evictable) if observer is not None else 0,
         )
-        self._step += 1
         moved = self.sagellm.schedule(ir)
         if "waiting" in moved:
             self.waiting.clear()

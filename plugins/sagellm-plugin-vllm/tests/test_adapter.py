@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-
-from sagellm_core import session
-from sagellm_core.errors import PluginError
-from sagellm_core.runtime import Runtime
-from sagellm_core.testing import declare_plugins, settings_from_toml
-
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
 from sagellm_plugin_vllm.live import ENGINE_OWNS
+
+from sagellm_core.errors import PluginError
+from sagellm_core.kit.testing import declare_plugins, settings_from_toml
+from sagellm_core.replay import session
+from sagellm_core.runtime import Runtime
 
 from .conftest import HERE
 
@@ -22,8 +21,10 @@ def mooncake_config(trace, engine: str, policy: str, *, scheduler: str = "sagell
         f'[engine]\nname = "{engine}"\n'
         + ('mode = "cache-only"\n' if replay else f'scheduler = "{scheduler}"\nmax_num_batched_tokens = 262144\n')
         + f'[workload]\nsource = "mooncake"\npath = "{trace}"\nmax_requests = {n}\n'
-        + "[prefix_cache]\nblock_size = 16\n" + ('plugin = "radix"\n' if replay else "")
-        + f"[kv_pool]\nnum_blocks = {blocks}\n" + ('plugin = "paged"\n' if replay else "")
+        + "[prefix_cache]\nblock_size = 16\n"
+        + ('plugin = "radix"\n' if replay else "")
+        + f"[kv_pool]\nnum_blocks = {blocks}\n"
+        + ('plugin = "paged"\n' if replay else "")
         + f'[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
     )
 
@@ -108,8 +109,13 @@ def drive(scheduler, steps: int):
 
 def small_scheduler(rt: Runtime, num_blocks: int, max_num_seqs: int = 8):
     return build_scheduler(
-        "sagellm", block_size=16, num_blocks=num_blocks, max_num_batched_tokens=512,
-        max_num_seqs=max_num_seqs, max_model_len=4096, runtime=rt,
+        "sagellm",
+        block_size=16,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=512,
+        max_num_seqs=max_num_seqs,
+        max_model_len=4096,
+        runtime=rt,
     )
 
 
@@ -117,7 +123,12 @@ def small_scheduler(rt: Runtime, num_blocks: int, max_num_seqs: int = 8):
 def test_policies(tmp_path):
     declare_plugins(
         tmp_path,
-        {"sagellm.eviction": {"oldest-first": "sagellm_core.testing:OldestFirstPreemption", "stranger": "sagellm_core.testing:StrangerVictims"}},
+        {
+            "sagellm.eviction": {
+                "oldest-first": "sagellm_core.kit.testing:OldestFirstPreemption",
+                "stranger": "sagellm_core.kit.testing:StrangerVictims",
+            }
+        },
         name="sagellm-vllm-test-policies",
     )
 
@@ -125,7 +136,7 @@ def test_policies(tmp_path):
 def test_the_hook_chooses_vllms_preemption_victim(test_policies):
     """Four requests grow until the pool runs out: stock vLLM preempts the
     last one scheduled, the hook here the first to arrive."""
-    base = "[kv_pool]\nnum_blocks = 24\n[prefix_cache]\nblock_size = 16\n[scheduler]\npasses = [\"fcfs\"]\n"
+    base = '[kv_pool]\nnum_blocks = 24\n[prefix_cache]\nblock_size = 16\n[scheduler]\npasses = ["fcfs"]\n'
     victims = {}
     for policy in ("lru", "oldest-first"):
         scheduler = small_scheduler(runtime(base + f'[eviction]\nplugin = "{policy}"\n'), num_blocks=24)
@@ -166,6 +177,7 @@ def test_a_victim_that_is_not_evictable_is_named(test_policies):
 
 def test_engine_without_vllm_config_error_names_the_fix(monkeypatch):
     from sagellm_plugin_vllm.live import load_runtime
+
     from sagellm_core.errors import ConfigError
 
     monkeypatch.delenv("SAGELLM_CONFIG", raising=False)
@@ -193,9 +205,12 @@ def test_vllms_test_suite_passes_with_sagellm_classes(tmp_path):
 def test_replay_through_vllm_with_the_host_tier(mooncake):
     """The connector in the replay driver: blocks evicted from a small device
     pool come back from the host tier, counted apart from device hits."""
-    text = mooncake_config(mooncake, "vllm", "lru", n=200, blocks=3000).replace(
-        "max_num_batched_tokens = 262144\n", "max_num_batched_tokens = 262144\nhost_blocks = 60000\n"
-    ) + '[transport]\nplugin = "local"\nhost_blocks = 60000\nbytes_per_block = 16\n'
+    text = (
+        mooncake_config(mooncake, "vllm", "lru", n=200, blocks=3000).replace(
+            "max_num_batched_tokens = 262144\n", "max_num_batched_tokens = 262144\nhost_blocks = 60000\n"
+        )
+        + '[transport]\nplugin = "local"\nhost_blocks = 60000\nbytes_per_block = 16\n'
+    )
     report = session.run(settings_from_toml(text)).report
     assert report["host_hit_blocks"] > 0 and report["transfers"]["failures"] == 0
     assert report["transfers"]["blocks"] >= report["host_hit_blocks"]

@@ -5,14 +5,13 @@ tensors, and sagellm's local transport choosing host slots."""
 from __future__ import annotations
 
 import torch
-
-from sagellm_core.runtime import Runtime
-from sagellm_core.testing import settings_from_toml
-
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.connector import SagellmConnector, register
 from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
 from sagellm_plugin_vllm.live import ENGINE_OWNS
+
+from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
 
 BS = 16
 POOL = 8  # usable device blocks
@@ -54,13 +53,19 @@ def serve(scheduler, worker, cache, request, hasher):
 
 def test_evicted_prefix_comes_back_from_the_host_tier():
     text = (
-        f"[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = \"lru\"\n"
-        f"[transport]\nplugin = \"local\"\nhost_blocks = {HOST}\nbytes_per_block = 64\n[report]\nhook_timing = false\n"
+        f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "lru"\n'
+        f'[transport]\nplugin = "local"\nhost_blocks = {HOST}\nbytes_per_block = 64\n[report]\nhook_timing = false\n'
     )
     rt = Runtime(settings_from_toml(text), engine_owns=ENGINE_OWNS)
     scheduler = build_scheduler(
-        "sagellm", block_size=BS, num_blocks=POOL, max_num_batched_tokens=512, max_num_seqs=4,
-        max_model_len=1024, runtime=rt, host_blocks=HOST,
+        "sagellm",
+        block_size=BS,
+        num_blocks=POOL,
+        max_num_batched_tokens=512,
+        max_num_seqs=4,
+        max_model_len=1024,
+        runtime=rt,
+        host_blocks=HOST,
     )
     assert isinstance(scheduler.connector, SagellmConnector) and scheduler.connector.runtime is rt
     worker = SagellmConnector(scheduler.vllm_config, v.KVConnectorRole.WORKER, scheduler.kv_cache_config)
@@ -72,8 +77,12 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
 
     def request(rid, tokens):
         return v.VllmRequest(
-            request_id=rid, prompt_token_ids=tokens, sampling_params=v.SamplingParams(max_tokens=1, ignore_eos=True),
-            pooling_params=None, arrival_time=0.0, block_hasher=hasher,
+            request_id=rid,
+            prompt_token_ids=tokens,
+            sampling_params=v.SamplingParams(max_tokens=1, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
         )
 
     a = prompt(1000, 100)  # 6 full blocks and a partial one

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from sagellm_core.runtime import Runtime
-from sagellm_core.testing import settings_from_toml
-
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
 from sagellm_plugin_vllm.live import ENGINE_OWNS
+
+from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
 
 BS = 4
 POOL = 24
@@ -54,12 +53,19 @@ def check(scheduler) -> None:
 @given(requests=prompts, policy=st.sampled_from(["lru", "lfu", "s3fifo"]), seqs=st.integers(1, 4))
 def test_pool_stays_consistent(requests, policy, seqs):
     rt = Runtime(
-        settings_from_toml(f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'),
+        settings_from_toml(
+            f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
+        ),
         engine_owns=ENGINE_OWNS,
     )
     scheduler = build_scheduler(
-        "sagellm", block_size=BS, num_blocks=POOL, max_num_batched_tokens=64, max_num_seqs=seqs,
-        max_model_len=256, runtime=rt,
+        "sagellm",
+        block_size=BS,
+        num_blocks=POOL,
+        max_num_batched_tokens=64,
+        max_num_seqs=seqs,
+        max_model_len=256,
+        runtime=rt,
     )
     v.init_none_hash(v.sha256)
     hasher = v.get_request_block_hasher(BS, v.sha256)
@@ -67,9 +73,12 @@ def test_pool_stays_consistent(requests, policy, seqs):
         tokens = [1000 * (prefix + 1) + t for t in range(length)]
         scheduler.add_request(
             v.VllmRequest(
-                request_id=f"r{i}", prompt_token_ids=tokens,
+                request_id=f"r{i}",
+                prompt_token_ids=tokens,
                 sampling_params=v.SamplingParams(max_tokens=out, ignore_eos=True),
-                pooling_params=None, arrival_time=float(i), block_hasher=hasher,
+                pooling_params=None,
+                arrival_time=float(i),
+                block_hasher=hasher,
             )
         )
     for _ in range(500):

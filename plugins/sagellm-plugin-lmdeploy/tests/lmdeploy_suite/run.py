@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sagellm_core.testing import junit_results
+from sagellm_core.kit.testing import junit_results
 
 HERE = Path(__file__).resolve().parent
 

@@ -25,7 +25,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-from sagellm_core.testing import junit_results
+from sagellm_core.kit.testing import junit_results
 
 VERSION = "0.33.0"
 SDIST_SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
@@ -94,7 +94,9 @@ def run_suite(root: Path, hub: Path, substitute: bool, report: Path) -> tuple[in
     if substitute:
         args += ["-p", "sagellm_substitute"]
     subprocess.run(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return junit_results(report, name=lambda case: f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}")
+    return junit_results(
+        report, name=lambda case: f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+    )
 
 
 def main() -> int:

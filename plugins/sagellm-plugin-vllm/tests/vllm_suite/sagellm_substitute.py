@@ -19,7 +19,6 @@ import vllm.v1.core.block_pool as block_pool_module  # noqa: E402
 import vllm.v1.core.kv_cache_coordinator as coordinator_module  # noqa: E402
 import vllm.v1.core.sched.async_scheduler as async_scheduler_module  # noqa: E402
 import vllm.v1.core.sched.scheduler as scheduler_module  # noqa: E402
-
 from sagellm_plugin_vllm.block_pool import SagellmBlockPool  # noqa: E402
 from sagellm_plugin_vllm.scheduler import SagellmAsyncScheduler, SagellmScheduler  # noqa: E402
 
