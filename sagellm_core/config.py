@@ -7,6 +7,7 @@ would be accepted. Plugin parameters are validated later, by each plugin's own
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Callable
 from importlib import metadata
@@ -18,18 +19,12 @@ from attrs import frozen
 
 from sagellm_core.errors import ConfigError
 
-SECTIONS = (
-    "engine",
-    "prefix_cache",
-    "kv_pool",
-    "eviction",
-    "lifetime",
-    "scheduler",
-    "transport",
-    "workload",
-    "report",
-    "server",
-)
+SECTIONS = tuple("engine prefix_cache kv_pool eviction lifetime scheduler transport workload report server".split())
+#: Bounds checked before anything is allocated (issue 16, class 5): a prompt
+#: or reply longer, or a pool larger, is a typo, not a workload (a 4M-token
+#: prompt's ids are 32 MB; a 16M-block pool's free list alone is 130 MB).
+MAX_TOKENS = 1 << 22
+MAX_NUM_BLOCKS = 1 << 24
 #: Workload sources built into the core; others come from installed
 #: packages through this entry point group (an object ``load(settings)``
 #: yielding requests in arrival order).
@@ -92,9 +87,12 @@ class WorkloadSettings:
                     f"source = {self.source!r}: accepted: {', '.join([*WORKLOAD_SOURCES, *installed])}"
                     f" (others through {WORKLOAD_GROUP} entry points)"
                 )
-        for key in ("tenants", "sessions_per_tenant", "turns"):
+        for key in ("tenants", "sessions_per_tenant", "turns", "trace_block_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} = {getattr(self, key)!r}: a positive integer")
+        for key in ("trace_block_tokens", "system_prompt_tokens", "user_tokens", "output_tokens"):
+            if getattr(self, key) > MAX_TOKENS:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: at most {MAX_TOKENS:,} tokens")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale = {self.time_scale!r}: a positive number")
         if not 0 <= self.session_from < self.session_to <= 1:
@@ -264,7 +262,8 @@ def _engine(t: _Table) -> Selection:
 def _kv_pool(path: str, t: _Table | None) -> tuple[int, Selection | None]:
     if t is None:
         raise ConfigError(f"{path}: missing section [kv_pool]; it picks the block allocator")
-    num_blocks = t.take("num_blocks", None, _positive_int, "a positive number of blocks")
+    in_range = lambda v: _positive_int(v) and v <= MAX_NUM_BLOCKS  # noqa: E731
+    num_blocks = t.take("num_blocks", None, in_range, f"a positive number of blocks, at most {MAX_NUM_BLOCKS:,}")
     if num_blocks is None:
         raise ConfigError(f"{t.where}: missing key 'num_blocks' (the pool size, in blocks)")
     # The plugin may be left out for an engine that allocates blocks itself
@@ -335,7 +334,7 @@ def _passes(path: str, t: _Table | None) -> tuple[Selection, ...]:
 
 
 def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 Check = tuple[Callable[[Any], bool], str]
@@ -349,7 +348,10 @@ _BY_DEFAULT: dict[type, Check] = {
     str: (lambda v: isinstance(v, str), "a string"),
     bool: (lambda v: isinstance(v, bool), "true or false"),
     int: (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
-    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "a non-negative number"),
+    float: (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf,
+        "a finite number >= 0",
+    ),
 }
 
 

@@ -23,6 +23,7 @@ import csv
 import hashlib
 import heapq
 import json
+import math
 import random
 from array import array
 from collections.abc import Iterator
@@ -32,13 +33,15 @@ from itertools import islice
 
 import attrs
 
-from sagellm_core.config import WORKLOAD_GROUP, WorkloadSettings
+from sagellm_core.config import MAX_TOKENS, WORKLOAD_GROUP, WorkloadSettings
 from sagellm_core.errors import ConfigError, TraceError
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 
 #: Token ids of synthetic (unshared) text start here, above the id space of
 #: trace blocks and generator vocabularies, so they never collide.
 _UNIQUE_BASE = 1 << 48
+#: A Mooncake line longer than this is refused before it is parsed.
+MAX_LINE_CHARS = 1 << 24
 
 
 def _tokens(start: int, count: int) -> array:
@@ -108,6 +111,8 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
+            if len(line) > MAX_LINE_CHARS:  # a MAX_TOKENS prompt's hash ids fit in far less
+                raise TraceError(f"{where}: a {len(line):,}-character line; at most {MAX_LINE_CHARS:,}")
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -119,17 +124,18 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                     raise TraceError(f"{where}: missing key {key!r}")
             length, output, hashes = row["input_length"], row["output_length"], row["hash_ids"]
             # bool is an int to Python; true is not a length to a reader.
-            if not (isinstance(length, int) and not isinstance(length, bool) and length > 0):
-                raise TraceError(f"{where}: input_length = {length!r}: a positive integer")
-            if not (isinstance(output, int) and not isinstance(output, bool) and output > 0):
-                raise TraceError(f"{where}: output_length = {output!r}: a positive integer")
-            if not isinstance(row["timestamp"], (int, float)) or isinstance(row["timestamp"], bool):
-                raise TraceError(f"{where}: timestamp = {row['timestamp']!r}: milliseconds")
+            for key, value in (("input_length", length), ("output_length", output)):
+                if not (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_TOKENS):
+                    raise TraceError(f"{where}: {key} = {value!r}: a positive integer, at most {MAX_TOKENS:,}")
+            stamp = row["timestamp"]
+            if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not math.isfinite(stamp):
+                raise TraceError(f"{where}: timestamp = {stamp!r}: finite milliseconds")
+            top = (1 << 63) // trace_block_tokens  # token ids are int64
             if not (
                 isinstance(hashes, list)
-                and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hashes)
+                and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < top for h in hashes)
             ):
-                raise TraceError(f"{where}: hash_ids: a list of non-negative integers")
+                raise TraceError(f"{where}: hash_ids: a list of integers from 0 to {top - 1:,}")
             if len(hashes) != -(-length // trace_block_tokens):
                 raise TraceError(
                     f"{where}: {len(hashes)} hash_ids for input_length {length};"
@@ -149,9 +155,9 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                     raise TraceError(f"{where}: {key} = {value!r}: a string or an integer")
                 labels[field_name] = str(value)
             tokens = array(TOKEN_ARRAY_TYPECODE)
-            for h in hashes:
-                tokens.extend(range(h * trace_block_tokens, (h + 1) * trace_block_tokens))
-            del tokens[length:]
+            for i, h in enumerate(hashes):  # the last block only as far as the prompt goes
+                first = h * trace_block_tokens
+                tokens.extend(range(first, first + min(trace_block_tokens, length - i * trace_block_tokens)))
             yield Request(
                 request_id=f"mooncake-{lineno}",
                 prompt_token_ids=tokens,
@@ -183,8 +189,10 @@ def azure(path: str, seed: int = 0) -> Iterator[Request]:
                 context, generated = int(row[1]), int(row[2])
             except ValueError as exc:
                 raise TraceError(f"{where}: {exc}") from None
-            if context <= 0 or generated <= 0:
-                raise TraceError(f"{where}: token counts must be positive, got {context}, {generated}")
+            if not (0 < context <= MAX_TOKENS and 0 < generated <= MAX_TOKENS):
+                raise TraceError(
+                    f"{where}: token counts must be positive and at most {MAX_TOKENS:,}, got {context}, {generated}"
+                )
             start = when if start is None else start
             yield Request(
                 request_id=f"azure-{lineno}",

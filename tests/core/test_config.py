@@ -47,10 +47,13 @@ def test_good_config_is_typed():
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (("num_blocks = 100", "num_blocks = -3"), "good.toml: [kv_pool] num_blocks = -3: a positive number of blocks"),
+        (
+            ("num_blocks = 100", "num_blocks = -3"),
+            "good.toml: [kv_pool] num_blocks = -3: a positive number of blocks, at most 16,777,216",
+        ),
         (
             ("num_blocks = 100", "num_blocks = 'many'"),
-            "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks",
+            "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks, at most 16,777,216",
         ),
         (("num_blocks = 100", ""), "good.toml: [kv_pool]: missing key 'num_blocks'"),
         (
@@ -201,3 +204,32 @@ def test_generator_counts_must_be_positive(key):
         settings_from_toml(
             GOOD.replace("tenants = 2", f"tenants = 2\n{key} = 0" if key != "tenants" else "tenants = 0"), "good.toml"
         )
+
+
+# Issue 16, classes 5 and 6: values that divided by zero, overflowed to
+# infinity or allocated gigabytes are one-line errors at load.
+
+
+@pytest.mark.parametrize(
+    "section, line, message",
+    [
+        ("workload", "think_time_s = inf", "think_time_s = inf: a finite number >= 0"),
+        ("workload", "time_scale = 1e400", "time_scale = inf: a finite number >= 0"),
+        ("workload", "session_rate = nan", "session_rate = nan: a finite number >= 0"),
+        ("workload", "trace_block_tokens = 0", "trace_block_tokens = 0: a positive integer"),
+        ("workload", "trace_block_tokens = 1000000000", "trace_block_tokens = 1000000000: at most 4,194,304 tokens"),
+        ("workload", "system_prompt_tokens = 100000000", "system_prompt_tokens = 100000000: at most 4,194,304 tokens"),
+        (
+            "kv_pool",
+            "num_blocks = 1000000000",
+            "num_blocks = 1000000000: a positive number of blocks, at most 16,777,216",
+        ),
+    ],
+)
+def test_class5_and_class6_unbounded_or_non_finite_values_are_refused(section, line, message):
+    text = f'[kv_pool]\nplugin = "paged"\nnum_blocks = 64\n[{section}]\n{line}\n'
+    if section == "kv_pool":
+        text = f'[kv_pool]\nplugin = "paged"\n{line}\n'
+    with pytest.raises(ConfigError) as err:
+        settings_from_toml(text, "c.toml")
+    assert str(err.value) == f"c.toml: [{section}] {message}"

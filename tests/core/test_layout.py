@@ -5,9 +5,8 @@ packages built on it (replay, cli, drivers, kit)."""
 import ast
 from pathlib import Path
 
-import sagellm_core
-
-CORE = Path(sagellm_core.__file__).parent
+# The source tree's, not an installed copy's (a tox env installs a wheel).
+CORE = Path(__file__).resolve().parents[2] / "sagellm_core"
 KERNEL = sorted(CORE.glob("*.py"))
 BUILT_ON_IT = ("sagellm_core.replay", "sagellm_core.cli", "sagellm_core.drivers", "sagellm_core.kit")
 

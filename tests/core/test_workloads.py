@@ -39,11 +39,11 @@ def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
         ('{"timestamp": 1, "input_length": 10, "output_length": 1}', "t.jsonl:2: missing key 'hash_ids'"),
         (
             '{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}',
-            "t.jsonl:2: input_length = 0: a positive integer",
+            "t.jsonl:2: input_length = 0: a positive integer, at most 4,194,304",
         ),
         (
             '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}',
-            "t.jsonl:2: hash_ids: a list of non-negative integers",
+            "t.jsonl:2: hash_ids: a list of integers from 0 to 18,014,398,509,481,983",
         ),
         (
             '{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [1]}',
@@ -51,24 +51,24 @@ def test_mooncake_blocks_map_to_tokens_for_any_block_size(tmp_path):
         ),
         (
             '{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}',
-            "t.jsonl:2: timestamp = 'x': milliseconds",
+            "t.jsonl:2: timestamp = 'x': finite milliseconds",
         ),
         ("[1, 2]", "t.jsonl:2: not a JSON object"),
         (
             '{"timestamp": 1, "input_length": true, "output_length": 1, "hash_ids": [1]}',
-            "t.jsonl:2: input_length = True: a positive integer",
+            "t.jsonl:2: input_length = True: a positive integer, at most 4,194,304",
         ),
         (
             '{"timestamp": 1, "input_length": 10, "output_length": true, "hash_ids": [1]}',
-            "t.jsonl:2: output_length = True: a positive integer",
+            "t.jsonl:2: output_length = True: a positive integer, at most 4,194,304",
         ),
         (
             '{"timestamp": true, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
-            "t.jsonl:2: timestamp = True: milliseconds",
+            "t.jsonl:2: timestamp = True: finite milliseconds",
         ),
         (
             '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [false]}',
-            "t.jsonl:2: hash_ids: a list of non-negative integers",
+            "t.jsonl:2: hash_ids: a list of integers from 0 to 18,014,398,509,481,983",
         ),
         (
             '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "tenant": ["a"]}',
@@ -221,3 +221,53 @@ def test_ttft_slo_gives_every_request_a_deadline_after_its_scaled_arrival():
     assert all(r.deadline_s is None for r in workloads.load(base))
     timed = list(workloads.load(attrs.evolve(base, ttft_slo_s=1.5)))
     assert [r.deadline_s for r in timed] == pytest.approx([r.arrival_s + 1.5 for r in timed])
+
+
+# Issue 16, classes 2, 5 and 6: every trace value that would lose requests,
+# exhaust memory or raise a traceback is one line naming the line, checked
+# before anything is allocated.
+
+MOONCAKE_HOSTILE = [
+    ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp = nan: finite"),
+    ('{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp = inf: finite"),
+    ('{"timestamp": 1, "input_length": 1000000000, "output_length": 1, "hash_ids": [1]}', "input_length = 1000000000"),
+    (
+        '{"timestamp": 1, "input_length": 10, "output_length": 1000000000, "hash_ids": [1]}',
+        "output_length = 1000000000",
+    ),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [4611686018427387904]}', "hash_ids: a list"),
+]
+
+
+@pytest.mark.parametrize("line, message", MOONCAKE_HOSTILE)
+def test_class2_and_class5_hostile_mooncake_values_are_one_line_errors(tmp_path, line, message):
+    trace = write_mooncake(tmp_path / "t.jsonl", [line])
+    with pytest.raises(TraceError, match=f"t.jsonl:1: {message}") as err:
+        list(workloads.mooncake(trace))
+    assert "\n" not in str(err.value)
+
+
+def test_class5_an_overlong_mooncake_line_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    monkeypatch.setattr(workloads, "MAX_LINE_CHARS", 100)
+    trace = write_mooncake(
+        tmp_path / "t.jsonl", [{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [0] * 40}]
+    )
+    with pytest.raises(TraceError, match=r"t.jsonl:1: a \d+-character line; at most 100"):
+        list(workloads.mooncake(trace))
+
+
+def test_class5_a_huge_trace_block_builds_only_the_prompt(tmp_path):
+    # 10 tokens in one 4M-token block: the ids stop at the prompt's end.
+    trace = write_mooncake(
+        tmp_path / "t.jsonl", [{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [3]}]
+    )
+    (request,) = workloads.mooncake(trace, trace_block_tokens=1 << 22)
+    assert list(request.prompt_token_ids) == list(range(3 << 22, (3 << 22) + 10))
+
+
+@pytest.mark.parametrize("context, generated", [(10**9, 4), (4, 10**9), (0, 4)])
+def test_class5_azure_token_counts_are_bounded(tmp_path, context, generated):
+    path = tmp_path / "a.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,{context},{generated}\n")
+    with pytest.raises(TraceError, match="a.csv:2: token counts must be positive and at most 4,194,304"):
+        list(workloads.azure(str(path)))
