@@ -25,6 +25,7 @@ import heapq
 import json
 import math
 import random
+import sys
 from array import array
 from collections.abc import Iterator
 from datetime import datetime
@@ -42,6 +43,8 @@ from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 _UNIQUE_BASE = 1 << 48
 #: A Mooncake line longer than this is refused before it is parsed.
 MAX_LINE_CHARS = 1 << 24
+#: Where the high 4 bytes of an int64 token id are.
+HIGH = 4 if sys.byteorder == "little" else 0
 
 
 def _tokens(start: int, count: int) -> array:
@@ -102,6 +105,13 @@ def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
 
 
 def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
+    """The requests of a Mooncake-format trace (JSON lines: ``timestamp`` in
+    ms, ``input_length``, ``output_length``, ``hash_ids`` of its
+    ``trace_block_tokens``-token blocks). Token ``i`` of block ``h`` is
+    ``(h << 32) | i``: equal blocks have equal ids, every position its own,
+    and a block's bytes are built with four strided copies, not a Python int
+    per token (that was a third of a cache-only replay's time)."""
+    positions = array(TOKEN_ARRAY_TYPECODE, range(trace_block_tokens)).tobytes()  # the low halves
     try:
         fh = open(path, encoding="utf-8")
     except OSError as exc:
@@ -130,7 +140,7 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
             stamp = row["timestamp"]
             if not isinstance(stamp, (int, float)) or isinstance(stamp, bool) or not math.isfinite(stamp):
                 raise TraceError(f"{where}: timestamp = {stamp!r}: finite milliseconds")
-            top = (1 << 63) // trace_block_tokens  # token ids are int64
+            top = 1 << 32  # the high half of a token id
             if not (
                 isinstance(hashes, list)
                 and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < top for h in hashes)
@@ -156,8 +166,11 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                 labels[field_name] = str(value)
             tokens = array(TOKEN_ARRAY_TYPECODE)
             for i, h in enumerate(hashes):  # the last block only as far as the prompt goes
-                first = h * trace_block_tokens
-                tokens.extend(range(first, first + min(trace_block_tokens, length - i * trace_block_tokens)))
+                block = bytearray(positions)
+                high = h.to_bytes(4, sys.byteorder)  # the high half of each int64 id
+                for k in range(4):
+                    block[HIGH + k :: 8] = high[k : k + 1] * trace_block_tokens
+                tokens.frombytes(block[: 8 * min(trace_block_tokens, length - i * trace_block_tokens)])
             yield Request(
                 request_id=f"mooncake-{lineno}",
                 prompt_token_ids=tokens,
