@@ -1,27 +1,47 @@
-"""Prefix lookup and victim selection, sagellm against vLLM, in one process.
+"""Prefix lookup, admission and eviction, sagellm against vLLM, in one process.
 
     VLLM_TARGET_DEVICE=cpu python plugins/sagellm-plugin-vllm/benchmarks/hot_paths_vs_vllm.py
 
-The same 100,000 cached 16-token blocks in both: 250 prompts of 6,400 tokens
-sharing a 1,024-token head, each admitted and finished, so every full block
-is cached and evictable. Then, p50 per call:
+The same 100,000 cached 16-token blocks everywhere: 250 prompts of 6,400
+tokens sharing a 1,024-token head, each admitted and finished, so every full
+block is cached and evictable. Then, p50 per call, each row's ratio against
+the first row of its group (measured in this process):
 
-* prefix lookup of a 2,000-token prompt that hits 124 blocks: sagellm's
-  radix tree (``sagellm_lookup_prefix``), and vLLM 0.33's
+* prefix lookup of a 2,000-token prompt that hits 124 blocks: sagellm's radix
+  tree (``sagellm_lookup_prefix``), and vLLM 0.33's
   ``KVCacheManager.get_computed_blocks`` (``find_longest_cache_hit`` over the
-  request's block hashes, which vLLM computes once when the request is made;
-  that hashing is timed on its own);
-* 64 blocks taken from a pool whose free blocks are all cached: sagellm's
-  LRU ``sagellm_select_victims``, and vLLM's ``BlockPool.get_new_blocks(64)``
-  (pop from the free queue and evict from the hash table), the blocks then
-  freed again outside the timer.
+  request's block hashes, which vLLM computes once when the request is made);
+  warm (the same probe every call) and cold (a different prompt each call,
+  the CPU caches flushed before it by copying 64 MB, outside the timer);
+* vLLM hashing the probe's 125 blocks (sha256, once per request), the
+  ``Request`` built outside the timer;
+* ``Scheduler.add_request`` of a cached 2,048-token prompt (127 blocks hit):
+  stock vLLM, and the sagellm scheduler (LRU), given a ``Request`` as vLLM's
+  engine core builds it (token ids in a list, copied into sagellm's array),
+  or with the prompt's sagellm token array handed over, as sagellm's vLLM
+  engine driver does;
+* 64 blocks from 100k cached: sagellm's LRU ``sagellm_select_victims`` alone,
+  and ``BlockPool.get_new_blocks(64)`` when every free block is cached, so
+  each call evicts: stock vLLM, and vLLM with the sagellm LRU, ARC and
+  continuation policies choosing the victims. The blocks taken are held (a
+  freed evicted block would go back to the head of the free queue, uncached,
+  and the next call would take it without evicting), and uncached free blocks
+  (sagellm evicts a victim's descendants beyond the 64 and keeps them free)
+  are taken out before each call, outside the timer. Each call is checked to
+  have evicted 64 cached blocks at least: the benchmark fails otherwise.
+  The four pools are filled alike and their calls take turns.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
+import tomllib
+from array import array
+from collections.abc import Callable
+from itertools import count
 
 from rich.console import Console
 from rich.table import Table
@@ -29,25 +49,65 @@ from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler
+from sagellm_plugin_vllm.live import ENGINE_OWNS
 
 from sagellm_core import PluginContext
+from sagellm_core import config as config_mod
 from sagellm_core.kit.testing import BlockIds, serve_prompt
+from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
 BS = 16
 NUM_BLOCKS = 100_000
 PROMPT, HEAD = 6400, 1024
+PROBE_TOKENS = 2000
+ADD_TOKENS = 2048
+TAKE = 64
+EVICTION_POLICIES = ("lru", "arc", "continuation")
+#: Request ids, unique across a scheduler's add_request rows.
+REQUEST_NUMBERS = count()
+#: Copied before each cold call: twice the last-level cache here (32 MiB).
+FLUSH = bytearray(64 << 20)
+
+CONFIG = """
+[kv_pool]
+num_blocks = {num_blocks}
+[prefix_cache]
+block_size = {block_size}
+[eviction]
+plugin = "{policy}"
+[report]
+hook_timing = false
+"""
 
 
-def p50_us(fn, repeat=2000, setup=None) -> float:
+def p50_us(
+    fn: Callable[[], object],
+    repeat: int = 2000,
+    setup: Callable[[], object] | None = None,
+    check: Callable[[], object] | None = None,
+) -> float:
+    """Median time of ``fn``; ``setup`` runs before and ``check`` after each
+    call, both outside the timer. No cyclic GC inside the timed region."""
     samples = []
-    for _ in range(repeat):
-        if setup:
-            setup()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            if setup:
+                setup()
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+            if check:
+                check()
+    finally:
+        gc.enable()
     return statistics.median(samples) * 1e6
+
+
+def flush_cpu_caches() -> None:
+    bytes(FLUSH)
 
 
 def prompts() -> list[list[int]]:
@@ -55,6 +115,17 @@ def prompts() -> list[list[int]]:
     head = [rng.randrange(32000) for _ in range(HEAD)]
     count = (NUM_BLOCKS - HEAD // BS) // ((PROMPT - HEAD) // BS)
     return [head + [rng.randrange(32000) for _ in range(PROMPT - HEAD)] for _ in range(count)]
+
+
+def vllm_request(request_id: str, tokens: list[int], hasher) -> v.VllmRequest:
+    return v.VllmRequest(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling_params=v.SamplingParams(max_tokens=1),
+        pooling_params=None,
+        arrival_time=0.0,
+        block_hasher=hasher,
+    )
 
 
 def sagellm_side(all_prompts):
@@ -66,91 +137,200 @@ def sagellm_side(all_prompts):
     return cache, lru
 
 
-def vllm_side(all_prompts):
+def sagellm_runtime(policy: str) -> Runtime:
+    text = CONFIG.format(num_blocks=NUM_BLOCKS + 1000, block_size=BS, policy=policy)
+    return Runtime(config_mod.parse(tomllib.loads(text), "<benchmark>"), engine_owns=ENGINE_OWNS)
+
+
+def filled_scheduler(all_prompts, hasher, policy: str | None):
+    """A scheduler (stock without ``policy``) whose pool caches every prompt."""
     scheduler = build_scheduler(
-        "stock",
+        "stock" if policy is None else "sagellm",
         block_size=BS,
         num_blocks=NUM_BLOCKS + 1000,
         max_num_batched_tokens=8192,
         max_num_seqs=256,
         max_model_len=PROMPT + 16,
+        runtime=None if policy is None else sagellm_runtime(policy),
     )
     kv = scheduler.kv_cache_manager
-    v.init_none_hash(v.sha256)
-    hasher = v.get_request_block_hasher(BS, v.sha256)
     for i, tokens in enumerate(all_prompts):
-        req = v.VllmRequest(
-            request_id=f"r{i}",
-            prompt_token_ids=tokens,
-            sampling_params=v.SamplingParams(max_tokens=1),
-            pooling_params=None,
-            arrival_time=float(i),
-            block_hasher=hasher,
-        )
+        req = vllm_request(f"r{i}", tokens, hasher)
         blocks, num_computed, *_ = kv.get_computed_blocks(req)
         kv.allocate_slots(req, len(tokens) - num_computed, num_computed, blocks)
         req.num_computed_tokens = len(tokens)
         kv.free(req)
-    return scheduler, hasher
+    return scheduler
+
+
+def num_hashed(pool) -> int:
+    """Hashes vLLM's table holds: one per cached block here (one KV-cache
+    group, and no prompt caches a block twice), so a drop of k is k blocks
+    evicted. (Not a walk over the blocks, which would flush the CPU caches
+    between the timed calls.)"""
+    return len(pool.cached_block_hash_to_block)
+
+
+class EvictingTake:
+    """``get_new_blocks(TAKE)`` on a pool whose free blocks are all cached,
+    each call checked to have evicted ``TAKE`` cached blocks."""
+
+    def __init__(self, scheduler):
+        self.pool = scheduler.kv_cache_manager.block_pool
+        self.held: list = []
+        self.hashed = num_hashed(self.pool)
+        self.samples: list[float] = []
+
+    def take_uncached(self) -> None:
+        # Uncached free blocks sit at the head and are reused before any
+        # cached one: hold them, so the timed call has to evict.
+        queue = self.pool.free_block_queue
+        uncached = 0
+        block = queue.fake_free_list_head.next_free_block
+        while block is not queue.fake_free_list_tail and block.block_hash is None:
+            uncached += 1
+            block = block.next_free_block
+        if uncached:
+            self.held.extend(self.pool.get_new_blocks(uncached))
+        self.hashed = num_hashed(self.pool)
+
+    def timed_take(self) -> None:
+        self.take_uncached()
+        start = time.perf_counter()
+        taken = self.pool.get_new_blocks(TAKE)
+        self.samples.append(time.perf_counter() - start)
+        self.held.extend(taken)
+        evicted = self.hashed - num_hashed(self.pool)
+        if evicted < TAKE:
+            raise AssertionError(f"get_new_blocks({TAKE}) evicted {evicted} cached blocks, not {TAKE}")
+
+
+def evicting_takes_us(schedulers: dict[str, object], repeat: int = 300) -> dict[str, float]:
+    """p50 of an evicting ``get_new_blocks(TAKE)`` per scheduler, the calls
+    taking turns (so drift on a noisy machine hits all alike), no cyclic GC
+    inside the timed region."""
+    takes = {name: EvictingTake(scheduler) for name, scheduler in schedulers.items()}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for take in takes.values():
+                take.timed_take()
+    finally:
+        gc.enable()
+    return {name: statistics.median(take.samples) * 1e6 for name, take in takes.items()}
+
+
+def add_requests_us(variants: dict[str, tuple[object, array | None]], tokens: list[int], hasher) -> dict[str, float]:
+    """p50 of ``add_request`` for a cached prompt per (scheduler, token
+    array) variant, the calls taking turns; the ``Request`` (and its block
+    hashes) built outside the timer. A token array is handed over as
+    sagellm's vLLM engine driver does."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(500):
+            for name, (scheduler, token_array) in variants.items():
+                request = vllm_request(f"add{next(REQUEST_NUMBERS)}", tokens, hasher)
+                if token_array is not None:
+                    request.sagellm_token_ids = token_array
+                start = time.perf_counter()
+                scheduler.add_request(request)
+                samples[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return {name: statistics.median(times) * 1e6 for name, times in samples.items()}
 
 
 def main() -> None:
     all_prompts = prompts()
-    probe_tokens = all_prompts[7][:2000]
+    probe_tokens = all_prompts[7][:PROBE_TOKENS]
     cache, lru = sagellm_side(all_prompts)
-    scheduler, hasher = vllm_side(all_prompts)
-    kv, pool = scheduler.kv_cache_manager, scheduler.kv_cache_manager.block_pool
+    v.init_none_hash(v.sha256)
+    hasher = v.get_request_block_hasher(BS, v.sha256)
+    stock = filled_scheduler(all_prompts, hasher, None)
+    kv = stock.kv_cache_manager
 
     probe = Request("probe", probe_tokens, 1)
     assert cache.sagellm_lookup_prefix(request=probe).num_blocks == 124
-    vprobe = v.VllmRequest(
-        request_id="probe",
-        prompt_token_ids=probe_tokens,
-        sampling_params=v.SamplingParams(max_tokens=1),
-        pooling_params=None,
-        arrival_time=0.0,
-        block_hasher=hasher,
-    )
+    vprobe = vllm_request("probe", probe_tokens, hasher)
     _, hit_tokens, *_ = kv.get_computed_blocks(vprobe)
     assert hit_tokens == 124 * BS, hit_tokens
+    rows: list[tuple[str, float, float]] = []
 
+    def group(rows_us: list[tuple[str, float]]) -> None:
+        base = rows_us[0][1]
+        rows.extend((name, us, us / base) for name, us in rows_us)
+
+    # Prefix lookup, warm and cold.
     ours = p50_us(lambda: cache.sagellm_lookup_prefix(request=probe))
     theirs = p50_us(lambda: kv.get_computed_blocks(vprobe))
+    cold_prompts = [p[:PROBE_TOKENS] for p in all_prompts[:200]]
+    cold_ours = [Request(f"c{i}", t, 1) for i, t in enumerate(cold_prompts)]
+    cold_theirs = [vllm_request(f"c{i}", t, hasher) for i, t in enumerate(cold_prompts)]
+    turn = iter(range(10**9))
+    nth = [0]
+
+    def next_cold() -> None:
+        nth[0] = next(turn) % len(cold_prompts)
+        flush_cpu_caches()
+
+    cold_radix = p50_us(lambda: cache.sagellm_lookup_prefix(request=cold_ours[nth[0]]), repeat=200, setup=next_cold)
+    cold_vllm = p50_us(lambda: kv.get_computed_blocks(cold_theirs[nth[0]]), repeat=200, setup=next_cold)
+    unhashed: list = []
     hashing = p50_us(
-        lambda: hasher(
-            v.VllmRequest(
-                request_id="h",
-                prompt_token_ids=probe_tokens,
-                sampling_params=v.SamplingParams(max_tokens=1),
-                pooling_params=None,
-                arrival_time=0.0,
-                block_hasher=None,
-            )
-        ),
-        repeat=300,
+        lambda: hasher(unhashed.pop()), repeat=300, setup=lambda: unhashed.append(vllm_request("h", probe_tokens, None))
+    )
+    group(
+        [
+            ("prefix lookup, 2,000 tokens, 124 blocks hit: sagellm radix", ours),
+            ("  vLLM get_computed_blocks (hashes precomputed)", theirs),
+            ("  vLLM: hashing the request's 125 blocks (sha256, Request built outside)", hashing),
+        ]
+    )
+    group(
+        [
+            ("  cold (other prompt, CPU caches flushed): sagellm radix", cold_radix),
+            ("  cold: vLLM get_computed_blocks", cold_vllm),
+        ]
     )
 
-    every = set(range(NUM_BLOCKS + 1000))
-    victims = p50_us(lambda: lru.sagellm_select_victims(num_blocks=64, candidates=every), repeat=3000)
-    taken: list = []
-    take = p50_us(
-        lambda: taken.extend(pool.get_new_blocks(64)),
-        repeat=500,
-        setup=lambda: (pool.free_blocks(taken), taken.clear()),
+    # add_request, before the eviction rows take the cached blocks away.
+    add_tokens = all_prompts[11][:ADD_TOKENS]
+    sagellm_lru = filled_scheduler(all_prompts, hasher, "lru")
+    add_request = add_requests_us(
+        {
+            "add_request, cached 2,048-token prompt: stock vLLM": (stock, None),
+            "  sagellm scheduler (lru), token ids from vLLM's list": (sagellm_lru, None),
+            "  sagellm scheduler (lru), token array handed over (engine driver)": (
+                sagellm_lru,
+                Request("a", add_tokens, 1).prompt_token_ids,
+            ),
+        },
+        add_tokens,
+        hasher,
     )
-    rows = [
-        ("prefix lookup, 2,000 tokens, 124 blocks hit: sagellm radix", ours, 1.0),
-        ("  vLLM get_computed_blocks (hashes precomputed)", theirs, theirs / ours),
-        ("  vLLM: hashing the request's 125 blocks (sha256, once per request)", hashing, hashing / ours),
-        ("64 blocks from 100k cached: sagellm LRU select_victims", victims, 1.0),
-        ("  vLLM BlockPool.get_new_blocks(64), evicting", take, take / victims),
-    ]
-    table = Table(title="sagellm and vLLM 0.33 hot paths, one process (p50 per call)")
-    for column, justify in (("measurement", "left"), ("p50 µs", "right"), ("ratio to sagellm", "right")):
+    group(list(add_request.items()))
+
+    # Eviction.
+    every = set(range(NUM_BLOCKS + 1000))
+    victims = p50_us(lambda: lru.sagellm_select_victims(num_blocks=TAKE, candidates=every), repeat=3000)
+    rows.append(("64 blocks from 100k cached: sagellm LRU select_victims alone", victims, 1.0))
+    # Every pool filled alike, the calls taking turns.
+    evicting = {"vLLM get_new_blocks(64), every call evicting: stock": stock}
+    for policy in EVICTION_POLICIES:
+        evicting[f"  sagellm {policy}"] = (
+            sagellm_lru if policy == "lru" else filled_scheduler(all_prompts, hasher, policy)
+        )
+    group(list(evicting_takes_us(evicting).items()))
+
+    table = Table(title=f"sagellm and vLLM {v.VLLM_VERSION} hot paths, one process (p50 per call)")
+    for column, justify in (("measurement", "left"), ("p50 µs", "right"), ("ratio to group's first", "right")):
         table.add_column(column, justify=justify)
     for name, us, ratio in rows:
         table.add_row(name, f"{us:.2f}", f"{ratio:.2f}x")
-    Console(width=120).print(table)
+    Console(width=130).print(table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Per-step ``schedule()`` time: sagellm's scheduler against stock vLLM on the
 same state, 256 running requests decoding and 1,024 waiting.
 
-    VLLM_TARGET_DEVICE=cpu python plugins/sagellm-plugin-vllm/benchmarks/schedule_overhead.py
+    VLLM_TARGET_DEVICE=cpu python plugins/sagellm-plugin-vllm/benchmarks/schedule_overhead.py  # 500 steps
 
 Both schedulers are built alike (16-token blocks, 40,000 blocks, 256
 sequences), filled with the same requests and brought to the same state; the
@@ -100,7 +100,7 @@ def step(scheduler) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
     variants = {
         "stock vLLM": prepared("stock", ""),

@@ -29,13 +29,22 @@ request holds the cached original instead, until it frees its blocks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
+from functools import partial
+from itertools import count, repeat, takewhile
+from operator import attrgetter, gt, is_not
 
 from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import CachedBlock
+from sagellm_core.types import EMPTY_MATCH, CachedBlock, PrefixMatch
 from sagellm_plugin_vllm.compat import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, VllmRequest
+
+_is_block = partial(is_not, None)
+_parent_id = attrgetter("parent_id")
+#: Runs an iterator of C calls to its end, keeping nothing.
+_consume = partial(deque, maxlen=0)
 
 
 class PoolObserver(BlockObserver):
@@ -48,10 +57,48 @@ class PoolObserver(BlockObserver):
         super().__init__(runtime)
         #: duplicate block id -> the cached original its request holds instead
         self.original_of: dict[int, int] = {}
+        #: vLLM's block hash (as ``Request.block_hashes`` holds it, without
+        #: the group id) -> the cached block: a request's match is a walk
+        #: down its own hashes, no second ``get_computed_blocks``.
+        self.by_hash: dict[bytes, CachedBlock] = {}
+        self._hash_of: dict[int, bytes] = {}
+
+    def match(self, block_hashes: Sequence[bytes], max_blocks: int) -> PrefixMatch:
+        """The cached prefix of a request whose block hashes are
+        ``block_hashes``, at most ``max_blocks`` long: what vLLM's
+        ``find_longest_cache_hit`` finds, as sagellm records those blocks."""
+        if max_blocks < len(block_hashes):
+            block_hashes = block_hashes[:max_blocks]
+        by_hash = self.by_hash
+        # The cached set is prefix-closed (evicting a block evicts its
+        # descendants), so a binary search finds the hit's length in a few
+        # probes and one C-speed pass collects it. Only vLLM evicting one
+        # block of a chain itself (a KV connector's evict_blocks) leaves a
+        # gap: then the search overshoots into it, and the walk stops at it.
+        low, high = 0, len(block_hashes)  # block_hashes[:low] cached (so far)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if block_hashes[middle - 1] in by_hash:
+                low = middle
+            else:
+                high = middle - 1
+        if not low:
+            return EMPTY_MATCH
+        try:
+            return PrefixMatch(tuple(map(by_hash.__getitem__, block_hashes[:low])))
+        except KeyError:  # a gap before the block the search found
+            return PrefixMatch(tuple(takewhile(_is_block, map(by_hash.get, block_hashes))))
+
+    def forget(self, block_id: int) -> CachedBlock | None:
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            self.by_hash.pop(block_hash, None)
+        return super().forget(block_id)
 
     def on_cached(self, request: VllmRequest, blocks: Sequence[KVCacheBlock], start: int, stop: int) -> None:
         namespace = request.cache_salt or ""
         cached, original_of = self.cached, self.original_of
+        by_hash, hash_of = self.by_hash, self._hash_of
         new: list[CachedBlock] = []
         for depth in range(start, stop):
             block = blocks[depth]
@@ -69,19 +116,23 @@ class PoolObserver(BlockObserver):
                 parent = None
             if depth and parent is None:
                 continue  # its parent was never reported (cached before sagellm attached)
-            new.append(
-                self.add(
-                    CachedBlock(
-                        block.block_id,
-                        depth,
-                        parent.block_id if parent else None,
-                        # vLLM's chained hash (tokens, parent, cache_salt, LoRA) is the
-                        # content key; its first 8 bytes as sagellm's 64-bit key.
-                        int.from_bytes(block.block_hash[:8], "little"),
-                        namespace,
-                    )
+            block_hash = block.block_hash
+            described = self.add(
+                CachedBlock(
+                    block.block_id,
+                    depth,
+                    parent.block_id if parent else None,
+                    # vLLM's chained hash (tokens, parent, cache_salt, LoRA) is the
+                    # content key; its first 8 bytes as sagellm's 64-bit key.
+                    int.from_bytes(block_hash[:8], "little"),
+                    namespace,
                 )
             )
+            new.append(described)
+            request_hash = block_hash[:-4]  # without the group id (one KV-cache group)
+            if request_hash not in by_hash:
+                by_hash[request_hash] = described
+                hash_of[block.block_id] = request_hash
         if new:
             self.report_cached(new)
 
@@ -103,6 +154,44 @@ class PoolObserver(BlockObserver):
             )
         return self.with_descendants(victims)
 
+    def with_descendants(self, victims: Sequence[int]) -> list[int]:
+        """As :meth:`BlockObserver.with_descendants` (the runtime checked
+        that the victims are distinct evictable blocks), with a shortcut,
+        in C-speed calls, for what the policies mostly hand out: leaves, or
+        chains from the leaf up, each block after its cached descendants,
+        all of them victims. The depth-first walk then gives the victims
+        themselves, in their order."""
+        child_sets = list(filter(None, map(self.children.get, victims)))
+        if not child_sets:
+            return list(victims)  # leaves only
+        chosen = set(victims)
+        if all(map(chosen.issuperset, child_sets)):
+            # Every descendant is a victim; each must come before its parent.
+            position = dict(zip(victims, count()))
+            parents = map(_parent_id, map(self.cached.__getitem__, victims))
+            if all(map(gt, map(position.get, parents, repeat(len(victims))), count())):
+                return list(victims)
+        return super().with_descendants(victims)
+
+    def evict_all(self, block_ids: Sequence[int]) -> None:
+        """vLLM evicted these cached blocks (leaves, or whole chains): all
+        forgotten at once, in C-speed calls rather than a Python step per
+        block (as :meth:`forget` does one), reported by the next
+        :meth:`flush_evicted`."""
+        children = self.children
+        removed = list(map(self.cached.pop, block_ids))
+        self.evictable.difference_update(block_ids)
+        _consume(map(children.pop, block_ids, repeat(None)))
+        _consume(map(self.by_hash.pop, map(self._hash_of.pop, block_ids, repeat(None)), repeat(None)))
+        # The parents still cached (a chain's root's parent) lose children.
+        parents = set(map(_parent_id, removed))
+        parents.difference_update(block_ids)
+        for parent_id in parents:
+            siblings = children.get(parent_id)
+            if siblings:
+                siblings.difference_update(block_ids)
+        self._evicted.extend(removed)
+
 
 class SagellmFreeBlockQueue(FreeKVCacheBlockQueue):
     """``FreeKVCacheBlockQueue`` whose cached victims sagellm picks."""
@@ -112,29 +201,52 @@ class SagellmFreeBlockQueue(FreeKVCacheBlockQueue):
         self.pool = pool
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The ``n`` blocks vLLM takes: uncached ones from the head first, as
+        vLLM reuses them, then the policy's victims, a whole batch of them
+        (chains included) per policy call. The victims taken are forgotten
+        by the observer in one pass; vLLM drops their hashes as it hands
+        them out (``get_new_blocks``)."""
         assert self.num_free_blocks >= n
-        observer = self.pool.sagellm
+        pool = self.pool
+        observer = pool.sagellm
         evictable = observer.evictable
+        head_sentinel = self.fake_free_list_head
         out: list[KVCacheBlock] = []
+        taken_victims: list[int] = []
         try:
             while len(out) < n:
-                head = self.fake_free_list_head.next_free_block
-                if head.block_id not in evictable or not evictable:
-                    out.extend(super().popleft_n(1))  # uncached: reused first, as in vLLM
+                need = n - len(out)
+                # The uncached run at the head, up to the need: one pop.
+                uncached = 0
+                block = head_sentinel.next_free_block
+                while uncached < need and (block.block_id not in evictable):
+                    uncached += 1
+                    block = block.next_free_block
+                if uncached:
+                    out.extend(super().popleft_n(uncached))
                     continue
-                blocks = self.pool.blocks
-                for block_id in observer.choose_victims(n - len(out)):
-                    block = blocks[block_id]
-                    self.remove(block)
-                    if len(out) < n:
-                        out.append(block)
-                    else:
-                        # A descendant beyond the need: evicted now, kept free.
-                        self.pool._maybe_evict_cached_block(block)
-                        self.prepend_n([block])
+                ids = observer.choose_victims(need)
+                chosen = [pool.blocks[block_id] for block_id in ids]
+                for block in chosen:  # FreeKVCacheBlockQueue.remove, without a call per block
+                    before, after = block.prev_free_block, block.next_free_block
+                    before.next_free_block, after.prev_free_block = after, before
+                    block.prev_free_block = block.next_free_block = None
+                self.num_free_blocks -= len(chosen)
+                out.extend(chosen[:need])
+                taken_victims.extend(ids[:need])
+                beyond = chosen[need:]
+                if beyond:
+                    # Descendants beyond the need: evicted now, kept free
+                    # (uncached, so reused first).
+                    for block in beyond:
+                        BlockPool._maybe_evict_cached_block(pool, block)
+                    observer.evict_all(ids[need:])
+                    self.prepend_n(beyond)
         except BaseException:
-            self.prepend_n(out)  # a policy failed: every block taken goes back
+            self.prepend_n(out)  # a policy failed: every block taken goes back, still cached
             raise
+        if taken_victims:
+            observer.evict_all(taken_victims)
         return out
 
     def popleft(self) -> KVCacheBlock:
@@ -161,6 +273,8 @@ class SagellmBlockPool(BlockPool):
         if len(free) != self.num_gpu_blocks - 1:
             raise PluginError("sagellm-plugin-vllm: attach before the first allocation (blocks are in use)")
         self.sagellm = PoolObserver(runtime)
+        #: vLLM's own eviction of one block, for get_new_blocks.
+        self._drop_hash = partial(BlockPool._maybe_evict_cached_block, self)
         for block in free:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = SagellmFreeBlockQueue(free, self)
@@ -205,7 +319,14 @@ class SagellmBlockPool(BlockPool):
         self.sagellm.on_freed(ordered)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks = super().get_new_blocks(num_blocks)
+        # The queue's popleft_n told the observer of every victim at once:
+        # vLLM's per-block eviction runs here without this class's per-block
+        # hook (an instance attribute shadows the method for this call).
+        self._maybe_evict_cached_block = self._drop_hash
+        try:
+            blocks = super().get_new_blocks(num_blocks)
+        finally:
+            del self._maybe_evict_cached_block
         self.sagellm.flush_evicted()
         return blocks
 

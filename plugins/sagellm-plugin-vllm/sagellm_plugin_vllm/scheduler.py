@@ -29,11 +29,15 @@ environment variable; a harness may pass a built ``Runtime`` instead.
 from __future__ import annotations
 
 import time
+from array import array
+from collections import deque
 from collections.abc import Callable
+from functools import partial
+from itertools import islice, repeat
 from operator import attrgetter
 
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import PrefixMatch, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+from sagellm_core.types import EMPTY_MATCH, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 from sagellm_plugin_vllm.block_pool import attach
 from sagellm_plugin_vllm.compat import (
     AsyncScheduler,
@@ -48,17 +52,79 @@ from sagellm_plugin_vllm.live import load_runtime
 
 #: vLLM request -> its SequenceState (set at add_request).
 _sagellm_state = attrgetter("sagellm_state")
+_request_id = attrgetter("request_id")
+_num_computed_tokens = attrgetter("num_computed_tokens")
+#: The list behind vLLM's ``Request.num_output_tokens`` property (read
+#: through map() without a Python frame per request).
+_output_token_ids = attrgetter("_output_token_ids")
+#: Runs an iterator of C calls (setattr through map) to its end.
+_consume = partial(deque, maxlen=0)
 
 
-def sagellm_request(request: VllmRequest) -> Request:
+def sagellm_request(request: VllmRequest, token_ids: array | None = None) -> Request:
+    """sagellm's view of a vLLM request. ``token_ids``: the prompt as a
+    sagellm token array, where the caller has one (taken as is); otherwise
+    vLLM's list is copied into one."""
     return Request(
         request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids or (),
+        prompt_token_ids=(request.prompt_token_ids or ()) if token_ids is None else token_ids,
         output_tokens=request.max_tokens,
         arrival_s=request.arrival_time,
         priority=request.priority,
         cache_salt=request.cache_salt,
     )
+
+
+class WaitingQueue(FCFSRequestQueue):
+    """vLLM's FIFO waiting queue, telling the scheduler how it changed since
+    the scheduler last mapped it to states: requests appended at the tail
+    (arrivals) and taken from the head (admissions) are counted, anything
+    else (preemptions put back at the head, removals, reorders) marks it
+    ``reordered``, so the next step maps it all again."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reordered = True
+        self.popped = 0
+
+    def add_request(self, request: VllmRequest) -> None:
+        deque.append(self, request)  # an arrival: found as the tail the states lack
+
+    def pop_request(self) -> VllmRequest:
+        self.popped += 1  # an admission from the head
+        return deque.popleft(self)
+
+
+def _marks_reordered(name: str) -> Callable:
+    method = getattr(deque, name)
+
+    def changes(self: WaitingQueue, *args):
+        self.reordered = True
+        return method(self, *args)
+
+    changes.__name__ = name
+    return changes
+
+
+# Every other way to change a deque: the next step maps the queue again.
+for _name in (
+    "append",
+    "appendleft",
+    "clear",
+    "extend",
+    "extendleft",
+    "insert",
+    "pop",
+    "popleft",
+    "remove",
+    "reverse",
+    "rotate",
+    "__delitem__",
+    "__setitem__",
+    "__iadd__",
+):
+    setattr(WaitingQueue, _name, _marks_reordered(_name))
+del _name
 
 
 class SagellmDecisions:
@@ -88,7 +154,10 @@ class SagellmDecisions:
         if isinstance(self.connector, SagellmConnector):
             self.connector.bind_runtime(self.sagellm)  # one runtime, one transport
         # The sagellm passes order admissions, so waiting is a plain FIFO.
-        self.waiting = FCFSRequestQueue(self.waiting)
+        self.waiting = WaitingQueue(self.waiting)
+        #: The waiting requests' states, in queue order, as of the last step
+        #: (kept up to date from what the queue says changed).
+        self._waiting_states: list[SequenceState] = []
         # vLLM's general preemption branch: the victim may be any running
         # request (an already-scheduled one gets its budget back). It takes
         # max(running, key=(priority, arrival_time)); the adapter marks the
@@ -96,6 +165,12 @@ class SagellmDecisions:
         self.policy = SchedulingPolicy.PRIORITY
         self._marked: dict[str, tuple[VllmRequest, int]] = {}
         self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
+        #: Without scheduling passes nothing reads the ScheduleIR: no state
+        #: is mapped or refreshed per step (first tokens are still stamped).
+        self._has_passes = bool(self.sagellm.plugins.get("scheduler"))
+        #: Requests whose first token is not stamped yet (by id): each step
+        #: looks only at those of them that run.
+        self._awaiting_first_token: set[str] = set()
 
     # ------------------------------------------------------------ requests --
 
@@ -106,21 +181,31 @@ class SagellmDecisions:
             return
         if self._wall_clock:
             self.sagellm.set_time(time.time())
-        # vLLM's own lookup is the match (sagellm's prefix cache does not
-        # run inside vLLM), described as the pool's observer knows the blocks.
-        computed, *_ = self.kv_cache_manager.get_computed_blocks(request)
-        observer = getattr(self.kv_cache_manager.block_pool, "sagellm", None)
-        hit = computed.blocks[0] if computed.blocks and observer is not None else ()
-        match = PrefixMatch(tuple(observer.cached[b.block_id] for b in hit if b.block_id in observer.cached))
+        # The match vLLM's own lookup would find now (sagellm's prefix cache
+        # does not run inside vLLM), read off the pool observer's hash index
+        # instead of a second get_computed_blocks: vLLM looks up again when
+        # it admits the request, and its hit is the one counted.
+        manager = self.kv_cache_manager
+        observer = getattr(manager.block_pool, "sagellm", None)
+        if observer is not None and manager.prefix_cache_lookup_enabled(request):
+            # At least one token is always computed, as vLLM's lookup leaves it.
+            match = observer.match(request.block_hashes, (request.num_tokens - 1) // self.block_size)
+        else:
+            match = EMPTY_MATCH
+        # A driver that has the prompt as a sagellm token array hands it over
+        # (``sagellm_token_ids``), sparing a per-token copy of vLLM's list.
+        token_ids = request.__dict__.pop("sagellm_token_ids", None)
         # Kept on the request itself: each step maps every waiting request to
         # its state, and an attribute read through map() is C-speed.
-        request.sagellm_state = self.sagellm.arrive(sagellm_request(request), match=match)
+        request.sagellm_state = self.sagellm.arrive(sagellm_request(request, token_ids), match=match)
+        self._awaiting_first_token.add(request.request_id)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):
         result = super()._free_request(request, *args, **kwargs)
         state = getattr(request, "sagellm_state", None)
         if state is not None:
             del request.sagellm_state  # concluded once
+            self._awaiting_first_token.discard(request.request_id)
             now = time.time() if self._wall_clock else self.sagellm.now_s
             state.num_output_tokens = request.num_output_tokens
             state.num_preemptions = request.num_preemptions
@@ -134,16 +219,54 @@ class SagellmDecisions:
 
     def _running_states(self) -> list[SequenceState]:
         """The running requests' states, refreshed (only these change from
-        step to step; a waiting one changes when it is preempted)."""
-        running = list(map(_sagellm_state, self.running))
-        now = self.sagellm.now_s
-        for request, state in zip(self.running, running):
-            state.num_computed_tokens = request.num_computed_tokens
-            state.num_output_tokens = num_output = request.num_output_tokens
-            state.status = RequestStatus.RUNNING
-            if num_output and state.first_token_s is None:
-                state.first_token_s = now  # by the step after it, at the latest
+        step to step; a waiting one changes when it is preempted). The
+        copies run as setattr through map(): no Python step per request."""
+        running_requests = self.running
+        running = list(map(_sagellm_state, running_requests))
+        _consume(map(setattr, running, repeat("num_computed_tokens"), map(_num_computed_tokens, running_requests)))
+        output_counts = map(len, map(_output_token_ids, running_requests))
+        _consume(map(setattr, running, repeat("num_output_tokens"), output_counts))
+        _consume(map(setattr, running, repeat("status"), repeat(RequestStatus.RUNNING)))
         return running
+
+    def _waiting_states_now(self) -> list[SequenceState]:
+        """The waiting requests' states, in queue order. Mapping all of
+        them each step would touch every waiting request (1,024 of them
+        cost more than a step of stock vLLM's work on them); here only the
+        arrivals and admissions since the last step are applied, unless the
+        queue was reordered otherwise."""
+        queue = self.waiting
+        states = self._waiting_states
+        if not queue.reordered:
+            if queue.popped:
+                del states[: queue.popped]  # admitted from the head
+            missing = len(queue) - len(states)  # arrived at the tail
+            if missing > 0:
+                arrived = list(islice(reversed(queue), missing))
+                arrived.reverse()
+                states.extend(map(_sagellm_state, arrived))
+            # A cheap guard against a change the queue did not see.
+            if len(states) != len(queue) or (states and states[0] is not queue[0].sagellm_state):
+                queue.reordered = True
+        if queue.reordered:
+            states = self._waiting_states = list(map(_sagellm_state, queue))
+            queue.reordered = False
+        queue.popped = 0
+        return states
+
+    def _stamp_first_tokens(self) -> None:
+        """Stamp ``first_token_s`` on running requests that have output now
+        (by the step after their first token, at the latest)."""
+        awaiting = self._awaiting_first_token
+        if not awaiting:
+            return
+        now = self.sagellm.now_s
+        requests = self.requests
+        for request_id in awaiting.intersection(map(_request_id, self.running)):
+            request = requests[request_id]
+            if request.num_output_tokens:
+                request.sagellm_state.first_token_s = now
+                awaiting.discard(request_id)
 
     def _preempt_request(self, request: VllmRequest, *args, **kwargs):
         # A waiting request's state changes only here (and at arrival), so
@@ -190,7 +313,10 @@ class SagellmDecisions:
     def _run_passes(self) -> None:
         if not self.waiting and not self.running:
             return
-        waiting = list(map(_sagellm_state, self.waiting))
+        self._stamp_first_tokens()
+        if not self._has_passes:
+            return
+        waiting = self._waiting_states_now()
         running = self._running_states()
         ir = ScheduleIR(
             now_s=self.sagellm.now_s,
@@ -199,10 +325,15 @@ class SagellmDecisions:
             token_budget=self.max_num_scheduled_tokens,
             max_num_seqs=self.max_num_running_reqs,
         )
-        moved = self.sagellm.schedule(ir)
+        try:
+            moved = self.sagellm.schedule(ir)
+        except BaseException:
+            self.waiting.reordered = True  # a pass may have reordered the list in place
+            raise
         if "waiting" in moved:
             self.waiting.clear()
             self.waiting.extend(self.requests[s.request_id] for s in ir.waiting)
+            self._waiting_states, self.waiting.reordered = ir.waiting, False
         if "running" in moved:
             self.running[:] = [self.requests[s.request_id] for s in ir.running]
         self.max_num_scheduled_tokens = min(ir.token_budget, self._limits[0])

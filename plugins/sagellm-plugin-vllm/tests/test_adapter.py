@@ -214,3 +214,41 @@ def test_replay_through_vllm_with_the_host_tier(mooncake):
     report = session.run(settings_from_toml(text)).report
     assert report["host_hit_blocks"] > 0 and report["transfers"]["failures"] == 0
     assert report["transfers"]["blocks"] >= report["host_hit_blocks"]
+
+
+@pytest.mark.parametrize("passes", ['[scheduler]\npasses = ["fcfs"]\n', ""])
+def test_first_tokens_are_stamped_with_and_without_passes(passes):
+    """The first token is stamped the step after it (not at finish), also
+    when no pass runs and the scheduler maps no state per step; the states
+    the passes read are refreshed from vLLM's requests."""
+    rt = runtime("[kv_pool]\nnum_blocks = 64\n" + passes)
+    outcomes = []
+    scheduler = build_scheduler(
+        "sagellm",
+        block_size=16,
+        num_blocks=64,
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        max_model_len=4096,
+        runtime=rt,
+        on_finished=outcomes.append,
+    )
+    for request in requests(3, prompt_tokens=20, max_tokens=5):
+        scheduler.add_request(request)
+    for step in range(50):
+        if not scheduler.has_unfinished_requests():
+            break
+        rt.set_time(float(step))
+        # The passes run (and the states are refreshed) before vLLM schedules.
+        before = {r.request_id: (r.num_computed_tokens, r.num_output_tokens) for r in scheduler.running}
+        out = scheduler.schedule()
+        if passes:
+            for request in scheduler.running:
+                state = request.sagellm_state
+                if request.request_id in before:
+                    assert (state.num_computed_tokens, state.num_output_tokens) == before[request.request_id]
+        scheduler.update_from_output(out, made_up_output(scheduler, out))
+    assert len(outcomes) == 3
+    for outcome in outcomes:
+        assert outcome.num_output_tokens == 5
+        assert outcome.first_token_s < outcome.finish_s  # stamped when it came, 4 steps before the last

@@ -1,7 +1,8 @@
 """Property: whatever the requests and the policy, vLLM's pool with sagellm
 choosing victims stays consistent: no block lost or doubly free, the
 evictable set is exactly vLLM's free cached blocks, reference counts match
-the requests holding the blocks."""
+the requests holding the blocks; and the match a request arrives with is
+the hit vLLM's own lookup finds then."""
 
 from __future__ import annotations
 
@@ -47,14 +48,36 @@ def check(scheduler) -> None:
         holders[original_id] = holders.get(original_id, 0) + 1
     for block in pool.blocks[1:]:
         assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} refcount"
+    # The waiting states the passes get, kept up to date step to step.
+    if scheduler._has_passes:
+        assert scheduler._waiting_states_now() == [r.sagellm_state for r in scheduler.waiting]
+    # The hash index the arrival match walks: every cached block, by its hash.
+    index = pool.sagellm.by_hash
+    assert len(index) == len(pool.sagellm.cached)
+    for block_hash, block in index.items():
+        assert pool.blocks[block.block_id].block_hash[:-4] == block_hash
+
+
+def arrive(scheduler, request) -> None:
+    """Add ``request``; its arrival match must be vLLM's own lookup's hit."""
+    _, vllm_hit_tokens, _ = scheduler.kv_cache_manager.get_computed_blocks(request)
+    scheduler.add_request(request)
+    # (In blocks: the runtime here counts the default 16 tokens a block.)
+    hint_blocks = request.sagellm_state.cached_tokens_hint // scheduler.sagellm.block_size
+    assert hint_blocks == vllm_hit_tokens // BS
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=prompts, policy=st.sampled_from(["lru", "lfu", "s3fifo"]), seqs=st.integers(1, 4))
-def test_pool_stays_consistent(requests, policy, seqs):
+@given(
+    requests=prompts,
+    policy=st.sampled_from(["lru", "lfu", "s3fifo"]),
+    seqs=st.integers(1, 4),
+    passes=st.sampled_from(["", '[scheduler]\npasses = ["priority"]\n']),
+)
+def test_pool_stays_consistent(requests, policy, seqs, passes):
     rt = Runtime(
         settings_from_toml(
-            f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
+            f'[kv_pool]\nnum_blocks = {POOL}\n[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n' + passes
         ),
         engine_owns=ENGINE_OWNS,
     )
@@ -69,19 +92,27 @@ def test_pool_stays_consistent(requests, policy, seqs):
     )
     v.init_none_hash(v.sha256)
     hasher = v.get_request_block_hasher(BS, v.sha256)
-    for i, (prefix, length, out) in enumerate(requests):
-        tokens = [1000 * (prefix + 1) + t for t in range(length)]
-        scheduler.add_request(
-            v.VllmRequest(
-                request_id=f"r{i}",
-                prompt_token_ids=tokens,
-                sampling_params=v.SamplingParams(max_tokens=out, ignore_eos=True),
-                pooling_params=None,
-                arrival_time=float(i),
-                block_hasher=hasher,
-            )
+    arrivals = [
+        v.VllmRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=[1000 * (prefix + 1) + t for t in range(length)],
+            sampling_params=v.SamplingParams(max_tokens=out, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=float(i),
+            block_hasher=hasher,
+            priority=(prefix + i) % 3,  # the priority pass reorders some
         )
+        for i, (prefix, length, out) in enumerate(requests)
+    ]
+    # Half arrive at once, the rest one per step, onto a cache that holds
+    # (and evicts) the earlier ones' blocks.
+    for request in arrivals[: len(arrivals) // 2 + 1]:
+        arrive(scheduler, request)
+    later = iter(arrivals[len(arrivals) // 2 + 1 :])
     for _ in range(500):
+        request = next(later, None)
+        if request is not None:
+            arrive(scheduler, request)
         if not scheduler.has_unfinished_requests():
             break
         out = scheduler.schedule()
