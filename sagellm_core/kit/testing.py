@@ -16,6 +16,7 @@ from pathlib import Path
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.hookspecs import hookimpl
+from sagellm_core.kit.eviction import PriorityEviction
 from sagellm_core.types import CachedBlock, EvictionDecision, PreemptionDecision, Request
 
 
@@ -60,34 +61,18 @@ def junit_results(
     return total, failed
 
 
-class OldestFirstPreemption:
+class OldestFirstPreemption(PriorityEviction):
     """An eviction plugin that preempts the running request that arrived
-    first (vLLM and LMDeploy take the last), and evicts in LRU order: for
-    checking that an engine adapter hands the preemption choice over.
-    Declare it with :func:`declare_plugins` as
+    first (vLLM and LMDeploy take the last), and evicts in LRU order (the
+    eviction base, every block alike): for checking that an engine adapter
+    hands the preemption choice over. Declare it with
+    :func:`declare_plugins` as
     ``"sagellm_core.kit.testing:OldestFirstPreemption"``."""
 
-    def __init__(self, settings, context):
-        self.order = {}
+    monotone = True
 
-    @hookimpl
-    def sagellm_blocks_released(self, blocks):
-        for block in reversed(blocks):
-            self.order[block.block_id] = None
-
-    @hookimpl
-    def sagellm_blocks_touched(self, blocks):
-        for block in blocks:
-            self.order.pop(block.block_id, None)
-
-    @hookimpl
-    def sagellm_blocks_evicted(self, blocks):
-        for block in blocks:
-            self.order.pop(block.block_id, None)
-
-    @hookimpl
-    def sagellm_select_victims(self, num_blocks, candidates):
-        return EvictionDecision(tuple(b for b in self.order if b in candidates)[:num_blocks])
+    def priority(self, block, now_s):
+        return 0
 
     @hookimpl
     def sagellm_select_preemption(self, running, needed_by):

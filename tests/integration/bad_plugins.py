@@ -126,4 +126,4 @@ class UnfilteredVictims(OldestFirstPreemption):
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks, candidates):
-        return EvictionDecision(tuple(self.order)[:num_blocks])
+        return EvictionDecision(tuple(self._queue)[:num_blocks])  # the base's LRU order, unfiltered
