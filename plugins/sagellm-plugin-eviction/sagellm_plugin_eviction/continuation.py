@@ -113,6 +113,7 @@ class ContinuationEviction(LeafChains):
         # each of its bins is the prior, a uniform gap on the log scale.
         self.gaps = numpy.array([1.0 if bin_age(b) <= settings.label_after_s else 0.0 for b in range(AGE_BINS)])
         self._edges = numpy.arange(AGE_BINS + 1, dtype=float)
+        self._tail: numpy.ndarray | None = None  # S at the bin edges, kept until the histogram changes
         self._pending: OrderedDict[int, Turn] = OrderedDict()  # last block's key -> turn, oldest first
         self._leaf_turn: dict[int, Turn] = {}  # evictable leaf -> its turn
         # The turns with evictable leaves, in rows of arrays, so a choice
@@ -137,7 +138,9 @@ class ContinuationEviction(LeafChains):
         """S(age) = P(gap > age | continued), from the histogram, linear
         between bin edges on the bins' log scale: bins are a factor of √2
         wide, too coarse to step S by a window of ``reuse_window_s``."""
-        tail = numpy.append(numpy.cumsum(self.gaps[::-1])[::-1], 0.0) / self.gaps.sum()
+        if self._tail is None:  # the histogram changed since the last call
+            self._tail = numpy.append(numpy.cumsum(self.gaps[::-1])[::-1], 0.0) / self.gaps.sum()
+        tail = self._tail
         position = 2.0 * numpy.log2(1.0 + ages / AGE_UNIT_S)  # bin b spans [b, b + 1)
         return numpy.maximum(numpy.interp(position, self._edges, tail), 1e-9)
 
@@ -249,6 +252,7 @@ class ContinuationEviction(LeafChains):
                 del self._pending[previous.end_key]
                 self._learn(previous, continued=True)
                 self.gaps[age_bin(gap)] += 1.0
+                self._tail = None
             new_blocks = max(0, end.depth - shared_depth)  # 0: the same prompt again
             turn = Turn(
                 turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
@@ -280,9 +284,25 @@ class ContinuationEviction(LeafChains):
         n = len(self._with_leaves)
         ages = numpy.maximum(self._now - self._released_at[:n], 0.0)
         p = self.continuation_probability(self._features[:n])
-        still = self._survival(ages)
+        both = self._survival(numpy.concatenate((ages, ages + self.settings.reuse_window_s)))  # one pass
+        still, later = both[:n], both[n:]
         alive = p * still / (1.0 - p + p * still)
-        return alive * (1.0 - self._survival(ages + self.settings.reuse_window_s) / still)
+        return alive * (1.0 - later / still)
+
+    def _by_value(self, n: int, wanted: int):
+        """Rows least value first, then the oldest: the lowest ``wanted``
+        values (and their ties) sorted first, the rest only if those turns
+        do not hold enough victims (a full sort of thousands of turns per
+        choice cost most of it)."""
+        if not n:
+            return
+        values, released, opened = self.values(), self._released_at[:n], self._opened[:n]
+        if n <= 2 * wanted:
+            yield from numpy.lexsort((opened, released, values))
+            return
+        low = values <= numpy.partition(values, wanted - 1)[wanted - 1]
+        for rows in (numpy.flatnonzero(low), numpy.flatnonzero(~low)):
+            yield from rows[numpy.lexsort((opened[rows], released[rows], values[rows]))]
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
@@ -290,8 +310,7 @@ class ContinuationEviction(LeafChains):
         victims: list[int] = []
         chosen: set[int] = set()
         children_taken: Counter[int] = Counter()
-        # least value first, then the oldest
-        for i in numpy.lexsort((self._opened[:n], self._released_at[:n], self.values())) if n else ():
+        for i in self._by_value(n, num_blocks):
             turn = turns[i]
             stack = sorted(turn.leaves)
             while stack:

@@ -1,0 +1,308 @@
+"""``sagellm evaluate-policies``: eviction policies judged on a suite of
+workloads together, not on one trace.
+
+For every workload of the suite (``suite.toml``, or ``--suite FILE``) and
+each of its three capacities, it replays the workload cache-only under LRU,
+Belady (the offline optimum) and every policy asked for, and prints the
+block hit rate, the ratio to LRU, and the share of the gap between LRU and
+Belady that the policy closes; then, per policy, the worst ratio to LRU and
+the mean share of the gap closed over the suite. The suite's workloads are
+split in a half to tune on and a half held out (``--split``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from collections import Counter
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sagellm_core import hookimpl
+from sagellm_core.config import WORKLOAD_GROUP, parse
+from sagellm_core.errors import ConfigError, SagellmError
+from sagellm_core.replay import session, workloads
+
+REFERENCES = ("lru", "belady")
+SPLITS = ("tune", "held-out", "all")
+#: Below this gap between LRU and Belady (absolute hit rate) there is nothing
+#: to close, and the share is not reported.
+MIN_GAP = 1e-3
+
+
+def default_traces() -> Path:
+    return Path(os.environ.get("SAGELLM_TRACES", "../shared/data/traces"))
+
+
+def read_suite(path: Path | None) -> tuple[dict[str, Any], str]:
+    if path is None:
+        text, where = resources.files(__package__).joinpath("suite.toml").read_text(), "suite.toml"
+    else:
+        try:
+            text, where = path.read_text(encoding="utf-8-sig"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SagellmError(f"--suite {path}: cannot be read: {exc}") from None
+    try:
+        suite = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SagellmError(f"{where}: invalid TOML: {exc}") from None
+    fractions = suite.get("fractions")
+    if not (
+        isinstance(fractions, list) and fractions and all(isinstance(f, (int, float)) and f > 0 for f in fractions)
+    ):
+        raise SagellmError(
+            f"{where}: fractions: a list of positive numbers (capacities as shares of the reused footprint)"
+        )
+    for i, entry in enumerate(suite.get("workload", ())):
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("config"), dict)
+        ):
+            raise SagellmError(f"{where}: workload {i + 1}: needs name and config")
+        if entry.get("split") not in SPLITS[:2]:
+            raise SagellmError(
+                f"{where}: workload {entry['name']!r}: split = {entry.get('split')!r}; accepted: tune, held-out"
+            )
+    return suite, where
+
+
+def footprint(settings) -> tuple[int, int]:
+    """The workload's reused footprint (distinct full blocks used more than
+    once, by content) and its largest prompt in full blocks."""
+    size, uses, largest = settings.block_size, Counter(), 0
+    for request in workloads.load(settings.workload):
+        tokens = request.prompt_token_ids
+        key = hash(request.cache_salt)
+        n = len(tokens) // size
+        largest = max(largest, n)
+        for i in range(n):
+            key = hash((key, tokens[i * size : (i + 1) * size].tobytes()))
+            uses[key] += 1
+    return sum(1 for count in uses.values() if count > 1), largest
+
+
+def _settings(entry: dict, where: str, traces: Path, num_blocks: int, policy: str):
+    raw = json.loads(json.dumps(entry["config"]).replace("{traces}", str(traces).replace("\\", "/")))
+    raw.setdefault("engine", {"name": "replay", "mode": "cache-only"})
+    raw.setdefault("kv_pool", {"plugin": "paged"})["num_blocks"] = num_blocks
+    raw["eviction"] = {"plugin": policy}
+    return parse(raw, f"{where} [{entry['name']}]")
+
+
+def _missing(entry: dict, where: str, traces: Path) -> str | None:
+    """Why a workload cannot run here (a source not installed, a missing
+    trace), or None."""
+    try:
+        settings = _settings(entry, where, traces, 1, "lru")
+    except ConfigError as exc:
+        return str(exc)
+    source = settings.workload.source
+    if source not in ("mooncake", "azure", "generator"):
+        if source not in {ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP)}:
+            return f"workload source {source!r} is not installed"
+    if settings.workload.path is not None and not Path(settings.workload.path).is_file():
+        return f"no file {settings.workload.path}"
+    return None
+
+
+def evaluate(suite, where, policies, split="tune", traces=None, progress=False, console=None) -> list[dict]:
+    """One row per workload, capacity and policy: hit rate, ratio to LRU,
+    share of the LRU-to-Belady gap closed."""
+    console = console or Console(stderr=True)
+    traces = traces or default_traces()
+    names = list(dict.fromkeys([*REFERENCES, *policies]))
+    rows = []
+    for entry in suite.get("workload", ()):
+        if split != "all" and entry["split"] != split:
+            continue
+        why = _missing(entry, where, traces)
+        if why is not None:
+            console.print(f"evaluate-policies: skipping {entry['name']}: {why}")
+            continue
+        reused, largest = footprint(_settings(entry, where, traces, 1, "lru"))
+        for fraction in suite["fractions"]:
+            capacity = max(round(reused * fraction), 2 * largest + 1)
+            rates = {}
+            for policy in names:
+                label = f"{entry['name']} {capacity} {policy}"
+                report = session.run(
+                    _settings(entry, where, traces, capacity, policy), label=label, progress=progress
+                ).report
+                rates[policy] = report["block_hit_rate"]
+            lru, best = rates["lru"], rates["belady"]
+            for policy in names:
+                gap = best - lru
+                rows.append(
+                    {
+                        "workload": entry["name"],
+                        "split": entry["split"],
+                        "fraction": fraction,
+                        "num_blocks": capacity,
+                        "policy": policy,
+                        "block_hit_rate": rates[policy],
+                        "ratio_to_lru": rates[policy] / lru if lru > 0 else None,
+                        "gap_closed": (rates[policy] - lru) / gap if gap >= MIN_GAP else None,
+                    }
+                )
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per policy: the worst ratio to LRU, the settings more than 0.5% below
+    LRU, and the mean share of the gap closed."""
+    out = []
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        mine = [row for row in rows if row["policy"] == policy]
+        ratios = [row["ratio_to_lru"] for row in mine if row["ratio_to_lru"] is not None]
+        gaps = [row["gap_closed"] for row in mine if row["gap_closed"] is not None]
+        out.append(
+            {
+                "policy": policy,
+                "settings": len(mine),
+                "worst_ratio_to_lru": min(ratios) if ratios else None,
+                "below_lru_by_0.5%": sum(1 for r in ratios if r < 0.995),
+                "mean_gap_closed": sum(gaps) / len(gaps) if gaps else None,
+            }
+        )
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, spec)
+
+
+def tables(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str], list[list[str]]]:
+    """The per-setting table (one cell per policy: hit rate, ratio to LRU,
+    gap closed) and the summary table, as header and rows."""
+    policies = list(dict.fromkeys(row["policy"] for row in rows))
+    settings = list(dict.fromkeys((row["workload"], row["split"], row["num_blocks"]) for row in rows))
+    cell = {(row["workload"], row["num_blocks"], row["policy"]): row for row in rows}
+    head = ["workload", "split", "blocks", *policies]
+    body = []
+    for workload, split, blocks in settings:
+        line = [workload, split, f"{blocks:,}"]
+        for policy in policies:
+            row = cell[(workload, blocks, policy)]
+            rate = _fmt(row["block_hit_rate"], ".4f")
+            if policy in REFERENCES:
+                line.append(rate)
+            else:
+                line.append(f"{rate} ({_fmt(row['ratio_to_lru'], '.3f')}x, {_fmt(row['gap_closed'], '+.0%')})")
+        body.append(line)
+    sum_head = ["policy", "settings", "worst ratio to LRU", "settings below LRU -0.5%", "mean gap closed"]
+    sum_body = [
+        [
+            s["policy"],
+            str(s["settings"]),
+            _fmt(s["worst_ratio_to_lru"], ".4f"),
+            str(s["below_lru_by_0.5%"]),
+            _fmt(s["mean_gap_closed"], "+.1%"),
+        ]
+        for s in summary(rows)
+        if s["policy"] not in REFERENCES
+    ]
+    return head, body, sum_head, sum_body
+
+
+def markdown(rows: list[dict]) -> str:
+    head, body, sum_head, sum_body = tables(rows)
+
+    def md(h, b):
+        return "\n".join(
+            ["| " + " | ".join(h) + " |", "|" + "---|" * len(h), *("| " + " | ".join(r) + " |" for r in b)]
+        )
+
+    return md(head, body) + "\n\n" + md(sum_head, sum_body) + "\n"
+
+
+def print_tables(rows: list[dict], console: Console | None = None) -> None:
+    console = console or Console()
+    head, body, sum_head, sum_body = tables(rows)
+    for title, h, b in (
+        ("block hit rate (ratio to LRU, share of the LRU-to-Belady gap closed)", head, body),
+        ("over the suite", sum_head, sum_body),
+    ):
+        table = Table(title=title)
+        for column in h:
+            table.add_column(column)
+        for line in b:
+            table.add_row(*line)
+        console.print(table)
+
+
+def plot(rows: list[dict], path: str | Path) -> None:
+    """The share of the LRU-to-Belady gap each policy closes, per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = [p for p in dict.fromkeys(row["policy"] for row in rows) if p not in REFERENCES]
+    settings = list(dict.fromkeys((row["workload"], row["num_blocks"]) for row in rows))
+    cell = {(row["workload"], row["num_blocks"], row["policy"]): row for row in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(settings)), 4.5))
+    width = 0.8 / max(1, len(policies))
+    for k, policy in enumerate(policies):
+        values = [cell[(w, n, policy)]["gap_closed"] for w, n in settings]
+        xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(settings))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=policy)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(settings)), [f"{w}\n{n:,}" for w, n in settings], fontsize=7)
+    ax.set_ylabel("share of the LRU-to-Belady gap closed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_evaluate_policies(args) -> int:
+    suite, where = read_suite(Path(args.suite) if args.suite else None)
+    for out in (args.json, args.markdown, args.plot):
+        if out and not Path(out).resolve().parent.is_dir():
+            raise SagellmError(f"{out}: its folder does not exist")
+    rows = evaluate(
+        suite,
+        where,
+        args.policy or ["adaptive"],
+        args.split,
+        Path(args.traces) if args.traces else None,
+        progress=not args.quiet,
+    )
+    if not rows:
+        raise SagellmError(f"evaluate-policies: no workload of split {args.split!r} could run here")
+    print_tables(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary(rows)}, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+@hookimpl
+def sagellm_register_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "evaluate-policies",
+        help="eviction policies on a suite of workloads, three capacities each: hit rate, ratio to LRU, gap closed",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="a sagellm.eviction plugin (repeat; default: adaptive); lru and belady always run",
+    )
+    p.add_argument("--split", choices=SPLITS, default="tune", help="the suite's half to run (default: tune)")
+    p.add_argument("--suite", help="a suite file (default: the plugin's suite.toml)")
+    p.add_argument(
+        "--traces", help="the traces folder for {traces} (default: $SAGELLM_TRACES or ../shared/data/traces)"
+    )
+    p.add_argument("--json", help="write the rows and the summary to this JSON file")
+    p.add_argument("--markdown", help="write the tables to this Markdown file")
+    p.add_argument("--plot", help="write a bar chart of the gap closed to this image file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_evaluate_policies)

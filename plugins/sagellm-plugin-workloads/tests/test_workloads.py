@@ -1,0 +1,96 @@
+"""Each workload is seeded, in arrival order, and shares exactly what it says."""
+
+from collections import Counter
+
+import pytest
+
+from sagellm_core.config import WorkloadSettings
+from sagellm_core.errors import TraceError
+from sagellm_core.replay import workloads
+
+SOURCES = ["agentic", "rag", "tenant-mix", "bursts"]
+
+
+def load(source, **keys):
+    return list(workloads.load(WorkloadSettings(source=source, **keys)))
+
+
+def prefix_len(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_seeded_ordered_and_unique_ids(source):
+    first, again, other = load(source), load(source), load(source, seed=1)
+    assert [(r.request_id, list(r.prompt_token_ids)) for r in first] == [
+        (r.request_id, list(r.prompt_token_ids)) for r in again
+    ]
+    assert [list(r.prompt_token_ids) for r in first] != [list(r.prompt_token_ids) for r in other]
+    assert [r.arrival_s for r in first] == sorted(r.arrival_s for r in first)
+    assert len({r.request_id for r in first}) == len(first)
+    assert all(r.output_tokens == len(r.output_token_ids) > 0 for r in first)
+
+
+def test_agent_steps_extend_their_context_with_call_and_result():
+    requests = load("agentic", tenants=2, sessions_per_tenant=3)
+    by_session = {}
+    for r in requests:
+        by_session.setdefault(r.session_id, []).append(r)
+    for steps in by_session.values():
+        assert len(steps) >= 2 * 4  # from 2 x turns steps
+        for before, after in zip(steps, steps[1:]):
+            history = list(before.prompt_token_ids) + list(before.output_token_ids)
+            assert list(after.prompt_token_ids[: len(history)]) == history
+            assert len(after.prompt_token_ids) > len(history)  # and the tool's result
+    # agents of one tool set share its long tool prompt (4 system prompts)
+    tools = Counter(r.tenant for r in requests if r.request_id.endswith("turn0"))
+    tenant = max(tools, key=tools.get)
+    firsts = [r for r in requests if r.tenant == tenant and r.request_id.endswith("turn0")]
+    assert prefix_len(firsts[0].prompt_token_ids, firsts[1].prompt_token_ids) >= 4 * 1024
+
+
+def test_rag_prompts_share_documents_of_the_corpus():
+    requests = load("rag", sessions_per_tenant=30)
+    firsts = [r for r in requests if r.request_id.endswith("turn0")]
+    shared = [prefix_len(a.prompt_token_ids, b.prompt_token_ids) for a in firsts for b in firsts if a is not b]
+    assert min(shared) >= 256  # the instruction
+    assert sum(s > 256 for s in shared) > 0.05 * len(shared)  # a popular first document recurs
+
+
+def test_tenant_mix_has_three_patterns_and_the_batch_is_a_scan():
+    requests = load("tenant-mix")
+    assert {r.tenant for r in requests} == {"chat", "agents", "batch"}
+    batch = [r for r in requests if r.tenant == "batch"]
+    blocks = Counter()
+    for r in batch:  # past the shared instruction, no batch document recurs
+        blocks.update(r.prompt_token_ids[128:].tolist())
+    assert max(blocks.values()) == 1
+
+
+def test_bursts_share_one_document_within_a_burst():
+    requests = [r for r in load("bursts") if r.tenant == "burst"]
+    first = [r for r in requests if r.request_id.startswith("burst0-")]
+    assert len(first) == 4 * 12
+    assert first[-1].arrival_s - first[0].arrival_s <= 2.0
+    assert all(prefix_len(first[0].prompt_token_ids, r.prompt_token_ids) >= 4 * 1024 for r in first)
+
+
+def test_max_requests_and_session_sampling_apply():
+    assert len(load("agentic", max_requests=5)) == 5
+    held_out = load("rag", session_to=0.5)
+    assert 0 < len(held_out) < len(load("rag"))
+
+
+def test_time_goes_forward_even_with_zero_rates():
+    # session_rate 0: every session starts at once; still in arrival order
+    for source in SOURCES:
+        try:
+            requests = load(source, session_rate=0.0)
+        except TraceError as exc:  # pragma: no cover - would be a defect
+            pytest.fail(str(exc))
+        assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)

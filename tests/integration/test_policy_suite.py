@@ -1,0 +1,96 @@
+"""`sagellm evaluate-policies`: the suite's rows, its split, and bad input."""
+
+import json
+
+import pytest
+from sagellm_plugin_eviction import suite
+
+from sagellm_core.cli import main
+
+SMALL_SUITE = """
+fractions = [0.25, 1.0]
+
+[[workload]]
+name = "chat"
+split = "tune"
+config.workload = { source = "generator", tenants = 2, sessions_per_tenant = 6, turns = 3 }
+config.prefix_cache = { plugin = "radix", block_size = 64 }
+
+[[workload]]
+name = "agents"
+split = "held-out"
+config.workload = { source = "agentic", tenants = 2, sessions_per_tenant = 3 }
+config.prefix_cache = { plugin = "radix", block_size = 64 }
+
+[[workload]]
+name = "missing-trace"
+split = "tune"
+config.workload = { source = "mooncake", path = "{traces}/no-such.jsonl" }
+config.prefix_cache = { plugin = "radix", block_size = 512 }
+"""
+
+
+@pytest.fixture
+def small_suite(tmp_path):
+    path = tmp_path / "suite.toml"
+    path.write_text(SMALL_SUITE)
+    return path
+
+
+def test_rows_relate_each_policy_to_lru_and_belady(small_suite, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    args = ["evaluate-policies", "--suite", str(small_suite), "--traces", str(tmp_path), "--quiet"]
+    assert main([*args, "--policy", "adaptive", "--policy", "lfu", "--json", str(out)]) == 0
+    assert "skipping missing-trace: no file" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert {row["workload"] for row in rows} == {"chat"}  # the tune half only
+    assert len(rows) == 2 * 4  # two capacities, lru belady adaptive lfu
+    by = {(row["num_blocks"], row["policy"]): row for row in rows}
+    for (blocks, _), row in by.items():
+        lru, best = by[(blocks, "lru")]["block_hit_rate"], by[(blocks, "belady")]["block_hit_rate"]
+        assert best >= row["block_hit_rate"]  # nothing beats the optimum
+        assert row["ratio_to_lru"] == pytest.approx(row["block_hit_rate"] / lru)
+        if row["gap_closed"] is not None:
+            assert row["gap_closed"] == pytest.approx((row["block_hit_rate"] - lru) / (best - lru))
+    capacities = sorted({blocks for blocks, _ in by})
+    assert capacities[0] < capacities[1]
+
+
+def test_held_out_half_and_summary(small_suite, tmp_path):
+    parsed, where = suite.read_suite(small_suite)
+    rows = suite.evaluate(parsed, where, ["lru"], split="held-out", traces=tmp_path)
+    assert {row["workload"] for row in rows} == {"agents"}
+    (lru,) = [s for s in suite.summary(rows) if s["policy"] == "lru"]
+    assert lru["worst_ratio_to_lru"] == 1.0 and lru["below_lru_by_0.5%"] == 0
+    assert "| agents | held-out |" in suite.markdown(rows)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("fractions = [0.5]\n[[workload]]\nname = 'x'\nsplit = 'train'\nconfig = {}\n", "split = 'train'"),
+        ("fractions = []\n", "fractions: a list of positive numbers"),
+        ("fractions = [0.5\n", "invalid TOML"),
+        ("fractions = [0.5]\n[[workload]]\nsplit = 'tune'\n", "workload 1: needs name and config"),
+    ],
+)
+def test_a_bad_suite_is_one_line_naming_it(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["evaluate-policies", "--suite", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and str(path) in err and "\n" not in err
+
+
+def test_nothing_to_run_is_an_error(small_suite, tmp_path, capsys):
+    missing = tmp_path / "only-missing.toml"
+    missing.write_text(SMALL_SUITE.split("[[workload]]")[0] + "[[workload]]" + SMALL_SUITE.split("[[workload]]")[3])
+    assert main(["evaluate-policies", "--suite", str(missing), "--traces", str(tmp_path), "--quiet"]) == 2
+    assert "no workload of split 'tune' could run here" in capsys.readouterr().err
+
+
+def test_the_shipped_suite_is_valid_and_split_in_halves():
+    parsed, _ = suite.read_suite(None)
+    splits = [entry["split"] for entry in parsed["workload"]]
+    assert splits.count("tune") >= 3 and splits.count("held-out") >= 3
+    assert len(parsed["fractions"]) == 3
