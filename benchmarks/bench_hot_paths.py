@@ -8,7 +8,9 @@
 * prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
   100,000 cached blocks, and the share of it spent building page keys;
 * choosing 64 victims among 100,000 evictable blocks: LRU, LFU, the
-  predictive, continuation-aware, cost-aware and SLO-aware policies.
+  predictive, continuation-aware, cost-aware and SLO-aware policies, and the
+  adaptive policy led by each of its experts (it answers with the leader's
+  choice).
 Prints p50 per call and the ratios.
 """
 
@@ -22,6 +24,7 @@ import time
 import pluggy
 from rich.console import Console
 from rich.table import Table
+from sagellm_plugin_eviction.adaptive import AdaptiveEviction, AdaptiveSettings
 from sagellm_plugin_eviction.continuation import ContinuationEviction, ContinuationSettings
 from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
@@ -113,6 +116,15 @@ def main() -> None:
             policy.sagellm_request_arrived(request=waiting, prediction=None, match=PrefixMatch(blocks[:10_000]))
         results[name] = p50_us(
             lambda p=policy: p.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
+        )
+    adaptive = AdaptiveEviction(AdaptiveSettings(), ctx)
+    adaptive.sagellm_blocks_cached(blocks=blocks, now_s=0.0)
+    for i in range(0, NUM_BLOCKS, 64):
+        adaptive.sagellm_blocks_released(blocks=blocks[i : i + 64], now_s=0.0)
+    for leader, expert in enumerate(adaptive.experts):
+        adaptive.leader = leader
+        results[f"adaptive, leading: {expert.name}"] = p50_us(
+            lambda: adaptive.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
         )
     rows += [(f"select 64 victims of 100k evictable: {name}", us, us / results["LRU"]) for name, us in results.items()]
 
