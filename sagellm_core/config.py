@@ -17,9 +17,13 @@ from typing import Any
 import attrs
 from attrs import frozen
 
+from sagellm_core import registry
 from sagellm_core.errors import ConfigError
+from sagellm_core.parts.sections import LimitsSettings, ServerSettings
 
-SECTIONS = tuple("engine prefix_cache kv_pool eviction lifetime scheduler transport workload report server".split())
+SECTIONS = tuple(
+    "engine prefix_cache kv_pool eviction lifetime scheduler transport workload report server limits".split()
+)
 #: Bounds checked before anything is allocated (issue 16, class 5): a prompt
 #: or reply longer, or a pool larger, is a typo, not a workload (a 4M-token
 #: prompt's ids are 32 MB; a 16M-block pool's free list alone is 130 MB).
@@ -81,6 +85,10 @@ class WorkloadSettings:
     def __attrs_post_init__(self) -> None:
         # A ValueError names the key; the parser adds the file and section.
         if self.source not in WORKLOAD_SOURCES:
+            try:  # refused if blocked, or registered by two distributions
+                registry.find(WORKLOAD_GROUP, self.source, f"source = {self.source!r}")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
             installed = sorted(ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP))
             if self.source not in installed:
                 raise ValueError(
@@ -93,8 +101,15 @@ class WorkloadSettings:
         for key in ("trace_block_tokens", "system_prompt_tokens", "user_tokens", "output_tokens"):
             if getattr(self, key) > MAX_TOKENS:
                 raise ValueError(f"{key} = {getattr(self, key)!r}: at most {MAX_TOKENS:,} tokens")
+        requests = self.tenants * self.sessions_per_tenant * self.turns  # and system prompts: bounded (class 5)
         if self.time_scale <= 0:
             raise ValueError(f"time_scale = {self.time_scale!r}: a positive number")
+        if max(requests, self.tenants * self.system_prompt_tokens) > MAX_TOKENS:
+            raise ValueError(
+                f"tenants x sessions_per_tenant x turns, tenants x system_prompt_tokens: at most {MAX_TOKENS:,}"
+            )
+        if self.tenant_skew > 8:
+            raise ValueError(f"tenant_skew = {self.tenant_skew!r}: at most 8")
         if not 0 <= self.session_from < self.session_to <= 1:
             raise ValueError(
                 f"session_from = {self.session_from!r}, session_to = {self.session_to!r}:"
@@ -107,20 +122,6 @@ class WorkloadSettings:
 @frozen
 class ReportSettings:
     hook_timing: bool = True
-
-
-@frozen
-class ServerSettings:
-    """``sagellm serve`` (from ``sagellm-plugin-server``)."""
-
-    #: Requests allowed to wait for admission; one more is answered 429.
-    max_waiting: int = 256
-    #: The model name clients send; empty: the engine's model setting.
-    model_name: str = ""
-
-    def __attrs_post_init__(self) -> None:
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting = {self.max_waiting!r}: a positive integer")
 
 
 @frozen
@@ -141,6 +142,7 @@ class Settings:
     workload: WorkloadSettings
     report: ReportSettings
     server: ServerSettings = ServerSettings()
+    limits: LimitsSettings = LimitsSettings()
 
     def decisions(self) -> list[Selection]:
         """The single-plugin decisions picked (scheduler passes aside)."""
@@ -200,6 +202,8 @@ def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) 
             data = fh.read()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:  # a folder, no permission
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
     try:
         # utf-8-sig: a byte-order mark (as some editors write) is not an error.
         raw = tomllib.loads(data.decode("utf-8-sig"))
@@ -207,6 +211,8 @@ def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) 
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a config is a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
     for keys, value in (overrides or {}).items():
         table = raw
         for key in keys[:-1]:
@@ -252,6 +258,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         workload=_typed(tables.get("workload"), WorkloadSettings),
         report=_typed(tables.get("report"), ReportSettings),
         server=_typed(tables.get("server"), ServerSettings),
+        limits=_typed(tables.get("limits"), LimitsSettings),
     )
 
 
@@ -275,7 +282,8 @@ def _kv_pool(path: str, t: _Table | None) -> tuple[int, Selection | None]:
 def _prefix_cache(t: _Table | None) -> tuple[int, Selection | None]:
     if t is None:
         return 16, None
-    block_size = t.take("block_size", 16, _positive_int, "a positive number of tokens")
+    in_range = lambda v: _positive_int(v) and v <= MAX_TOKENS  # noqa: E731
+    block_size = t.take("block_size", 16, in_range, f"a positive number of tokens, at most {MAX_TOKENS:,}")
     name = t.plugin()
     if name is None:
         t.no_leftovers()

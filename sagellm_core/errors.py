@@ -9,6 +9,10 @@ class ConfigError(SagellmError):
     """A config file is malformed, names an unknown plugin, or a bad value."""
 
 
+class PluginStartError(ConfigError):
+    """A plugin the config picks failed to import or to start."""
+
+
 class PluginError(SagellmError):
     """A plugin broke its contract (returned nonsense, raised)."""
 

@@ -10,7 +10,9 @@ lifecycle (:mod:`sagellm_core.runtime`) is built on these calls.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,15 +20,16 @@ import pluggy
 
 from sagellm_core import hookspecs
 from sagellm_core.config import Selection, Settings
-from sagellm_core.errors import ConfigError, PluginError, SagellmError
+from sagellm_core.errors import ConfigError, PluginError, PluginStartError, SagellmError
+from sagellm_core.parts import answers
+from sagellm_core.parts.counters import Counters
 from sagellm_core.parts.timing import HookTimer
-from sagellm_core.registry import PluginContext, PluginInfo, build_settings, load_class
+from sagellm_core.parts.watchdog import HookTimeout, Watchdog, guard_observations
+from sagellm_core.registry import GROUPS, PluginContext, PluginInfo, build_settings, load_class
 from sagellm_core.types import (
     EMPTY_MATCH,
-    BlockAllocation,
     CachedBlock,
     EvictionCandidates,
-    EvictionDecision,
     LifetimePrediction,
     PoolUsage,
     PreemptionDecision,
@@ -38,6 +41,10 @@ from sagellm_core.types import (
     TransferPlan,
     TransferResult,
 )
+
+#: What a plugin may raise from a hook and be named for: an error, a
+#: ``sys.exit()`` (its fault, not a clean end of the run), a time-out.
+PLUGIN_FAULTS = (Exception, SystemExit, HookTimeout)
 
 #: The hooks a plugin picked for a section must implement, all of them.
 SECTION_HOOKS: dict[str, tuple[str, ...]] = {
@@ -92,43 +99,71 @@ class CheckedHooks:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, list[LoadedPlugin]] = {}
+        self.counters = Counters()
         self.timer: HookTimer | None = None
         if settings.report.hook_timing if hook_timing is None else hook_timing:
             self.timer = HookTimer()
             self.pm.register(self.timer, name="sagellm:hook-timer")
+        if settings.limits.hook_time_limit_s > 0:
+            try:
+                self.pm.register(Watchdog(settings.limits.hook_time_limit_s), name="sagellm:watchdog")
+            except ValueError as exc:
+                raise ConfigError(f"{settings.path}: [limits] hook_time_limit_s: {exc}") from None
         # pluggy calls implementations last-registered first: register the
         # passes in reverse so they run in the order the config lists them.
         for sel in [*reversed(settings.passes), *settings.decisions()]:
             if sel.section not in self.engine_owns:
-                self._register(sel)
+                self._register(sel, fallback=settings.lifetime_fallback if sel.section == "lifetime" else None)
         if "scheduler" in self.plugins:
             self.plugins["scheduler"].reverse()  # listed in config order
+        first_party = GROUPS["scheduler"][1]  # others' passes are checked not to edit states (docs/threat-model.md)
+        self._verify_passes = any(p.info.distribution != first_party for p in self.plugins.get("scheduler", ()))
         self.hook = self.pm.hook
         self._predict: Caller = (self.hook.sagellm_predict_lifetime, self.who("lifetime"))
         self._predict_fallback: Caller | None = None
-        if settings.lifetime_fallback is not None and "lifetime" in self.plugins:
-            self._register(settings.lifetime_fallback)
-            primary, fallback = self.plugins["lifetime"]
+        lifetime = self.plugins.get("lifetime", [])
+        if settings.lifetime_fallback is not None and lifetime:
             # Each predictor alone: pluggy would otherwise ask the fallback first.
+            *primary, fallback = lifetime
             subset = self.pm.subset_hook_caller
-            self._predict = (subset("sagellm_predict_lifetime", [fallback.instance]), str(primary))
-            self._predict_fallback = (subset("sagellm_predict_lifetime", [primary.instance]), str(fallback))
+            self._predict_fallback = (subset("sagellm_predict_lifetime", [p.instance for p in primary]), str(fallback))
+            if primary:
+                self._predict = (subset("sagellm_predict_lifetime", [fallback.instance]), str(primary[0]))
+            else:  # it failed to start: every prediction is the fallback's
+                self._predict = (self._failed_predictor, f"lifetime plugin {settings.lifetime.name!r}")  # type: ignore[union-attr]
         # Ground truth for the checks: blocks taken from the pool and not yet
         # returned; of these, the ones the prefix cache holds.
         self._in_use: set[int] = set()
         self._cached: set[int] = set()
+        #: Cached blocks running requests took and gave back, counted (at C
+        #: speed, by Counter.update): held = taken - returned.
+        self._taken: Counter[int] = Counter()
+        self._returned: Counter[int] = Counter()
 
-    def _register(self, sel: Selection) -> None:
-        cls, info = load_class(sel.section, sel.name, sel.where)
-        settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
-        seed = self.settings.workload.seed
-        context = PluginContext(sel.name, self.block_size, self.num_blocks, seed, self._future_requests)
+    def _register(self, sel: Selection, fallback: Selection | None = None) -> None:
+        """Load, build and register ``sel``'s plugin. A lifetime predictor
+        with a ``fallback`` that fails to import or start, or later raises
+        in an observation, is counted and the fallback answers instead."""
         try:
-            instance = cls(settings, context)
-        except SagellmError:
-            raise
-        except Exception as exc:
-            raise ConfigError(f"{sel.where}: plugin {sel.name!r} failed to start: {exc}") from exc
+            cls, info = load_class(sel.section, sel.name, sel.where)
+            settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
+            folder = str(Path(self.settings.path).parent) if Path(self.settings.path).is_file() else None
+            seed = self.settings.workload.seed
+            context = PluginContext(sel.name, self.block_size, self.num_blocks, seed, self._future_requests, folder)
+            try:
+                instance = cls(settings, context)
+            except SagellmError as exc:  # its own one-line message, said where
+                where = "" if str(exc).startswith(self.settings.path) else f"{sel.where}: "
+                raise PluginStartError(f"{where}{exc}") from exc
+            except PLUGIN_FAULTS as exc:
+                raise PluginStartError(f"{sel.where}: plugin {sel.name!r} failed to start: {exc}") from exc
+        except PluginStartError as exc:
+            if fallback is None:
+                raise
+            self.counters.lifetime_failure = " ".join(str(exc).split())
+            return self._register(fallback)
+        if fallback is not None:
+            guard_observations(instance, lambda exc, hook: self._lifetime_failed(f"{sel.name!r} raised in {hook}", exc))
         loaded = LoadedPlugin(sel, info, instance)
         try:
             self.pm.register(instance, name=f"{sel.section}:{sel.name}")
@@ -139,6 +174,16 @@ class CheckedHooks:
         if missing:
             raise ConfigError(f"{sel.where}: {loaded} does not implement {', '.join(missing)}")
         self.plugins.setdefault(sel.section, []).append(loaded)
+        if fallback is not None:
+            self._register(fallback)
+
+    def _failed_predictor(self, request: Request) -> None:
+        raise PluginError(f"{self.counters.lifetime_failure}")
+
+    def _lifetime_failed(self, what: str, exc: BaseException) -> None:
+        self.counters.lifetime_fallbacks += 1
+        if self.counters.lifetime_failure is None:
+            self.counters.lifetime_failure = f"{what}: {type(exc).__name__}: {' '.join(str(exc).split())}"
 
     def who(self, section: str) -> str:
         """The plugin(s) serving ``section``, as error messages name them."""
@@ -147,29 +192,16 @@ class CheckedHooks:
             return f"no {section} plugin"
         return " / ".join(str(p) for p in loaded)
 
-    def _culprit(self, exc: BaseException, section: str) -> str:
-        """The plugin whose method raised ``exc``, found in its traceback."""
-        by_instance = {id(p.instance): p for ps in self.plugins.values() for p in ps}
-        tb = exc.__traceback__
-        culprit = None
-        while tb is not None:
-            owner = tb.tb_frame.f_locals.get("self")
-            if id(owner) in by_instance:
-                culprit = by_instance[id(owner)]
-            tb = tb.tb_next
-        return str(culprit) if culprit else self.who(section)
-
     def _call(self, section: str, hook_name: str, caller: Any = None, **kwargs: Any) -> Any:
         try:
             return (caller or getattr(self.hook, hook_name))(**kwargs)
         except SagellmError:
             raise
-        except Exception as exc:
+        except PLUGIN_FAULTS as exc:
             # One line, whatever the plugin's message looks like.
             message = " ".join(str(exc).split())
-            raise PluginError(
-                f"{self._culprit(exc, section)} raised in {hook_name}: {type(exc).__name__}: {message}"
-            ) from exc
+            who = answers.culprit(exc, self.plugins, hook_name) or self.who(section)
+            raise PluginError(f"{who} raised in {hook_name}: {type(exc).__name__}: {message}") from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
         return PluginError(f"{self.who(section)} {hook_name} {what}")
@@ -183,19 +215,9 @@ class CheckedHooks:
         return match
 
     def _check_match(self, request: Request, match: Any, hook_name: str) -> None:
-        if not isinstance(match, PrefixMatch):
-            raise self._bad("prefix_cache", hook_name, f"returned {match!r}, not a PrefixMatch")
-        limit = (request.num_prompt_tokens - 1) // self.block_size
-        if match.num_blocks > limit:
-            raise self._bad(
-                "prefix_cache",
-                hook_name,
-                f"matched {match.num_blocks} blocks of a {request.num_prompt_tokens}-token prompt"
-                f" (at most {limit}: one token is always computed)",
-            )
-        ids = match.block_ids
-        if len(set(ids)) != len(ids) or not self._cached.issuperset(ids):
-            raise self._bad("prefix_cache", hook_name, f"matched blocks that are not cached: {ids}")
+        problem = answers.match(match, request.num_prompt_tokens, self.block_size, self._cached)
+        if problem:
+            raise self._bad("prefix_cache", hook_name, problem)
 
     # The prefix cache's lifecycle, each answer checked. The runtime's own
     # admit / cache / release use them; so does an engine adapter whose
@@ -214,7 +236,9 @@ class CheckedHooks:
 
     def release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
         """Drop ``request``'s locks; return the blocks now evictable."""
-        return self._call("prefix_cache", "sagellm_release_prefix", request=request) or ()
+        released = self._call("prefix_cache", "sagellm_release_prefix", request=request)
+        problem = None if released is None else answers.released(released, self._cached)
+        return () if released is None else self._checked("prefix_cache", "sagellm_release_prefix", released, problem)
 
     def insert_prefix(self, request: Request, token_ids: Any, block_ids: Sequence[int]) -> PrefixInsert | None:
         """Cache the full blocks of ``token_ids``, held in ``block_ids``
@@ -227,52 +251,60 @@ class CheckedHooks:
             return None
         if not isinstance(result, PrefixInsert):
             raise self._bad("prefix_cache", hook, f"returned {result!r}, not a PrefixInsert")
-        given = set(block_ids)
-        adopted = [b.block_id for b in result.adopted]
-        if any(b not in given or b in self._cached for b in adopted) or any(
-            g not in given or g in self._cached or b.block_id not in self._cached for g, b in result.replaced
-        ):
-            raise self._bad(
-                "prefix_cache",
-                hook,
-                f"adopted {adopted} / replaced {[g for g, _ in result.replaced]} of blocks {list(block_ids)}"
-                " it was not given or that were cached",
-            )
-        stray = [b.block_id for b in result.locked if b.block_id not in self._cached]
-        if stray:
-            raise self._bad("prefix_cache", hook, f"locked blocks that are not cached: {stray[:8]}")
-        self._cached.update(adopted)
+        problem = answers.insert(result, block_ids, self._cached)
+        if problem:
+            raise self._bad("prefix_cache", hook, problem)
+        self._cached.update(b.block_id for b in result.adopted)
         return result
 
+    def _checked(self, section: str, hook_name: str, answer: Any, problem: str | None) -> Any:
+        if problem:
+            raise self._bad(section, hook_name, problem)
+        return answer
+
     def evictable(self) -> EvictionCandidates:
-        return self._call("prefix_cache", "sagellm_evictable_blocks") or ()
+        found = self._call("prefix_cache", "sagellm_evictable_blocks")
+        return (
+            ()
+            if found is None
+            else self._checked("prefix_cache", "sagellm_evictable_blocks", found, answers.collection(found))
+        )
 
     def pinned_blocks(self) -> Collection[int]:
-        return self._call("prefix_cache", "sagellm_pinned_blocks") or ()
+        found = self._call("prefix_cache", "sagellm_pinned_blocks")
+        return (
+            ()
+            if found is None
+            else self._checked("prefix_cache", "sagellm_pinned_blocks", found, answers.collection(found))
+        )
 
     def block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[Any, ...]:
-        return (
-            self._call("prefix_cache", "sagellm_block_keys", request=request, start=start, num_blocks=num_blocks) or ()
-        )
+        hook = "sagellm_block_keys"
+        keys = self._call("prefix_cache", hook, request=request, start=start, num_blocks=num_blocks)
+        return () if keys is None else self._checked("prefix_cache", hook, keys, answers.keys(keys, num_blocks - start))
 
     def remove_cached(self, victims: Sequence[int]) -> tuple[CachedBlock, ...]:
         """Drop the evictable ``victims`` (and their cached descendants) from
         the prefix cache; return every block removed. The caller frees them."""
         hook = "sagellm_remove_blocks"
         removed = self._call("prefix_cache", hook, block_ids=victims)
-        if not isinstance(removed, tuple) or not all(isinstance(b, CachedBlock) for b in removed):
-            raise self._bad("prefix_cache", hook, f"returned {removed!r}, not CachedBlocks")
-        ids = [b.block_id for b in removed]
-        if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not self._cached.issuperset(ids):
-            raise self._bad("prefix_cache", hook, f"removed {ids} for victims {list(victims)}")
-        self._cached.difference_update(ids)
-        return removed
+        self._checked("prefix_cache", hook, removed, answers.removal(removed, victims, self._cached, self.holders))
+        self._cached.difference_update(b.block_id for b in removed)
+        return removed  # type: ignore[no-any-return]
+
+    def holders(self, block_id: int) -> int:
+        """How many running requests hold the cached ``block_id``."""
+        return self._taken.get(block_id, 0) - self._returned.get(block_id, 0)
 
     def pool_usage(self) -> PoolUsage:
         usage = self._call("kv_pool", "sagellm_pool_usage")
-        if not isinstance(usage, PoolUsage):
-            raise self._bad("kv_pool", "sagellm_pool_usage", f"returned {usage!r}, not a PoolUsage")
-        return usage
+        if (
+            type(usage) is PoolUsage
+            and type(usage.num_free_blocks) is int
+            and 0 <= usage.num_free_blocks <= usage.num_blocks
+        ):
+            return usage  # the common case, checked in line: this is called every step
+        return self._checked("kv_pool", "sagellm_pool_usage", usage, answers.usage(usage, self.num_blocks))  # type: ignore[no-any-return]
 
     def allocate_blocks(self, num_blocks: int, request: Request | None) -> tuple[int, ...]:
         """Take ``num_blocks`` blocks from the pool (the caller made room),
@@ -281,19 +313,8 @@ class CheckedHooks:
             return ()
         hook = "sagellm_allocate_blocks"
         alloc = self._call("kv_pool", hook, num_blocks=num_blocks, request=request)
-        if not isinstance(alloc, BlockAllocation):
-            raise self._bad("kv_pool", hook, f"returned {alloc!r}, not a BlockAllocation")
-        ids = alloc.block_ids
-        if len(ids) != num_blocks:
-            raise self._bad("kv_pool", hook, f"returned {len(ids)} blocks, asked for {num_blocks} with enough free")
-        if len(set(ids)) != len(ids):
-            raise self._bad("kv_pool", hook, f"returned duplicate blocks {ids}")
-        bad = [b for b in ids if not (isinstance(b, int) and 0 <= b < self.num_blocks)]
-        if bad:
-            raise self._bad("kv_pool", hook, f"returned block ids out of range: {bad[:8]}")
-        busy = self._in_use.intersection(ids)
-        if busy:
-            raise self._bad("kv_pool", hook, f"returned blocks already in use: {sorted(busy)[:8]}")
+        self._checked("kv_pool", hook, alloc, answers.allocation(alloc, num_blocks, self.num_blocks, self._in_use))
+        ids: tuple[int, ...] = tuple(alloc.block_ids)
         self._in_use.update(ids)
         return ids
 
@@ -310,21 +331,12 @@ class CheckedHooks:
         checked: distinct, no more than asked, every one a candidate."""
         hook = "sagellm_select_victims"
         decision = self._call("eviction", hook, num_blocks=num_blocks, candidates=candidates)
-        if not isinstance(decision, EvictionDecision):
-            raise self._bad("eviction", hook, f"returned {decision!r}, not an EvictionDecision")
-        victims = decision.victim_ids
-        if len(victims) > num_blocks:
-            raise self._bad("eviction", hook, f"returned {len(victims)} victims, asked for at most {num_blocks}")
-        if len(set(victims)) != len(victims):
-            raise self._bad("eviction", hook, f"returned duplicate victims {victims}")
-        stray = [v for v in victims if v not in candidates]
-        if stray:
-            raise self._bad("eviction", hook, f"returned victims that are not evictable candidates: {stray[:8]}")
-        return victims
+        self._checked("eviction", hook, decision, answers.victims(decision, num_blocks, candidates))
+        return decision.victim_ids  # type: ignore[no-any-return]
 
     def select_preemption(self, running: Sequence[SequenceState], needed_by: SequenceState) -> SequenceState:
         hook = "sagellm_select_preemption"
-        decision = self._call("eviction", hook, running=running, needed_by=needed_by)
+        decision = self._call("eviction", hook, running=tuple(running), needed_by=needed_by)  # not the live list
         if decision is None:
             return running[-1]  # vLLM's FCFS rule: the last one scheduled
         if isinstance(decision, PreemptionDecision):
@@ -351,28 +363,26 @@ class CheckedHooks:
         invent requests. Returns the names of the lists the passes reordered
         (``"waiting"``, ``"running"``), so an engine copies back only those."""
         hook = "sagellm_schedule_pass"
-        before = {"waiting": list(ir.waiting), "running": list(ir.running)}
+        if "scheduler" not in self.plugins:
+            return frozenset()
+        before, budgets = {"waiting": list(ir.waiting), "running": list(ir.running)}, (ir.token_budget, ir.max_num_seqs)
+        # A waiting request's runtime fields are reset at admission: the running ones' are checked.
+        states = answers.fingerprint(before["running"]) if self._verify_passes else None
         self._call("scheduler", hook, ir=ir)
-        moved = set()
-        for name, was in before.items():
-            now = getattr(ir, name)
-            # SequenceState compares by identity, so == is a C-speed check
-            # that nothing moved; only a reordered list needs the set check.
-            if now == was:
-                continue
-            moved.add(name)
-            if len(now) != len(was) or {id(s) for s in now} != {id(s) for s in was}:
-                raise self._bad(
-                    "scheduler",
-                    hook,
-                    f"changed the set of {name} requests ({len(was)} -> {len(now)}); passes may only reorder",
-                )
-        if ir.token_budget <= 0 or ir.max_num_seqs <= 0:
-            raise self._bad("scheduler", hook, "left no token budget or sequence slots")
-        return frozenset(moved)
+        if not (
+            ir.waiting == before["waiting"]
+            and ir.running == before["running"]
+            and budgets == (ir.token_budget, ir.max_num_seqs)
+        ):
+            self._checked("scheduler", hook, None, answers.schedule(ir, before, *budgets))  # anything moved: checked
+        if states is not None and answers.fingerprint(before["running"]) != states:
+            raise self._bad("scheduler", hook, "changed a SequenceState it was given; passes only read them")
+        return frozenset(name for name, was in before.items() if getattr(ir, name) != was)
 
     def _checked_transfer(self, plan: TransferPlan) -> TransferResult | None:
         result = self._call("transport", "sagellm_transfer_blocks", plan=plan)
-        if result is not None and not isinstance(result, TransferResult):
-            raise self._bad("transport", "sagellm_transfer_blocks", f"returned {result!r}, not a TransferResult")
-        return result
+        return (
+            None
+            if result is None
+            else self._checked("transport", "sagellm_transfer_blocks", result, answers.transfer(result, plan))
+        )

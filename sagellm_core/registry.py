@@ -17,7 +17,11 @@ config file uses; its object is a plugin *class*:
         def sagellm_select_victims(self, num_blocks, candidates): ...
 
 Only plugins the config selects are imported. ``SAGELLM_BLOCK_PLUGINS`` (comma
-separated ``name`` or ``group:name``) blocks plugins even when selected.
+separated ``name`` or ``group:name``) blocks plugins of every ``sagellm.*``
+group (commands and workloads too) even when selected; an item that matches
+no installed plugin is an error, not ignored. Provenance: a name that two
+distributions register in one group is refused when it is used, naming both
+(docs/threat-model.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from sagellm_core.errors import ConfigError
+from sagellm_core.errors import ConfigError, PluginStartError
 from sagellm_core.types import Request
 
 BLOCK_ENV = "SAGELLM_BLOCK_PLUGINS"
@@ -59,6 +63,9 @@ class PluginContext:
     #: call: an offline oracle (Belady) reads the future from it. ``None``
     #: where the future is unknown (a live engine, a server).
     future_requests: Callable[[], Iterable[Request]] | None = None
+    #: The folder of the config file that picked the plugin (relative paths
+    #: among its parameters are resolved from it); ``None`` without a file.
+    config_dir: str | None = None
 
 
 @attrs.frozen
@@ -75,18 +82,50 @@ class PluginInfo:
     version: str | None
 
 
+#: The groups a block-list item may name: the decisions', and those that
+#: add workloads, commands and the torch engine's devices.
+BLOCKABLE = (*(g for g, _ in GROUPS.values()), "sagellm.workloads", "sagellm.commands", "sagellm.torch_devices")
+
+
 def blocked_names() -> set[str]:
+    """The items of ``SAGELLM_BLOCK_PLUGINS``; one that matches no installed
+    plugin (``LRU``, ``eviction:lru``) is a ConfigError naming it."""
     raw = os.environ.get(BLOCK_ENV, "")
-    return {item.strip() for item in raw.split(",") if item.strip()}
+    items = {item.strip() for item in raw.split(",") if item.strip()}
+    if items:
+        eps = [ep for group in BLOCKABLE for ep in metadata.entry_points(group=group)]
+        known = {n for ep in eps for n in (ep.name, f"{ep.group}:{ep.name}")}
+        stray = sorted(items - known)
+        if stray:
+            raise ConfigError(
+                f"{BLOCK_ENV}: {', '.join(map(repr, stray))} match no installed plugin"
+                " (spell NAME or GROUP:NAME, e.g. lru or sagellm.eviction:lru; `sagellm plugins` lists them)"
+            )
+    return items
 
 
-def is_blocked(group: str, name: str) -> bool:
-    blocked = blocked_names()
+def is_blocked(group: str, name: str, blocked: set[str] | None = None) -> bool:
+    blocked = blocked_names() if blocked is None else blocked
     return name in blocked or f"{group}:{name}" in blocked
 
 
 def installed(group: str) -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=group)}
+    return {ep.name: ep for ep in reversed(metadata.entry_points(group=group))}
+
+
+def find(group: str, name: str, where: str) -> metadata.EntryPoint | None:
+    """The entry point ``name`` of ``group`` (``None`` if none is installed),
+    refused if blocked or if two distributions register it."""
+    if is_blocked(group, name):
+        raise ConfigError(f"{where}: plugin {name!r} ({group}) is blocked by {BLOCK_ENV}")
+    eps = [ep for ep in metadata.entry_points(group=group) if ep.name == name]
+    dists = sorted({f"{i.distribution} {i.version}" for i in map(describe, eps)})
+    if len(dists) > 1:
+        raise ConfigError(
+            f"{where}: plugin {name!r} ({group}) is registered by {len(dists)} distributions: {', '.join(dists)};"
+            " sagellm refuses to choose: uninstall all but one"
+        )
+    return eps[0] if eps else None
 
 
 def describe(ep: metadata.EntryPoint) -> PluginInfo:
@@ -103,20 +142,17 @@ def describe(ep: metadata.EntryPoint) -> PluginInfo:
 def load_class(section: str, name: str, where: str) -> tuple[type, PluginInfo]:
     """Import the class of plugin ``name`` selected in ``section``."""
     group, dist = GROUPS[section]
-    available = installed(group)
-    if is_blocked(group, name):
-        raise ConfigError(f"{where}: plugin {name!r} ({group}) is blocked by {BLOCK_ENV}")
-    if name not in available:
-        names = ", ".join(sorted(available)) or "none"
+    ep = find(group, name, where)
+    if ep is None:
+        names = ", ".join(sorted(installed(group))) or "none"
         raise ConfigError(
             f"{where}: unknown {section} plugin {name!r}; installed: {names}"
             f" (first-party {section} plugins: pip install {dist.format(name=name)})"
         )
-    ep = available[name]
     try:
         cls = ep.load()
-    except Exception as exc:  # an import error inside a third-party plugin
-        raise ConfigError(
+    except (Exception, SystemExit) as exc:  # an import error inside a third-party plugin
+        raise PluginStartError(
             f"{where}: plugin {name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}"
         ) from exc
     return cls, describe(ep)
@@ -130,6 +166,8 @@ def build_settings(cls: type, params: Mapping[str, Any], where: str) -> Any:
         if key not in accepted:
             ok = ", ".join(accepted) or "no parameters"
             raise ConfigError(f"{where}: unknown parameter {key!r}; accepted: {ok}")
+    floats = {a.name for a in attrs.fields(settings_cls) if a.type in (float, "float")}
+    params = {k: float(v) if k in floats and type(v) is int else v for k, v in params.items()}
     try:
         return settings_cls(**params)
     except (TypeError, ValueError) as exc:

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
 from sagellm_core.config import Settings
-from sagellm_core.errors import ConfigError, PluginError
+from sagellm_core.errors import ConfigError, PluginError, RequestError
 from sagellm_core.hooks import CheckedHooks
+from sagellm_core.parts import invariants
+from sagellm_core.parts.counters import Counters as Counters
 from sagellm_core.parts.tiers import HostTier
 from sagellm_core.types import (
     CachedBlock,
@@ -45,48 +45,6 @@ from sagellm_core.types import (
     TransferResult,
     as_token_array,
 )
-
-
-@attrs.define
-class Counters:
-    """What the runtime itself counts; the report is built from these."""
-
-    requests_finished: int = 0
-    requests_rejected: int = 0
-    query_blocks: int = 0
-    hit_blocks: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    #: Causal (query, key) token pairs of the prompts and of their cached
-    #: prefixes, n(n+1)/2 each: the attention part of prefill compute, which
-    #: grows with depth, so a deep hit saves more than a shallow one.
-    query_token_pairs: int = 0
-    hit_token_pairs: int = 0
-    #: Cached blocks a request found at arrival but not at admission: its
-    #: prefix was evicted while it waited.
-    lost_waiting_blocks: int = 0
-    prefill_tokens: int = 0
-    reprefill_tokens: int = 0
-    evicted_blocks: int = 0
-    preemptions: int = 0
-    transfers: int = 0
-    transfer_failures: int = 0
-    transferred_blocks: int = 0
-    transferred_bytes: int = 0
-    transfer_s: float = 0.0
-    #: Blocks found on the host tier after the device-cache hit (loaded back
-    #: by an engine's KV connector instead of recomputed), first admissions.
-    host_hit_blocks: int = 0
-    lifetime_abs_error: float = 0.0
-    lifetime_predictions: int = 0
-    #: Predictions the fallback made because the picked predictor failed,
-    #: and the first failure, naming the plugin.
-    lifetime_fallbacks: int = 0
-    lifetime_failure: str | None = None
-    #: reason -> requests rejected for it.
-    rejections: dict[str, int] = attrs.field(factory=dict)
-    #: tenant -> [query blocks, hit blocks], first admissions only.
-    tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -107,7 +65,6 @@ class Runtime(CheckedHooks):
             )
         super().__init__(settings, **kwargs)
         self._now_s = 0.0
-        self.counters = Counters()
         self._active: dict[str, SequenceState] = {}
         self._host = HostTier(self) if settings.offload_evicted else None
         if "kv_pool" in self.engine_owns:
@@ -201,10 +158,12 @@ class Runtime(CheckedHooks):
     def _evict(self, victims: Sequence[int]) -> int:
         removed = self.remove_cached(victims)
         ids = [b.block_id for b in removed]
-        if self._host is not None:
-            self._host.offload(removed)
-        self.free_blocks(ids)
-        self.blocks_evicted(removed)
+        try:
+            if self._host is not None:
+                self._host.offload(removed)
+        finally:  # a transport that raised leaks no block
+            self.free_blocks(ids)
+            self.blocks_evicted(removed)
         return len(ids)
 
     def reset_prefix_cache(self) -> int:
@@ -231,6 +190,11 @@ class Runtime(CheckedHooks):
         does). Return the tokens scheduled, or 0 (nothing changed) when
         memory does not allow it."""
         request = state.request
+        if self._active.get(request.request_id, state) is not state:
+            raise RequestError(
+                f"request id {request.request_id!r} arrived while another request with that id is in flight;"
+                " request ids must be unique (the workload or the engine driver repeats one)"
+            )
         match = self.acquire_prefix(request)
         cached = match.num_blocks * self.block_size
         host = self._host if state.num_preemptions == 0 else None
@@ -259,13 +223,18 @@ class Runtime(CheckedHooks):
         if ids is None:
             self._unlock_after_touch(request)
             return 0
+        try:
+            if host is not None and host_keys:
+                host_keys = host.still_held(host_keys)  # making room may have pushed some off a full tier
+            if host is not None and host_keys and not host.load(host_keys, ids[: len(host_keys)]):
+                num_new, host_keys = min(num_new + loaded, token_budget), ()  # compute them instead
+        except PluginError:  # a transport that raised: nothing changed
+            self.free_blocks(ids)
+            self._unlock_after_touch(request)
+            raise
         state.block_ids = [*match.block_ids, *ids]
         state.private_block_ids = set(ids)
-        # Making room may have pushed some of them off a full host tier.
-        if host is not None and host_keys:
-            host_keys = host.still_held(host_keys)  # making room may have pushed some off a full tier
-        if host is not None and host_keys and not host.load(host_keys, ids[: len(host_keys)]):
-            num_new, host_keys = min(num_new + loaded, token_budget), ()  # compute them instead
+        self._taken.update(match.block_ids)  # the holders of cached blocks, the ground truth of removals
         state.num_computed_tokens = cached + len(host_keys) * self.block_size
         state.status = RequestStatus.RUNNING
         self._active[request.request_id] = state
@@ -331,6 +300,7 @@ class Runtime(CheckedHooks):
             return
         position = {block_id: i for i, block_id in enumerate(given)}
         state.private_block_ids.difference_update(b.block_id for b in result.adopted)
+        self._taken.update([b.block_id for b in result.adopted] + [b.block_id for _, b in result.replaced])
         if result.replaced:
             for given_id, cached in result.replaced:
                 state.block_ids[position[given_id]] = cached.block_id
@@ -341,8 +311,13 @@ class Runtime(CheckedHooks):
 
     def release(self, state: SequenceState) -> None:
         """Free the request's private blocks and drop its cache locks."""
-        self.free_blocks(state.private_block_ids)
-        released = self.release_prefix(state.request)
+        released = self.release_prefix(state.request)  # first: a plugin that raises here changed nothing of ours
+        private = state.private_block_ids
+        self.free_blocks(private)
+        shared = state.block_ids[: len(state.block_ids) - len(private)]  # the cached blocks come first
+        self._returned.update(
+            shared if private.isdisjoint(shared) else [b for b in state.block_ids if b not in private]
+        )
         state.block_ids = []
         state.private_block_ids = set()
         self._active.pop(state.request_id, None)
@@ -402,25 +377,11 @@ class Runtime(CheckedHooks):
         self._observe("sagellm_request_finished", outcome=outcome)
         return outcome
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError if block accounting is inconsistent. O(blocks);
-        for tests, not for the hot path."""
-        usage = self.pool_usage()
-        assert usage.num_free_blocks + len(self._in_use) == self.num_blocks, (
-            f"pool reports {usage.num_free_blocks} free, runtime holds {len(self._in_use)} of {self.num_blocks}"
-        )
-        private: set[int] = set()
-        referenced: set[int] = set()
-        for state in self._active.values():
-            assert not (private & state.private_block_ids), "a private block is owned twice"
-            private |= state.private_block_ids
-            referenced.update(b for b in state.block_ids if b not in state.private_block_ids)
-            assert set(state.block_ids) <= self._in_use, "a request holds a free block"
-        assert not (private & self._cached), "a block is both private and cached"
-        assert private | self._cached == self._in_use, "a block is leaked (in use, owned by nobody)"
-        evictable = set(self.evictable())
-        pinned = set(self.pinned_blocks())
-        assert evictable <= self._cached, "an evictable block is not cached"
-        assert not (evictable & referenced), "a block held by a request is evictable"
-        assert not (evictable & pinned), "a pinned block is evictable"
-        assert evictable | referenced | pinned == self._cached, "a cached block is neither held, pinned nor evictable"
+    #: Raise AssertionError if block accounting is inconsistent. O(blocks);
+    #: for tests and the end of a run, not for the hot path.
+    check_invariants = invariants.check
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet finished or preempted."""
+        return len(self._active)

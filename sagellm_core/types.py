@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import math
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
@@ -252,22 +251,6 @@ class LifetimePrediction(PredictedLengths):
     #: The predicted length's quantiles at :data:`QUANTILE_LEVELS`,
     #: non-decreasing, or ``()`` when the predictor gives only the interval.
     quantiles: tuple[float, ...] = field(default=(), converter=tuple)
-
-    def problem(self) -> str | None:
-        """Why this prediction is unusable (not finite, negative, interval or
-        quantiles out of order), or ``None`` when it is sound."""
-        values = (self.low_tokens, self.output_tokens, self.high_tokens, *self.quantiles)
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
-            return "has a negative or non-finite length"
-        if not self.low_tokens <= self.output_tokens <= self.high_tokens:
-            return "has low <= median <= high out of order"
-        if not (isinstance(self.confidence, (int, float)) and 0.0 <= self.confidence <= 1.0):
-            return f"has confidence {self.confidence!r} outside 0..1"
-        if self.quantiles and (
-            len(self.quantiles) != len(QUANTILE_LEVELS) or list(self.quantiles) != sorted(self.quantiles)
-        ):
-            return f"has {len(self.quantiles)} quantiles, not {len(QUANTILE_LEVELS)} in non-decreasing order"
-        return None
 
 
 @define

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import pluggy
 from rich.console import Console
 from rich.table import Table
 
@@ -30,6 +30,8 @@ def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
         raise ConfigError(f"{where}: expected SECTION.KEY=VALUE[,VALUE...]")
     try:
         parsed = tomllib.loads(f"v = [{values}]")["v"]
+    except RecursionError:
+        raise ConfigError(f"{where}: values nested too deeply") from None
     except tomllib.TOMLDecodeError:
         try:  # bare words: plugin names
             parsed = [v.strip() for v in values.split(",")]
@@ -42,6 +44,14 @@ def parse_override(text: str) -> tuple[tuple[str, ...], list[Any]]:
 
 
 def _write_outputs(args, results) -> None:
+    try:
+        _write(args, results)
+    except OSError as exc:  # checked before the run; the file system may still refuse
+        where = exc.filename or ", ".join(p for p in (args.json, args.markdown, args.plot) if p)
+        raise SagellmError(f"{where}: cannot write the report: {exc.strerror}") from None
+
+
+def _write(args, results) -> None:
     reports = [r.report for r in results]
     if args.json:
         report.write_json(reports, args.json)
@@ -111,12 +121,15 @@ def cmd_sweep(args) -> int:
     figures = args.figure or ["block_hit_rate"]
     for figure in figures:
         Console().print(report.sweep_table(runs, name, values, figure))
-    if args.json:
-        report.write_json(reports, args.json)
-    if args.markdown:
-        Path(args.markdown).write_text("\n".join(report.sweep_markdown(runs, name, values, f) for f in figures))
-    if args.plot:
-        report.plot_sweep(runs, name, values, figures[0], args.plot)
+    try:
+        if args.json:
+            report.write_json(reports, args.json)
+        if args.markdown:
+            Path(args.markdown).write_text("\n".join(report.sweep_markdown(runs, name, values, f) for f in figures))
+        if args.plot:
+            report.plot_sweep(runs, name, values, figures[0], args.plot)
+    except OSError as exc:
+        raise SagellmError(f"{exc.filename or 'an output'}: cannot write the report: {exc.strerror}") from None
     return 0
 
 
@@ -124,6 +137,7 @@ def cmd_plugins(args) -> int:
     table = Table(title="installed sagellm plugins")
     for column in ("group", "name", "distribution", "version", "hooks"):
         table.add_column(column)
+    blocked = registry.blocked_names()
     installed = (
         ep
         for group, _ in registry.GROUPS.values()
@@ -135,7 +149,7 @@ def cmd_plugins(args) -> int:
             hooks = ", ".join(n.removeprefix("sagellm_") for n in dir(cls) if n.startswith("sagellm_"))
         except SagellmError as exc:
             hooks = f"[red]{exc}"
-        if registry.is_blocked(info.group, info.name):
+        if registry.is_blocked(info.group, info.name, blocked):
             hooks = f"[yellow]blocked by {registry.BLOCK_ENV}"
         table.add_row(info.group, info.name, info.distribution or "?", info.version or "?", hooks or "-")
     Console().print(table)
@@ -152,6 +166,9 @@ def cmd_config_check(args) -> int:
     rt = session.build_runtime(settings, engine, hook_timing=False)
     picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.plugins.items() for p in ps)
     print(f"{args.file}: ok (engine {settings.engine.name}; {picked})")
+    for section, loaded in rt.plugins.items():  # which distribution provides each (provenance)
+        for p in loaded:
+            print(f"  {section} {p.selection.name!r}: {p.info.distribution} {p.info.version} ({p.info.value})")
     return 0
 
 
@@ -172,24 +189,79 @@ COMMANDS_GROUP = "sagellm.commands"
 
 
 def _plugin_commands(sub: argparse._SubParsersAction) -> None:
-    """Let installed packages add subcommands; one that fails to import is
-    named on stderr and the other commands still work."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    for ep in metadata.entry_points(group=COMMANDS_GROUP):
+    """Let installed packages add subcommands. A blocked one is not even
+    imported; one that fails to import or to register, or whose name two
+    distributions register, is named on stderr and the other commands still
+    work."""
+    blocked = registry.blocked_names()
+    seen: dict[str, list[str]] = {}
+    eps = [
+        ep for ep in metadata.entry_points(group=COMMANDS_GROUP) if not registry.is_blocked(ep.group, ep.name, blocked)
+    ]
+    for ep in eps:
+        seen.setdefault(ep.name, []).append(f"{registry.describe(ep).distribution}")
+    for ep in eps:
+        where = f"{COMMANDS_GROUP} plugin {ep.name!r} ({ep.value})"
+        if len(set(seen[ep.name])) > 1:
+            _warn(f"{where} is registered by {', '.join(sorted(set(seen[ep.name])))}; none is loaded")
+            continue
         try:
-            pm.register(ep.load(), name=f"commands:{ep.name}")
-        except Exception as exc:
-            print(
-                f"sagellm: warning: {COMMANDS_GROUP} plugin {ep.name!r} ({ep.value}) failed to load:"
-                f" {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-            )
-    pm.hook.sagellm_register_commands(subparsers=sub)
+            module = ep.load()
+            register = module.sagellm_register_commands
+            register(subparsers=sub)
+        except (Exception, SystemExit) as exc:
+            _warn(f"{where} failed to load: {type(exc).__name__}: {exc}")
+
+
+def _warn(message: str) -> None:
+    print(f"sagellm: warning: {' '.join(message.split())}", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, as every sagellm error is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+#: ``--plot`` formats matplotlib writes.
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output paths are checked before a run, not after it (its results
+    would be lost): their folder must exist, a plot's format be known."""
+    given = [(flag, getattr(args, flag, None)) for flag in ("json", "markdown", "plot")]
+    paths = [os.path.realpath(path) for _, path in given if path is not None]
+    if len(set(paths)) != len(paths):
+        raise SagellmError(f"{', '.join(f'--{f} {p}' for f, p in given if p is not None)}: one file each")
+    for flag, path in given:
+        if path is None:
+            continue
+        folder = Path(path).parent
+        if not folder.is_dir() or Path(path).is_dir():
+            raise SagellmError(f"--{flag} {path}: {'is a folder' if Path(path).is_dir() else f'no folder {folder}'}")
+        if not os.access(path if Path(path).exists() else folder, os.W_OK):
+            raise SagellmError(f"--{flag} {path}: not writable")
+        suffix = Path(path).suffix.lower().lstrip(".")
+        if flag == "plot" and suffix not in PLOT_FORMATS:
+            raise SagellmError(f"--plot {path}: a file ending in {', '.join('.' + f for f in PLOT_FORMATS)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sagellm", description="Pluggable KV-cache management for LLM serving.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # before any plugin is imported
+        print(f"sagellm {__version__}")
+        return 0
+    try:
+        return _main(argv)
+    except SagellmError as exc:
+        print(f"sagellm: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    parser = _Parser(prog="sagellm", description="Pluggable KV-cache management for LLM serving.")
     parser.add_argument("--version", action="version", version=f"sagellm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -244,8 +316,21 @@ def main(argv: list[str] | None = None) -> int:
 
     _plugin_commands(sub)
     args = parser.parse_args(argv)
+    if args.func.__module__ != __name__:
+        return args.func(args)  # a plugin's command: its exits are its own
+    _check_outputs(args)
     try:
         return args.func(args)
-    except SagellmError as exc:
-        print(f"sagellm: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit as exc:  # sys.exit() inside a plugin that no checked call wrapped
+        raise SagellmError(f"{_frame_outside_core(exc)} called sys.exit({exc.code!r}) during the run") from exc
+
+
+def _frame_outside_core(exc: BaseException) -> str:
+    """Where ``exc`` was raised: the innermost frame outside sagellm_core."""
+    tb, where = exc.__traceback__, "a plugin"
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if not module.startswith("sagellm_core"):
+            where = f"{module} (line {tb.tb_lineno})"
+        tb = tb.tb_next
+    return where

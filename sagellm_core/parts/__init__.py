@@ -1,3 +1,7 @@
 """Self-contained parts the runtime uses, each behind a small interface a
-reader of the kernel can take as given: the host tier's index (``tiers``)
-and the hook timer (``timing``, a pluggy wrapper plugin)."""
+reader of the kernel can take as given: the host tier's index (``tiers``),
+the hook timer (``timing``, a pluggy wrapper plugin), the counters a report
+is built from (``counters``), the checks of plugins' answers (``answers``),
+the whole-accounting check (``invariants``), the hook time limit and the
+lifetime fallback's guard (``watchdog``), and the config sections the kernel
+only carries (``sections``)."""

@@ -23,6 +23,7 @@ class PredictedLengths:
     low_tokens: float
     high_tokens: float
     quantiles: tuple[float, ...]
+    confidence: float
 
     def _points(self) -> list[tuple[float, float]]:
         if self.quantiles:
@@ -66,3 +67,19 @@ class PredictedLengths:
             return self.output_tokens
         conditional_median = self.quantile((self.cdf(generated_tokens) + 1.0) / 2.0)
         return max(1.0, conditional_median - generated_tokens)
+
+    def problem(self) -> str | None:
+        """Why this prediction is unusable (not finite, negative, interval or
+        quantiles out of order), or ``None`` when it is sound."""
+        values = (self.low_tokens, self.output_tokens, self.high_tokens, *self.quantiles)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+            return "has a negative or non-finite length"
+        if not self.low_tokens <= self.output_tokens <= self.high_tokens:
+            return "has low <= median <= high out of order"
+        if not (isinstance(self.confidence, (int, float)) and 0.0 <= self.confidence <= 1.0):
+            return f"has confidence {self.confidence!r} outside 0..1"
+        if self.quantiles and (
+            len(self.quantiles) != len(QUANTILE_LEVELS) or list(self.quantiles) != sorted(self.quantiles)
+        ):
+            return f"has {len(self.quantiles)} quantiles, not {len(QUANTILE_LEVELS)} in non-decreasing order"
+        return None

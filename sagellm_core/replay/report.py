@@ -4,6 +4,7 @@ written as JSON and Markdown, with plots of hit rate and memory over time."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,9 @@ def jain_index(values: Sequence[float]) -> float | None:
     return sum(values) ** 2 / (len(values) * square_sum)
 
 
-def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str) -> dict[str, Any]:
+def build(
+    rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str, read: int | None = None
+) -> dict[str, Any]:
     c = rt.counters
     sim = recorder.simulated_s
     span = sim - (recorder.first_arrival_s if recorder.finished else 0.0)
@@ -56,8 +59,15 @@ def build(rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str)
         "plugins": {section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.plugins.items()},
         "block_size": rt.block_size,
         "num_blocks": rt.num_blocks,
+        "plugin_distributions": {
+            section: ", ".join(f"{p.info.distribution} {p.info.version}" for p in loaded)
+            for section, loaded in rt.plugins.items()
+        },
+        #: Requests the workload yielded: each is finished or rejected.
+        "requests_read": c.requests_finished + c.requests_rejected if read is None else read,
         "requests": c.requests_finished,
         "rejected": c.requests_rejected,
+        "rejections": dict(sorted(c.rejections.items())),
         "block_hit_rate": round(c.hit_blocks / c.query_blocks, 6) if c.query_blocks else 0.0,
         "token_hit_rate": round(c.hit_tokens / c.query_tokens, 6) if c.query_tokens else 0.0,
         "hit_blocks": c.hit_blocks,
@@ -238,9 +248,21 @@ def markdown(reports: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``:
+    a report is strict JSON (no ``NaN``, no ``Infinity``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def write_json(reports: Sequence[dict], path: str | Path) -> None:
     data = reports[0] if len(reports) == 1 else list(reports)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    Path(path).write_text(json.dumps(finite(data), indent=2, allow_nan=False) + "\n")
 
 
 def plot(reports: Sequence[dict], timelines: Sequence[list], path: str | Path) -> None:

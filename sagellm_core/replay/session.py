@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
 from sagellm_core.drivers.engines import engine_sections
-from sagellm_core.errors import ConfigError
+from sagellm_core.errors import ConfigError, PluginError, SagellmError
 from sagellm_core.registry import PluginContext, build_settings, load_class
 from sagellm_core.replay import workloads
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.replay.report import build
 from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request
 
 
 def default_config_path() -> Path:
@@ -67,7 +69,12 @@ def build_engine(settings: Settings):
     sel = settings.engine
     cls, _ = load_class("engine", sel.name, sel.where)
     engine_settings = build_settings(cls, sel.params, f"{sel.where} engine {sel.name!r}")
-    engine = cls(engine_settings, PluginContext(sel.name, settings.block_size, settings.num_blocks))
+    try:
+        engine = cls(engine_settings, PluginContext(sel.name, settings.block_size, settings.num_blocks))
+    except SagellmError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(f"{sel.where}: engine {sel.name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     if not hasattr(engine, "run"):
         raise ConfigError(f"{sel.where}: engine {sel.name!r} cannot replay a workload (no run method)")
     return engine, engine_settings
@@ -84,10 +91,45 @@ def build_runtime(settings: Settings, engine: Any, hook_timing: bool | None = No
     )
 
 
+class _Counted:
+    """The workload's requests, counted as the engine reads them."""
+
+    def __init__(self, requests: Iterator[Request]):
+        self._requests = requests
+        self.read = 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for request in self._requests:
+            self.read += 1
+            yield request
+
+
+def _account(rt: Runtime, read: int, engine: str) -> None:
+    """Every request read ends finished or rejected (counted, with a
+    reason), and a run leaves its block accounting whole: a plugin that
+    changed state it does not own (a pass editing a SequenceState) is
+    caught here at the latest, not left to exit 0."""
+    c = rt.counters
+    if c.requests_finished + c.requests_rejected != read:
+        raise PluginError(
+            f"engine {engine!r} read {read} requests but finished {c.requests_finished}"
+            f" and rejected {c.requests_rejected}; every request must end one way or the other"
+        )
+    if "kv_pool" in rt.engine_owns or "prefix_cache" in rt.engine_owns:
+        return
+    try:
+        assert not rt.in_flight, f"{rt.in_flight} requests still hold blocks"
+        rt.check_invariants()
+    except AssertionError as exc:
+        plugins = " / ".join(str(p) for loaded in rt.plugins.values() for p in loaded)
+        raise PluginError(f"the run ended with its block accounting broken ({exc}); plugins: {plugins}") from None
+
+
 def run(settings: Settings, *, label: str | None = None, progress: bool = False) -> RunResult:
     engine, engine_settings = build_engine(settings)
     rt = build_runtime(settings, engine)
-    requests = workloads.load(settings.workload)
+    counted = _Counted(workloads.load(settings.workload))
+    requests = iter(counted)
     label = label or Path(settings.path).stem
     start = time.perf_counter()
     if progress:
@@ -98,5 +140,6 @@ def run(settings: Settings, *, label: str | None = None, progress: bool = False)
     else:
         recorder = engine.run(rt, requests)
     wall = time.perf_counter() - start
+    _account(rt, counted.read, settings.engine.name)
     mode = getattr(engine_settings, "mode", settings.engine.name)
-    return RunResult(build(rt, recorder, mode, wall, label), recorder, rt)
+    return RunResult(build(rt, recorder, mode, wall, label, counted.read), recorder, rt)

@@ -29,13 +29,14 @@ import sys
 from array import array
 from collections.abc import Iterator
 from datetime import datetime
-from importlib import metadata
 from itertools import islice
+from typing import Any
 
 import attrs
 
+from sagellm_core import registry
 from sagellm_core.config import MAX_TOKENS, WORKLOAD_GROUP, WorkloadSettings
-from sagellm_core.errors import ConfigError, TraceError
+from sagellm_core.errors import ConfigError, SagellmError, TraceError
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 
 #: Token ids of synthetic (unshared) text start here, above the id space of
@@ -53,9 +54,9 @@ def _tokens(start: int, count: int) -> array:
 
 def load(settings: WorkloadSettings) -> Iterator[Request]:
     if settings.source == "mooncake":
-        requests = mooncake(settings.path, settings.trace_block_tokens)
+        requests = _readable(mooncake(settings.path, settings.trace_block_tokens), settings.path)
     elif settings.source == "azure":
-        requests = azure(settings.path, seed=settings.seed)
+        requests = _readable(azure(settings.path, seed=settings.seed), settings.path)
     elif settings.source == "generator":
         requests = generate(settings)
     else:
@@ -73,6 +74,20 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
     return _in_order(requests, settings.path or settings.source)
 
 
+def _readable(requests: Iterator[Request], path: str) -> Iterator[Request]:
+    """A trace's bytes that are not text, or a CSV row the reader refuses
+    (an over-long field, a NUL byte): one line, not a traceback."""
+    count = 0
+    try:
+        for request in requests:
+            count += 1
+            yield request
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text after request {count} ({exc.reason}); a trace is text") from None
+    except csv.Error as exc:
+        raise TraceError(f"{path}: after request {count}: {exc}") from None
+
+
 def session_draw(request: Request) -> float:
     """A stable draw in [0, 1) for the request's session (its own id when it
     has none): every turn of a conversation draws the same, in any process."""
@@ -81,20 +96,40 @@ def session_draw(request: Request) -> float:
 
 
 def _installed(source: str):
-    entry = {ep.name: ep for ep in metadata.entry_points(group=WORKLOAD_GROUP)}.get(source)
+    where = f"[workload] source = {source!r}"
+    entry = registry.find(WORKLOAD_GROUP, source, where)
     if entry is None:
-        raise ConfigError(f"[workload] source = {source!r}: no such {WORKLOAD_GROUP} entry point is installed")
+        raise ConfigError(f"{where}: no such {WORKLOAD_GROUP} entry point is installed")
     try:
-        return entry.load()
-    except Exception as exc:
-        raise ConfigError(
-            f"[workload] source = {source!r} ({entry.value}) failed to import: {type(exc).__name__}: {exc}"
-        ) from exc
+        load = entry.load()
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(f"{where} ({entry.value}) failed to import: {type(exc).__name__}: {exc}") from exc
+
+    def guarded(settings: WorkloadSettings) -> Iterator[Request]:
+        # The plugin's errors are its own: one line naming it, not a traceback.
+        try:
+            for request in load(settings):
+                if not isinstance(request, Request):
+                    raise TraceError(f"{where} ({entry.value}) yielded {type(request).__name__}, not a Request")
+                yield request
+        except SagellmError:
+            raise
+        except (Exception, SystemExit) as exc:
+            raise TraceError(f"{where} ({entry.value}) raised: {type(exc).__name__}: {exc}") from exc
+
+    return guarded
 
 
 def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
+    """Check each request as it is read (a workload plugin's too): a Request,
+    a prompt, an output length, a finite arrival (after ``time_scale``), in
+    arrival order."""
     last = float("-inf")
     for index, request in enumerate(requests):
+        problem = _problem(request)
+        if problem is not None:
+            name = getattr(request, "request_id", None)
+            raise TraceError(f"{where}: request {index + 1} ({name}): {problem}")
         if request.arrival_s < last:
             raise TraceError(
                 f"{where}: request {index + 1} ({request.request_id}) arrives at {request.arrival_s}s,"
@@ -102,6 +137,21 @@ def _in_order(requests: Iterator[Request], where: str) -> Iterator[Request]:
             )
         last = request.arrival_s
         yield request
+
+
+def _problem(request: Any) -> str | None:
+    if not isinstance(request, Request):
+        return f"{type(request).__name__} is not a Request"
+    out, arrival = request.output_tokens, request.arrival_s
+    if not isinstance(out, int) or isinstance(out, bool) or not 0 < out <= MAX_TOKENS:
+        return f"output_tokens = {out!r}: a positive integer, at most {MAX_TOKENS:,}"
+    if not 0 < request.num_prompt_tokens <= MAX_TOKENS:
+        return f"a {request.num_prompt_tokens:,}-token prompt: from 1 to {MAX_TOKENS:,} tokens"
+    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not math.isfinite(arrival):
+        return f"arrival_s = {arrival!r}: finite seconds (time_scale may overflow it)"
+    if not isinstance(request.request_id, str):
+        return f"request_id = {request.request_id!r}: a string"
+    return None
 
 
 def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
@@ -113,7 +163,7 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
     per token (that was a third of a cache-only replay's time)."""
     positions = array(TOKEN_ARRAY_TYPECODE, range(trace_block_tokens)).tobytes()  # the low halves
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(path, encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror}") from None
     with fh:
@@ -127,6 +177,8 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{where}: not a JSON object: {exc.msg}") from None
+            except RecursionError:
+                raise TraceError(f"{where}: not a JSON object: nested too deeply") from None
             if not isinstance(row, dict):
                 raise TraceError(f"{where}: not a JSON object")
             for key in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -182,7 +234,7 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
 
 def azure(path: str, seed: int = 0) -> Iterator[Request]:
     try:
-        fh = open(path, encoding="utf-8", newline="")
+        fh = open(path, encoding="utf-8-sig", newline="")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror}") from None
     with fh:

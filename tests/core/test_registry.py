@@ -52,16 +52,24 @@ def test_unknown_plugin_lists_installed_and_names_the_distribution(sample_plugin
     assert str(err.value).endswith(" (first-party lifetime plugins: pip install sagellm-plugin-lifetime)")
 
 
-@pytest.mark.parametrize("blocked", ["fixed", "sagellm.lifetime:fixed", "other, fixed"])
+@pytest.mark.parametrize("blocked", ["fixed", "sagellm.lifetime:fixed", "silent, fixed"])
 def test_environment_variable_blocks_plugins(sample_plugins, monkeypatch, blocked):
     monkeypatch.setenv(registry.BLOCK_ENV, blocked)
     with pytest.raises(ConfigError, match=r"plugin 'fixed' \(sagellm.lifetime\) is blocked by SAGELLM_BLOCK_PLUGINS"):
         runtime("fixed")
 
 
-def test_block_list_of_another_group_does_not_block(sample_plugins, monkeypatch):
-    monkeypatch.setenv(registry.BLOCK_ENV, "sagellm.eviction:fixed")
+def test_block_list_of_another_plugin_does_not_block(sample_plugins, monkeypatch):
+    monkeypatch.setenv(registry.BLOCK_ENV, "sagellm.lifetime:silent")
     runtime("fixed")
+
+
+@pytest.mark.parametrize("blocked", ["FIXED", "lifetime:fixed", "sagellm.eviction:fixed", "fixed, nothing-like-it"])
+def test_class1_a_block_list_item_that_matches_nothing_is_an_error(sample_plugins, monkeypatch, blocked):
+    monkeypatch.setenv(registry.BLOCK_ENV, blocked)
+    stray = [item.strip() for item in blocked.split(",") if item.strip() != "fixed"]
+    with pytest.raises(ConfigError, match=rf"^SAGELLM_BLOCK_PLUGINS: {stray[0]!r} match no installed plugin "):
+        runtime("fixed")
 
 
 def test_unknown_parameter_is_an_error_not_dropped(sample_plugins):

@@ -15,7 +15,9 @@ A request's namespace is its ``cache_salt`` (as vLLM's), and with
 ``isolate = "tenant"`` its tenant too. The namespace seeds the chain keys.
 
 KV events: with ``events = "FILE"`` every change is appended to FILE as a
-JSON line, as vLLM's KV events (``BlockStored`` / ``BlockRemoved``) let a
+JSON line (FILE relative to the config's folder and inside it: no absolute
+path, no ``..``; opened at the first event, so ``sagellm config check``
+creates nothing), as vLLM's KV events (``BlockStored`` / ``BlockRemoved``) let a
 router track which engine holds which prefix:
 ``{"type": "stored", "namespace": ..., "parent": KEY|null, "keys": [...], "block_size": N}``
 and ``{"type": "removed", "keys": [...]}``, one line per hook call.
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
+from sagellm_core.errors import ConfigError
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch, Request, chain_key
 
 
@@ -90,6 +94,20 @@ class RadixSettings:
     )
 
 
+def _events_path(events: str, config_dir: str | None) -> Path:
+    """Where the KV events go: with a config file, a path relative to its
+    folder that stays inside it (a config cannot make sagellm write
+    elsewhere); built without one (from code), the path as given."""
+    path = Path(events)
+    if config_dir is not None:
+        if path.is_absolute() or ".." in path.parts:
+            raise ConfigError(f"events = {events!r}: a path inside the config's folder (relative, without '..')")
+        path = Path(config_dir) / path
+    if not path.parent.is_dir():
+        raise ConfigError(f"events = {events!r}: no folder {path.parent}")
+    return path
+
+
 class RadixPrefixCache:
     """``[prefix_cache] plugin = "radix"``"""
 
@@ -98,8 +116,8 @@ class RadixPrefixCache:
     def __init__(self, settings: RadixSettings, context: PluginContext):
         self.block_size = context.block_size
         self.isolate_tenants = settings.isolate == "tenant"
-        # Line-buffered: each event reaches the file (and a tailing router) whole.
-        self._events = open(settings.events, "a", encoding="utf-8", buffering=1) if settings.events else None
+        self._events_path = _events_path(settings.events, context.config_dir) if settings.events else None
+        self._events_file = None
         self._roots: dict[str, _Node] = {}
         self._where: dict[int, _Node] = {}
         self._info: dict[int, CachedBlock] = {}
@@ -280,7 +298,7 @@ class RadixPrefixCache:
                 self._info[block.block_id] = block
             self._num_evictable += len(blocks)
             node, adopted = leaf, tuple(blocks)
-            if self._events:
+            if self._events_path:
                 self._emit(
                     type="stored",
                     namespace=namespace,
@@ -367,12 +385,15 @@ class RadixPrefixCache:
         for node, keep in edge_cuts.values():
             node.edge = node.edge[:keep]
         self._num_evictable -= len(removed)
-        if self._events and removed:
+        if self._events_path and removed:
             self._emit(type="removed", keys=[b.key for b in removed])
         return tuple(removed)
 
     def _emit(self, **event) -> None:
-        self._events.write(json.dumps(event, separators=(",", ":")) + "\n")
+        if self._events_file is None:
+            # Line-buffered: each event reaches the file (and a tailing router) whole.
+            self._events_file = open(self._events_path, "a", encoding="utf-8", buffering=1)
+        self._events_file.write(json.dumps(event, separators=(",", ":")) + "\n")
 
     # ------------------------------------------------------------ queries --
 

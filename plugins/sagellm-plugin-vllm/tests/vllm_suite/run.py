@@ -52,11 +52,29 @@ OPT_125M = {
 }
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def fetch_sdist(cache: Path) -> Path:
+    """The sdist's tests, unpacked under ``cache`` from an archive whose
+    sha256 is checked every time, cached or downloaded: a cached archive
+    that does not match is refused, and so is a folder unpacked earlier
+    without its archive beside it."""
     root = cache / f"vllm-{VERSION}"
-    if (root / TESTS[0]).exists():
-        return root
     archive = cache / f"vllm-{VERSION}.tar.gz"
+    if archive.exists():
+        digest = sha256_of(archive)
+        if digest != SDIST_SHA256:
+            sys.exit(f"run.py: cached {archive} has sha256 {digest}, expected {SDIST_SHA256}; delete it to fetch again")
+        if (root / TESTS[0]).exists():
+            return root
+    elif (root / TESTS[0]).exists():
+        sys.exit(f"run.py: {root} has no checked archive beside it ({archive.name}); delete it to fetch again")
     if not archive.exists():
         page = urllib.request.urlopen(INDEX, timeout=60).read().decode()
         links = [h for h in re.findall(r'href="([^"]+)"', page) if f"/vllm-{VERSION}.tar.gz" in h]
