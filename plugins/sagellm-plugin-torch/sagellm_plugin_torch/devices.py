@@ -35,6 +35,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from sagellm_core import registry
 from sagellm_core.errors import ConfigError
 
 DEVICE_GROUP = "sagellm.torch_devices"
@@ -229,15 +230,17 @@ def load_device(spec: str) -> TorchDevice:
     """``cpu``, ``cuda``, ``cuda:1``, ``npu`` ...: the device plugin named
     by the part before the colon, from the ``sagellm.torch_devices`` group."""
     name, _, index = spec.partition(":")
-    found = {ep.name: ep for ep in metadata.entry_points(group=DEVICE_GROUP)}
-    if name not in found:
+    # as every plugin group: refused when blocked or registered twice (docs/threat-model.md)
+    entry = registry.find(DEVICE_GROUP, name, f"[engine] device = {spec!r}")
+    if entry is None:
+        found = sorted({ep.name for ep in metadata.entry_points(group=DEVICE_GROUP)})
         hint = " (pip install sagellm-plugin-torch-npu)" if name == "npu" else ""
-        raise ConfigError(f"[engine] device = {spec!r}: no such device; installed: {', '.join(sorted(found))}{hint}")
+        raise ConfigError(f"[engine] device = {spec!r}: no such device; installed: {', '.join(found)}{hint}")
     try:
-        cls = found[name].load()
+        cls = entry.load()
     except Exception as exc:
         raise ConfigError(
-            f"[engine] device = {spec!r}: {found[name].value} failed to import: {type(exc).__name__}: {exc}"
+            f"[engine] device = {spec!r}: {entry.value} failed to import: {type(exc).__name__}: {exc}"
         ) from None
     if index and not index.isdigit():
         raise ConfigError(f"[engine] device = {spec!r}: the index after ':' must be a number")

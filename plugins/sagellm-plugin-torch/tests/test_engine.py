@@ -74,6 +74,12 @@ def test_unknown_or_absent_devices_are_one_line():
             load_device("cuda")
 
 
+def test_class1_a_blocked_device_is_refused(monkeypatch):
+    monkeypatch.setenv("SAGELLM_BLOCK_PLUGINS", "sagellm.torch_devices:cpu")
+    with pytest.raises(ConfigError, match=r"device = 'cpu'.*plugin 'cpu' \(sagellm.torch_devices\) is blocked"):
+        load_device("cpu")
+
+
 def test_a_pool_larger_than_memory_is_refused_before_the_runtime_builds_it(tiny_model_dir):
     from sagellm_plugin_torch.engine import TorchEngine, TorchSettings
 
