@@ -7,7 +7,7 @@ from prefix_cache_strategies import SERVE, drawn_request, req
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
-from sagellm_core.kit.testing import BlockIds
+from sagellm_core.kit.testing import BlockIds, serve_prompt
 from sagellm_core.types import chain_key
 
 BS = 4
@@ -239,3 +239,34 @@ def test_a_prefix_matched_often_is_pinned_within_the_cap():
         cache.sagellm_release_prefix(request=r)
     assert cache.sagellm_lookup_prefix(request=req("g", system + [50, 51, 52, 53, 70, 71, 72, 73, 99])).num_blocks == 4
     assert sorted(cache.sagellm_pinned_blocks()) == [0, 1, 2]
+
+
+class CountingEdge(bytes):
+    """An edge that counts the bytes its slices copy."""
+
+    copied = 0
+
+    def __getitem__(self, index):
+        part = bytes.__getitem__(self, index)
+        if isinstance(index, slice):
+            CountingEdge.copied += len(part)
+        return part
+
+
+def test_trimming_a_chain_from_its_leaf_copies_its_edge_once():
+    """Removal is linear in the blocks removed: victims trimmed leaf first
+    from one long edge cut it once per call, not once per victim (which
+    copied the edge again for each, quadratic in the chain's length)."""
+    copied = {}
+    for pages in (64, 640):
+        cache = RadixPrefixCache(RadixSettings(), PluginContext("radix", block_size=BS, num_blocks=4 * pages))
+        blocks = serve_prompt(cache, req("long", list(range(pages * BS + 1))), BS, BlockIds())
+        (node,) = {cache._where[b.block_id] for b in blocks}  # one edge holds the whole chain
+        node.edge = CountingEdge(node.edge)
+        CountingEdge.copied = 0
+        leaf_first = [b.block_id for b in reversed(blocks)][: pages // 2]
+        removed = cache.sagellm_remove_blocks(block_ids=leaf_first)
+        assert len(removed) == pages // 2 and len(cache) == pages - pages // 2
+        copied[pages] = CountingEdge.copied
+    # the kept half of the edge, once: ten times the blocks, ten times the bytes
+    assert copied[640] == 10 * copied[64] == 10 * (64 // 2) * len(node.keys[0])
