@@ -72,8 +72,7 @@ class History:
     """Observed output lengths by session, by prefix (the first ``block_size``
     prompt tokens), by message (the tokens a turn adds to its conversation:
     the same question asked again tends to get an answer of the same
-    length; on ShareGPT a sixth of held-out turns repeat a training turn's
-    message) and by tenant, bounded to the ``max_sessions`` and
+    length; on ShareGPT many turns repeat an earlier turn's message) and by tenant, bounded to the ``max_sessions`` and
     ``max_prefixes`` most recently used; and the reply lengths of the
     ``max_prefixes`` newest prompts, for :meth:`near_duplicate` (none where
     ``duplicate_similarity`` is over 1)."""

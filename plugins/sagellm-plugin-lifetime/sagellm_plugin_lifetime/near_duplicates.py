@@ -3,9 +3,9 @@
 The same prompt often comes back: a user regenerates a reply, a conversation
 is shared and continued twice, a client retries. The reply length last time
 is then the best guess for this time, better than any model of the text: on
-ShareGPT's held-out turns whose prompt is a near-duplicate of an earlier one,
-the earlier reply's length is off by about 19 tokens where the text model is
-off by about 62 (``benchmarks/lifetime_study.py``). An exact hash of the
+ShareGPT's dev turns whose prompt is a near-duplicate of an earlier one, the
+earlier reply's length is off by about 19 tokens where the text model is
+off by about 61 (``benchmarks/lifetime_study.py``). An exact hash of the
 prompt finds too few of them (an edited word, one more turn), so prompts are
 compared by the Jaccard similarity of their token 6-grams, estimated by
 MinHash and found through locality-sensitive hashing (Broder 1997; Indyk and
@@ -58,11 +58,17 @@ class NearDuplicates:
         if len(t) < SHINGLE:
             t = np.concatenate([t, np.zeros(SHINGLE - len(t), dtype=np.uint64)])
         n = len(t) - SHINGLE + 1
-        grams = np.zeros(n, dtype=np.uint64)
-        for k in range(SHINGLE):
-            grams = grams * _ROLL + t[k : k + n]
-        grams = np.unique(grams)
-        return ((grams[:, None] * self._a + self._b) >> np.uint64(32)).min(0).astype(np.uint32)
+        grams = t[:n] * _ROLL
+        for k in range(1, SHINGLE):
+            grams += t[k : k + n]
+            if k < SHINGLE - 1:
+                grams *= _ROLL
+        # The minimum of each hash over the 6-grams (a repeated 6-gram changes
+        # no minimum), its high 32 bits: taken after the minimum, as the
+        # shift keeps the order.
+        hashes = np.multiply.outer(self._a, grams)
+        hashes += self._b[:, None]
+        return (hashes.min(1) >> np.uint64(32)).astype(np.uint32)
 
     def _bands(self, signature: np.ndarray):
         for band in range(self.bands):

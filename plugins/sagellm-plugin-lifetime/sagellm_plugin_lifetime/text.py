@@ -14,12 +14,19 @@ sentence-embedding model is not (all-MiniLM-L6-v2 takes about 10 ms a
 prompt here). A prompt that nearly repeats an earlier one is predicted that
 one's reply length (:mod:`.near_duplicates`).
 
+Serving: :meth:`TextLifetime.predict_batch` predicts the requests that
+arrive in one step with one forward pass (the hook predicts one request
+through it); the forward pass is warmed up at load. In service the head
+keeps learning online, with its cost bounded per finished request: each
+finish adds that request's gradient (computed in closed form, no autograd)
+to a running sum, and every ``online_batch`` finishes one optimiser step
+applies it: the same step as one batched step on those requests.
+
 Training (``sagellm lifetime train``, or on first use when no weights file
-exists) streams a workload, by default ShareGPT, and learns from its training
-conversations (:mod:`.split`); a tenth of those is kept for early stopping.
-Seeded, so the same command gives the same weights. In service the head
-keeps learning online: every ``online_batch`` finished requests make one
-small optimiser step on what they were predicted from.
+exists) streams a workload, by default ShareGPT, and fits the ``train`` part
+of its split (:mod:`.split`, whole conversations), stopping early on the
+``dev`` part; the ``test`` part is never read. Seeded, so the same command
+gives the same weights.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
+import numpy as np
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
@@ -42,12 +50,16 @@ from sagellm_core.types import QUANTILE_LEVELS, LifetimePrediction, Request, Req
 
 from .features import FEATURE_NAMES, History, PendingFeatures, log_tokens
 from .quantiles import MEDIAN, prediction
-from .split import held_out
+from .split import DEV_FRACTION, KINDS, TEST_FRACTION, Split, make_split
 
 WORD = re.compile(r"\w+|[^\w\s]")
 MAX_WORDS = 256
-#: Salt of the validation draw inside the training conversations.
-VALIDATION_SALT = "validation:"
+#: Hashes of words seen, so a word is hashed once (cleared when full).
+_WORD_HASHES: dict[str, int] = {}
+_MAX_WORD_HASHES = 1 << 20
+#: Odd 64-bit constants that mix two word hashes into a bigram's.
+_MIX_A = np.uint64(0x9E3779B97F4A7C15)
+_MIX_B = np.uint64(0xC2B2AE3D27D4EB4F)
 
 
 def _positive(cls):
@@ -74,10 +86,29 @@ class TextSettings:
     #: A prompt at least this similar to an earlier one is predicted that
     #: one's reply length (:mod:`.near_duplicates`); over 1 turns it off.
     duplicate_similarity: float = field(default=0.95, validator=[validators.instance_of(float), validators.ge(0)])
+    #: The split trained on (:mod:`.split`): ``conversation`` (a hash of the
+    #: conversation) or ``temporal`` (the earliest conversations); the test
+    #: part is never read, the dev part only for early stopping.
+    split: str = field(default="conversation", validator=validators.in_(KINDS))
+    test_fraction: float = field(default=TEST_FRACTION, validator=[validators.instance_of(float), validators.gt(0)])
+    dev_fraction: float = field(default=DEV_FRACTION, validator=[validators.instance_of(float), validators.gt(0)])
+    #: Calls at load that warm the forward pass up (the first call is slow).
+    warmup_calls: int = field(default=3, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Torch threads for the model's small serving computations, set around
+    #: each and then restored (0: torch's own). One avoids waiting on a
+    #: second thread, which on a busy machine costs milliseconds.
+    threads: int = field(default=1, validator=[validators.instance_of(int), validators.ge(0)])
 
 
 #: Settings that change how a trained model serves, not its weights.
-SERVING_SETTINGS = ("weights", "online_batch", "online_learning_rate", "duplicate_similarity")
+SERVING_SETTINGS = (
+    "weights",
+    "online_batch",
+    "online_learning_rate",
+    "duplicate_similarity",
+    "warmup_calls",
+    "threads",
+)
 
 
 def cache_dir() -> Path:
@@ -91,15 +122,27 @@ def default_weights(settings: TextSettings) -> Path:
     return cache_dir() / f"lifetime-text-{digest}.pt"
 
 
-def text_ids(text: str | None, buckets: int) -> list[int]:
-    """Hashed word unigrams and bigrams (bucket 0 stands for no text)."""
-    if not text:
-        return [0]
-    words = WORD.findall(text.lower())[:MAX_WORDS]
-    grams = [*words, *(f"{a} {b}" for a, b in zip(words, words[1:]))]
-    return [
-        1 + int.from_bytes(hashlib.blake2b(g.encode(), digest_size=4).digest(), "little") % (buckets - 1) for g in grams
-    ] or [0]
+def _word_hash(word: str) -> int:
+    value = _WORD_HASHES.get(word)
+    if value is None:
+        if len(_WORD_HASHES) >= _MAX_WORD_HASHES:
+            _WORD_HASHES.clear()
+        value = _WORD_HASHES[word] = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
+    return value
+
+
+def text_ids(text: str | None, buckets: int) -> np.ndarray:
+    """Hashed word unigrams and bigrams (bucket 0 stands for no text), as
+    int64. A word is hashed once (blake2b, the same in every process); a
+    bigram's hash mixes its two words' hashes."""
+    words = WORD.findall(text.lower())[:MAX_WORDS] if text else []
+    if not words:
+        return np.zeros(1, dtype=np.int64)
+    h = np.fromiter(map(_word_hash, words), dtype=np.uint64, count=len(words))
+    bigrams = h[:-1] * _MIX_A + h[1:] * _MIX_B
+    bigrams ^= bigrams >> np.uint64(31)
+    grams = np.concatenate([h, bigrams])
+    return (grams % np.uint64(buckets - 1)).astype(np.int64) + 1
 
 
 def _torch():
@@ -139,10 +182,15 @@ def build_model(settings: TextSettings):
             self.bag = torch.nn.EmbeddingBag(settings.buckets, members * settings.dim, mode="mean", sparse=True)
             self.head = EnsembleHead()
 
+        def head_input(self, text, numeric):
+            """The members' inputs, (members, n, width), from the bag's
+            output (n, members * dim) and the features (n, features)."""
+            text = text.view(len(numeric), members, settings.dim).transpose(0, 1)
+            return torch.cat([text, numeric.expand(members, -1, -1)], 2)
+
         def members_forward(self, ids, offsets, numeric):
             """Each member's log quantiles, (members, n, quantiles)."""
-            text = self.bag(ids, offsets).view(len(numeric), members, settings.dim).transpose(0, 1)
-            return self.head(torch.cat([text, numeric.expand(members, -1, -1)], 2))
+            return self.head(self.head_input(self.bag(ids, offsets), numeric))
 
         def forward(self, ids, offsets, numeric):
             """The members' sorted log quantiles, averaged: (n, quantiles)."""
@@ -153,14 +201,12 @@ def build_model(settings: TextSettings):
 
 def _batch(torch, rows):
     """(ids, offsets, numeric) tensors for rows of (text ids, features)."""
-    ids, offsets, start = [], [], 0
-    for gram_ids, _ in rows:
-        offsets.append(start)
-        ids.extend(gram_ids)
-        start += len(gram_ids)
+    lengths = [len(gram_ids) for gram_ids, _ in rows]
+    offsets = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=offsets[1:])
     return (
-        torch.tensor(ids, dtype=torch.long),
-        torch.tensor(offsets, dtype=torch.long),
+        torch.from_numpy(np.concatenate([gram_ids for gram_ids, _ in rows]).astype(np.int64, copy=False)),
+        torch.from_numpy(offsets),
         torch.tensor([features for _, features in rows], dtype=torch.float32),
     )
 
@@ -174,38 +220,62 @@ def pinball(torch, predicted, target):
     return loss.sum() / (target.numel() * len(QUANTILE_LEVELS))
 
 
-def training_rows(settings: TextSettings, requests: Iterable[Request], block_size: int = 16):
-    """(rows, targets, validation flags) of the training conversations among
-    ``requests``, features as the history of training conversations stood
-    at each arrival (no held-out reply is seen, not even through a feature)."""
+def split_of(settings: TextSettings, requests: Iterable[Request] | None = None) -> Split:
+    """The split ``settings`` train on: a temporal one orders the
+    conversations of ``requests`` if given, else of the whole workload
+    ``settings.train_source``."""
+    workload = WorkloadSettings(source=settings.train_source)
+    return make_split(settings.split, workload, settings.test_fraction, settings.dev_fraction, requests)
+
+
+def training_rows(
+    settings: TextSettings, requests: Iterable[Request], block_size: int = 16, split: Split | None = None
+):
+    """(rows, targets, dev flags) of the ``train`` and ``dev`` requests among
+    ``requests``; features as the history of those parts stood at each
+    arrival (no test reply is seen, not even through a feature)."""
+    split = split or split_of(settings)
     history = History(block_size, duplicate_similarity=math.inf)
-    rows, targets, validation = [], [], []
+    rows, targets, dev = [], [], []
     for request in requests:
-        if held_out(request):
+        part = split.part(request)
+        if part == "test":
             continue
         rows.append((text_ids(request.prompt_text, settings.buckets), history.features(request)))
         targets.append(log_tokens(request.output_tokens))
-        key = VALIDATION_SALT + (request.session_id or request.request_id)
-        validation.append(hashlib.blake2b(key.encode(), digest_size=1).digest()[0] < 26)  # ~10%
+        dev.append(part == "dev")
         history.observe(request, request.output_tokens)
-    return rows, targets, validation
+    return rows, targets, dev
 
 
-def train(settings: TextSettings, requests: Iterable[Request] | None = None, block_size: int = 16, log=print):
-    """Train on the training conversations of ``requests`` (by default the
-    workload ``settings.train_source``); keep the epoch with the lowest
-    validation MAE. Returns the model."""
+def train(
+    settings: TextSettings,
+    requests: Iterable[Request] | None = None,
+    block_size: int = 16,
+    log=print,
+    split: Split | None = None,
+):
+    """Fit the ``train`` part of ``requests`` (by default the workload
+    ``settings.train_source``), keeping the epoch with the lowest MAE on the
+    ``dev`` part. The split is ``split`` if given, else ``settings``' (a
+    temporal one ordered over ``requests`` when they are given). Returns the
+    model."""
     torch = _torch()
     torch.manual_seed(settings.seed)
     if requests is None:
         from sagellm_core.replay import workloads
 
+        split = split or split_of(settings)
         requests = workloads.load(WorkloadSettings(source=settings.train_source))
-    rows, targets, validation = training_rows(settings, requests, block_size)
-    fit = [i for i, v in enumerate(validation) if not v]
-    check = [i for i, v in enumerate(validation) if v]
+    elif split is None:
+        if settings.split == "temporal":
+            requests = list(requests)  # read twice: the order, then the rows
+        split = split_of(settings, requests)
+    rows, targets, dev = training_rows(settings, requests, block_size, split)
+    fit = [i for i, v in enumerate(dev) if not v]
+    check = [i for i, v in enumerate(dev) if v]
     if not fit or not check:
-        raise ConfigError(f"lifetime plugin 'text': too few training requests ({len(rows)})")
+        raise ConfigError(f"lifetime plugin 'text': too few training requests ({len(fit)} train, {len(check)} dev)")
     model = build_model(settings)
     sparse = torch.optim.SparseAdam(list(model.bag.parameters()), lr=settings.learning_rate)
     dense = torch.optim.Adam(model.head.parameters(), lr=settings.learning_rate)
@@ -229,8 +299,8 @@ def train(settings: TextSettings, requests: Iterable[Request] | None = None, blo
             median = model(*_batch(torch, [rows[i] for i in check]))[:, MEDIAN]
             mae = (torch.expm1(median) - torch.expm1(y[check])).abs().mean().item()
         log(
-            f"epoch {epoch + 1}/{settings.epochs}: validation MAE {mae:.1f} tokens"
-            f" ({len(fit):,} training requests, {settings.members} members)"
+            f"epoch {epoch + 1}/{settings.epochs}: dev MAE {mae:.1f} tokens"
+            f" ({len(fit):,} training requests, {len(check):,} dev, {settings.members} members, {settings.split} split)"
         )
         if mae < best:
             best, best_state = mae, {k: v.clone() for k, v in model.state_dict().items()}
@@ -277,41 +347,134 @@ class TextLifetime:
             save(model, settings, path)
         self.model = load(settings, path)
         self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)  # served and updated without autograd
         self.history = History(context.block_size, duplicate_similarity=settings.duplicate_similarity)
-        self.optimiser = torch.optim.Adam(self.model.head.parameters(), lr=settings.online_learning_rate)
-        self._pending = PendingFeatures()
-        self._finished: list[tuple[tuple[list[int], list[float]], float]] = []
+        head = list(self.model.head.parameters())
+        try:  # fused: one kernel a tensor, about half the time of the default
+            self.optimiser = torch.optim.Adam(head, lr=settings.online_learning_rate, fused=True)
+        except (RuntimeError, TypeError, ValueError):
+            self.optimiser = torch.optim.Adam(head, lr=settings.online_learning_rate)
+        #: The sum of the finished requests' gradients since the last step.
+        self._grads = [torch.zeros_like(p) for p in head]
+        self._accumulated = 0
+        # d pinball / d quantile, scaled as one batched step's mean loss.
+        scale = 1.0 / (settings.online_batch * len(QUANTILE_LEVELS))
+        levels = torch.tensor(QUANTILE_LEVELS)
+        self._below, self._above = -levels * scale, (1.0 - levels) * scale
+        #: request id -> the members' input (members, 1, width) until it
+        #: finishes: about 3 KB each, so fewer are kept than by the others.
+        self._pending = PendingFeatures(limit=20_000)
+        self._warm_up(settings.warmup_calls)
 
-    def _row(self, request: Request) -> tuple[list[int], list[float]]:
+    def _row(self, request: Request) -> tuple[np.ndarray, list[float]]:
         return text_ids(request.prompt_text, self.settings.buckets), self.history.features(request)
+
+    def _warm_up(self, calls: int) -> None:
+        """Run the serving path on made-up rows (state untouched), so that
+        the first real request does not pay for torch's lazy set-up."""
+        if calls <= 0:
+            return
+        row = (text_ids("warm up the text model", self.settings.buckets), [0.5] * len(FEATURE_NAMES))
+        for _ in range(calls):
+            for n in (1, 2, 8, 64):
+                _, x = self._forward([row] * n)
+            self._gradient(x[:, :1], 1.0, accumulate=False)
+        if self.history.prompts is not None:
+            self.history.prompts.signature(list(range(64)))
+
+    def _threads(self) -> int:
+        """Switch torch to ``threads``; returns the count to restore."""
+        before = self.torch.get_num_threads()
+        if self.settings.threads and before != self.settings.threads:
+            self.torch.set_num_threads(self.settings.threads)
+        return before
+
+    def _restore(self, before: int) -> None:
+        if self.settings.threads and before != self.settings.threads:
+            self.torch.set_num_threads(before)
+
+    def _forward(self, rows):
+        """The averaged log quantiles of ``rows`` (a list per row), and the
+        members' input (members, n, width): what the online update needs."""
+        torch = self.torch
+        before = self._threads()
+        try:
+            with torch.inference_mode():
+                ids, offsets, numeric = _batch(torch, rows)
+                x = self.model.head_input(self.model.bag(ids, offsets), numeric)
+                return self.model.head(x).sort(2).values.mean(0).tolist(), x
+        finally:
+            self._restore(before)
+
+    def predict_batch(self, requests: Sequence[Request]) -> list[LifetimePrediction]:
+        """Predictions for requests that arrive together (one step): one
+        forward pass for all; each sees the state as it stood before any of
+        them, so it is what the hook would answer for each alone."""
+        if not requests:
+            return []
+        rows = [self._row(request) for request in requests]
+        log_quantiles, x = self._forward(rows)
+        out = []
+        for i, (request, quantiles) in enumerate(zip(requests, log_quantiles)):
+            self._pending[request.request_id] = x[:, i : i + 1]
+            out.append(prediction(quantiles, self.name, log_median=self.history.near_duplicate(request)))
+        return out
 
     @hookimpl
     def sagellm_predict_lifetime(self, request: Request) -> LifetimePrediction:
-        row = self._row(request)
-        self._pending[request.request_id] = row
-        with self.torch.no_grad():
-            log_quantiles = self.model(*_batch(self.torch, [row]))[0].tolist()
-        return prediction(log_quantiles, self.name, log_median=self.history.near_duplicate(request))
+        return self.predict_batch((request,))[0]
 
     @hookimpl
     def sagellm_request_finished(self, outcome: RequestOutcome) -> None:
         request = outcome.request
-        row = self._pending.pop(request.request_id, None)
-        if row is not None and self.settings.online_learning_rate > 0:
-            self._finished.append((row, log_tokens(outcome.num_output_tokens)))
-            if len(self._finished) >= self.settings.online_batch:
-                self._learn()
+        pending = self._pending.pop(request.request_id, None)
+        if pending is not None and self.settings.online_learning_rate > 0:
+            self._gradient(pending, log_tokens(outcome.num_output_tokens))
+            self._accumulated += 1
+            if self._accumulated >= self.settings.online_batch:
+                self._step()
         self.history.observe(request, outcome.num_output_tokens)
 
-    def _learn(self) -> None:
+    def _gradient(self, x, target: float, accumulate: bool = True) -> None:
+        """Add the gradient of one request's pinball loss (summed over
+        members, divided by ``online_batch`` and the quantiles, as in one
+        batched step) with respect to the head, in closed form: a few small
+        matrix products, a bounded cost per finished request. ``x`` is the
+        members' input for the request (members, 1, width) as predicted: the
+        text table does not learn online, so it still holds."""
         torch = self.torch
-        rows = [row for row, _ in self._finished]
-        target = torch.tensor([t for _, t in self._finished])
-        self._finished.clear()
-        self.model.train()
-        loss = pinball(torch, self.model.members_forward(*_batch(torch, rows)), target)
-        self.optimiser.zero_grad()
-        self.model.bag.zero_grad()
-        loss.backward()
-        self.optimiser.step()  # the head only: the text table stays as trained
-        self.model.eval()
+        head = self.model.head
+        before = self._threads()
+        try:
+            with torch.no_grad():
+                pre = torch.baddbmm(head.b1, x, head.w1)  # (members, 1, hidden)
+                hidden = torch.relu(pre)
+                q = torch.baddbmm(head.b2, hidden, head.w2)  # (members, 1, quantiles)
+                # d pinball / d q: -level where the target is above, 1 - level below.
+                dq = torch.where(q < target, self._below, self._above)
+                dhidden = torch.bmm(dq, head.w2.transpose(1, 2)).mul_(pre > 0)
+                if accumulate:
+                    w1, b1, w2, b2 = self._grads
+                    w1.baddbmm_(x.transpose(1, 2), dhidden)
+                    b1.add_(dhidden)
+                    w2.baddbmm_(hidden.transpose(1, 2), dq)
+                    b2.add_(dq)
+        finally:
+            self._restore(before)
+
+    def _step(self) -> None:
+        """One optimiser step on the head with the summed gradients; the text
+        table stays as trained."""
+        head = list(self.model.head.parameters())
+        for p, total in zip(head, self._grads):
+            p.grad = total
+        before = self._threads()
+        try:
+            self.optimiser.step()
+            for p, total in zip(head, self._grads):
+                p.grad = None
+                total.zero_()
+        finally:
+            self._restore(before)
+        self._accumulated = 0

@@ -92,19 +92,89 @@ def test_default_weights_name_follows_training_settings(monkeypatch, tmp_path):
     assert a != text.default_weights(TextSettings(epochs=2))
 
 
-def test_training_features_never_see_a_held_out_reply():
-    from sagellm_plugin_lifetime.features import FEATURE_NAMES
-    from sagellm_plugin_lifetime.split import held_out
+def _session_in(part, split):
+    return next(f"s{i}" for i in range(10_000) if split.part_of(f"s{i}") == part)
 
+
+def test_training_features_never_see_a_test_reply():
+    from sagellm_plugin_lifetime.features import FEATURE_NAMES
+
+    settings = TextSettings(**SMALL)
+    split = text.split_of(settings)
     question = [5, 6, 7, 8, 9]
-    test_turn = Request("t", question, 900, session_id="s5")  # a held-out conversation
-    train_turn = Request("u", question, 10, session_id="s0")
-    assert held_out(test_turn) and not held_out(train_turn)
-    rows, targets, _ = text.training_rows(TextSettings(**SMALL), [test_turn, train_turn, train_turn])
-    assert len(rows) == 2  # the training conversation's turns only
+    test_turn = Request("t", question, 900, session_id=_session_in("test", split))
+    train_turn = Request("u", question, 10, session_id=_session_in("train", split))
+    rows, targets, dev = text.training_rows(settings, [test_turn, train_turn, train_turn])
+    assert len(rows) == 2 and dev == [False, False]  # the training conversation's turns only
     seen = [dict(zip(FEATURE_NAMES, features)) for _, features in rows]
-    assert seen[0]["has_message_history"] == 0.0  # the held-out reply to the same question is not known
+    assert seen[0]["has_message_history"] == 0.0  # the test reply to the same question is not known
     assert seen[1]["has_message_history"] == 1.0  # the training one is
+
+
+def test_training_fits_train_stops_on_dev_and_never_reads_test():
+    settings = TextSettings(**{**SMALL, "test_fraction": 0.3, "dev_fraction": 0.2})
+    split = text.split_of(settings)
+    requests = list(asked(3, 600))
+    rows, _, dev = text.training_rows(settings, requests)
+    kept = [r for r in requests if split.part(r) != "test"]
+    assert len(rows) == len(kept) < len(requests)
+    assert dev == [split.part(r) == "dev" for r in kept]
+    assert any(dev) and not all(dev)
+
+
+def _served(tmp_path, **extra):
+    settings = TextSettings(**{**SMALL, "epochs": 2})
+    weights = tmp_path / "w.pt"
+    if not weights.exists():
+        text.save(text.train(settings, asked(0, 400), log=lambda m: None), settings, weights)
+    return TextLifetime(TextSettings(**{**SMALL, "epochs": 2, "weights": str(weights), **extra}), CTX)
+
+
+def test_batched_prediction_equals_per_request_prediction(tmp_path):
+    history = list(asked(7, 40))
+    arriving = list(asked(8, 12))
+    one, many = _served(tmp_path), _served(tmp_path)
+    for p in (one, many):
+        for r in history:
+            p.sagellm_request_finished(outcome=RequestOutcome(r, r.output_tokens, 0, 0.0, 0.0, 1.0, 0, None))
+    alone = [one.sagellm_predict_lifetime(request=r) for r in arriving]
+    together = many.predict_batch(arriving)
+    assert len(together) == len(alone)
+    for a, b in zip(alone, together):
+        assert a.quantiles == pytest.approx(b.quantiles, rel=1e-5)
+        assert a.confidence == pytest.approx(b.confidence, rel=1e-5, abs=1e-9)
+
+
+def test_warm_up_leaves_no_trace(tmp_path):
+    cold, warm = _served(tmp_path, warmup_calls=0), _served(tmp_path, warmup_calls=3)
+    assert not warm._pending and not warm.history.sessions and not warm.optimiser.state
+    assert warm._accumulated == 0 and all(not g.any() for g in warm._grads)
+    r = next(asked(9, 1))
+    assert cold.sagellm_predict_lifetime(request=r).quantiles == warm.sagellm_predict_lifetime(request=r).quantiles
+
+
+def test_online_update_per_finish_equals_one_batched_step(tmp_path):
+    """Each finish adds its gradient; the step every online_batch finishes
+    is the step autograd takes on the batch."""
+    p = _served(tmp_path, online_batch=4, online_learning_rate=1e-2)
+    reference = text.build_model(p.settings)
+    reference.load_state_dict(p.model.state_dict())
+    optimiser = torch.optim.Adam(reference.head.parameters(), lr=1e-2)
+    requests = list(asked(5, 4))
+    rows, targets = [], []
+    for r in requests:
+        rows.append(p._row(r))  # what it is predicted from
+        p.sagellm_predict_lifetime(request=r)
+        targets.append(text.log_tokens(3000))
+        p.sagellm_request_finished(outcome=RequestOutcome(r, 3000, 0, 0.0, 0.0, 1.0, 0, None))
+    loss = text.pinball(torch, reference.members_forward(*text._batch(torch, rows)), torch.tensor(targets))
+    optimiser.zero_grad()
+    loss.backward()
+    optimiser.step()
+    for ours, theirs in zip(p.model.head.parameters(), reference.head.parameters()):
+        assert torch.allclose(ours, theirs, atol=1e-6)
+    assert torch.equal(p.model.bag.weight, reference.bag.weight)
+    assert p._accumulated == 0
 
 
 def test_members_are_trained_apart_and_served_averaged():
