@@ -78,7 +78,9 @@ def _expert_names(instance: Any, attribute: Any, value: tuple[str, ...]) -> None
 class AdaptiveSettings:
     #: The experts, the first the leader until another earns it.
     experts: tuple[str, ...] = field(
-        default=("lru", "continuation", "s3fifo", "lfu"), converter=tuple, validator=_expert_names
+        default=("lru", "continuation", "s3fifo", "lfu"),
+        converter=lambda names: (names,) if isinstance(names, str) else tuple(names),
+        validator=_expert_names,
     )
     #: Half-life of the hit counts, in cache sizes of blocks requested.
     half_life: float = field(default=2.0, converter=float, validator=validators.gt(0))

@@ -103,7 +103,13 @@ def test_a_later_change_of_workload_moves_the_lead():
 
 
 @pytest.mark.parametrize(
-    "experts, message", [(("lru",), "two or more"), (("lru", "lru"), "distinct"), (("lru", "belady"), "belady unknown")]
+    "experts, message",
+    [
+        (("lru",), "two or more"),
+        ("lru", "two or more"),
+        (("lru", "lru"), "distinct"),
+        (("lru", "belady"), "belady unknown"),
+    ],
 )
 def test_bad_experts_are_refused_naming_them(experts, message):
     with pytest.raises(ValueError, match=message):
