@@ -94,3 +94,14 @@ def test_the_shipped_suite_is_valid_and_split_in_halves():
     splits = [entry["split"] for entry in parsed["workload"]]
     assert splits.count("tune") >= 3 and splits.count("held-out") >= 3
     assert len(parsed["fractions"]) == 3
+
+
+@pytest.mark.parametrize(
+    "option, path, message",
+    [("--json", "missing/rows.json", "its folder does not exist"), ("--plot", "plot.txt", "a file ending in .png")],
+)
+def test_output_paths_are_checked_before_the_runs(small_suite, tmp_path, capsys, option, path, message):
+    args = ["evaluate-policies", "--suite", str(small_suite), "--traces", str(tmp_path), "--quiet"]
+    assert main([*args, option, str(tmp_path / path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "skipping" not in err  # refused before any workload was looked at

@@ -31,6 +31,7 @@ from sagellm_core.replay import session, workloads
 
 REFERENCES = ("lru", "belady")
 SPLITS = ("tune", "held-out", "all")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 #: Below this gap between LRU and Belady (absolute hit rate) there is nothing
 #: to close, and the share is not reported.
 MIN_GAP = 1e-3
@@ -264,9 +265,12 @@ def plot(rows: list[dict], path: str | Path) -> None:
 
 def cmd_evaluate_policies(args) -> int:
     suite, where = read_suite(Path(args.suite) if args.suite else None)
+    # checked before the runs, not after them: the suite takes minutes
     for out in (args.json, args.markdown, args.plot):
         if out and not Path(out).resolve().parent.is_dir():
             raise SagellmError(f"{out}: its folder does not exist")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise SagellmError(f"--plot {args.plot}: a file ending in {', '.join(PLOT_SUFFIXES)}")
     rows = evaluate(
         suite,
         where,
