@@ -64,6 +64,17 @@ def test_lmdeploy_and_replay_hit_the_same_blocks(mooncake, policy):
         assert stock[:2] == replay[:2]  # stock LMDeploy reports no evictions to sagellm
 
 
+# A known defect, found by the end-of-run block accounting check (issue 16):
+# with the plugin matching and sagellm's pool choosing LMDeploy's physical
+# blocks, 300 Mooncake requests on 3,000 blocks end with two blocks the
+# runtime counts as cached but free in its pool (895, 896) and two in use but
+# neither cached nor any request's (237, 2999). Not yet traced; strict, so the
+# fix shows here.
+@pytest.mark.xfail(
+    strict=True,
+    raises=PluginError,
+    reason="known: LMDeploy with a sagellm prefix-cache plugin ends with 2 of 3,000 blocks misaccounted",
+)
 @pytest.mark.parametrize("plugin", ["radix", "hash"])
 def test_the_prefix_cache_plugin_decides_lmdeploys_matches(mooncake, plugin):
     """With ``[prefix_cache] plugin`` named, the plugin's index and not
