@@ -114,6 +114,8 @@ def main() -> None:
             # a waiting request, its deadline ahead, whose prefix is LRU's first 10k victims
             waiting = Request("waiting", [0], 1, deadline_s=60.0)
             policy.sagellm_request_arrived(request=waiting, prediction=None, match=PrefixMatch(blocks[:10_000]))
+        # the row's label says 64 victims: a choice that names fewer is not that row
+        assert len(policy.sagellm_select_victims(num_blocks=64, candidates=every_block).victim_ids) == 64, name
         results[name] = p50_us(
             lambda p=policy: p.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
         )
@@ -123,6 +125,7 @@ def main() -> None:
         adaptive.sagellm_blocks_released(blocks=blocks[i : i + 64], now_s=0.0)
     for leader, expert in enumerate(adaptive.experts):
         adaptive.leader = leader
+        assert len(adaptive.sagellm_select_victims(num_blocks=64, candidates=every_block).victim_ids) == 64
         results[f"adaptive, leading: {expert.name}"] = p50_us(
             lambda: adaptive.sagellm_select_victims(num_blocks=64, candidates=every_block), repeat=3000
         )

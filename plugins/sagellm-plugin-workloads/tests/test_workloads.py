@@ -5,7 +5,6 @@ from collections import Counter
 import pytest
 
 from sagellm_core.config import WorkloadSettings
-from sagellm_core.errors import TraceError
 from sagellm_core.replay import workloads
 
 SOURCES = ["agentic", "rag", "tenant-mix", "bursts"]
@@ -86,11 +85,9 @@ def test_max_requests_and_session_sampling_apply():
     assert 0 < len(held_out) < len(load("rag"))
 
 
-def test_time_goes_forward_even_with_zero_rates():
-    # session_rate 0: every session starts at once; still in arrival order
-    for source in SOURCES:
-        try:
-            requests = load(source, session_rate=0.0)
-        except TraceError as exc:  # pragma: no cover - would be a defect
-            pytest.fail(str(exc))
-        assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+@pytest.mark.parametrize("source", SOURCES)
+def test_time_goes_forward_even_with_zero_rates(source):
+    # session_rate 0: every session starts at once; the loader raises a
+    # TraceError if any request arrives before the one before it
+    requests = load(source, session_rate=0.0)
+    assert len(requests) > 0
