@@ -54,6 +54,11 @@ def test_rows_relate_each_policy_to_lru_and_belady(small_suite, tmp_path, capsys
             assert row["gap_closed"] == pytest.approx((row["block_hit_rate"] - lru) / (best - lru))
     capacities = sorted({blocks for blocks, _ in by})
     assert capacities[0] < capacities[1]
+    (best,) = [s for s in suite.summary(rows) if s["policy"] == suite.BEST_AFTER_THE_FACT]
+    assert best["settings"] == 2
+    for s in suite.summary(rows):  # the best per setting is at least as good as each policy
+        if s["policy"] in ("adaptive", "lfu") and s["mean_gap_closed"] is not None:
+            assert best["mean_gap_closed"] >= s["mean_gap_closed"]
 
 
 def test_held_out_half_and_summary(small_suite, tmp_path):
