@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bench_hot_paths.py
 
-* pluggy's per-call cost: a hook call through the plugin manager (with and
-  without the HookTimer wrapper) against calling the same plugin method
+* a hook call's cost: through pluggy's plugin manager, and through
+  sagellm's dispatch (the call the runtime makes, from a cached plan), with
+  and without the hook timer, against calling the same plugin method
   directly;
 * prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
   100,000 cached blocks, and the share of it spent building page keys;
@@ -35,6 +36,7 @@ from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
 from sagellm_core.kit.testing import BlockIds, serve_prompt
+from sagellm_core.parts.dispatch import Dispatch, PluginManager
 from sagellm_core.parts.timing import HookTimer
 from sagellm_core.types import CachedBlock, PrefixMatch, Request
 
@@ -67,6 +69,14 @@ def build_cache():
     return cache, prompts
 
 
+def managers(plugin: object) -> tuple[pluggy.PluginManager, Dispatch, Dispatch]:
+    """``plugin`` registered, and the two dispatches (untimed, timed) over it."""
+    pm = PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin)
+    return pm, Dispatch(pm), Dispatch(pm, HookTimer())
+
+
 def main() -> None:
     rows = []
     cache, prompts = build_cache()
@@ -76,17 +86,16 @@ def main() -> None:
 
     direct = p50_us(lambda: cache.sagellm_lookup_prefix(request=probe))
     keys = p50_us(lambda: probe.prompt_token_ids[: 124 * BS].tobytes())
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(cache)
+    pm, dispatch, timed_dispatch = managers(cache)
     hooked = p50_us(lambda: pm.hook.sagellm_lookup_prefix(request=probe))
-    pm.register(HookTimer())
-    timed = p50_us(lambda: pm.hook.sagellm_lookup_prefix(request=probe))
+    planned = p50_us(lambda: dispatch.call("sagellm_lookup_prefix", {"request": probe}))
+    timed = p50_us(lambda: timed_dispatch.call("sagellm_lookup_prefix", {"request": probe}))
     rows += [
         ("prefix match, 2,000 tokens, 100k blocks: direct call", direct, 1.0),
         ("  of which copying the 124 pages to bytes", keys, keys / direct),
         ("  through pluggy", hooked, hooked / direct),
-        ("  through pluggy + HookTimer", timed, timed / direct),
+        ("  through sagellm's dispatch", planned, planned / direct),
+        ("  through sagellm's dispatch + hook timer", timed, timed / direct),
     ]
 
     ctx = PluginContext("p", BS, NUM_BLOCKS)
@@ -131,24 +140,22 @@ def main() -> None:
         )
     rows += [(f"select 64 victims of 100k evictable: {name}", us, us / results["LRU"]) for name, us in results.items()]
 
-    empty = pluggy.PluginManager(hookspecs.PROJECT)
-    empty.add_hookspecs(hookspecs)
-
     class Nothing:
         @hookspecs.hookimpl
         def sagellm_pool_usage(self):
             return 1
 
     plugin = Nothing()
-    empty.register(plugin)
+    empty, bare_dispatch, bare_timed_dispatch = managers(plugin)
     bare_direct = p50_us(lambda: plugin.sagellm_pool_usage(), number=100)
     bare_hook = p50_us(lambda: empty.hook.sagellm_pool_usage(), number=100)
-    empty.register(HookTimer())
-    bare_timed = p50_us(lambda: empty.hook.sagellm_pool_usage(), number=100)
+    bare_planned = p50_us(lambda: bare_dispatch.call("sagellm_pool_usage", {}), number=100)
+    bare_timed = p50_us(lambda: bare_timed_dispatch.call("sagellm_pool_usage", {}), number=100)
     rows += [
         ("trivial hook: direct method call", bare_direct, 1.0),
         ("trivial hook: through pluggy", bare_hook, bare_hook / bare_direct),
-        ("trivial hook: through pluggy + HookTimer", bare_timed, bare_timed / bare_direct),
+        ("trivial hook: through sagellm's dispatch", bare_planned, bare_planned / bare_direct),
+        ("trivial hook: through sagellm's dispatch + hook timer", bare_timed, bare_timed / bare_direct),
     ]
 
     table = Table(title="sagellm hot paths (p50 per call)")

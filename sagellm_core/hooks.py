@@ -23,6 +23,7 @@ from sagellm_core.config import Selection, Settings
 from sagellm_core.errors import ConfigError, PluginError, PluginStartError, SagellmError
 from sagellm_core.parts import answers
 from sagellm_core.parts.counters import Counters
+from sagellm_core.parts.dispatch import Dispatch, PluginManager
 from sagellm_core.parts.timing import HookTimer
 from sagellm_core.parts.watchdog import HookTimeout, Watchdog, guard_observations
 from sagellm_core.registry import GROUPS, PluginContext, PluginInfo, build_settings, load_class
@@ -96,14 +97,13 @@ class CheckedHooks:
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks
         self._future_requests = future_requests
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm = PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, list[LoadedPlugin]] = {}
         self.counters = Counters()
-        self.timer: HookTimer | None = None
-        if settings.report.hook_timing if hook_timing is None else hook_timing:
-            self.timer = HookTimer()
-            self.pm.register(self.timer, name="sagellm:hook-timer")
+        timed = settings.report.hook_timing if hook_timing is None else hook_timing
+        self.timer: HookTimer | None = HookTimer() if timed else None
+        self.dispatch = Dispatch(self.pm, self.timer)
         if settings.limits.hook_time_limit_s > 0:
             try:
                 self.pm.register(Watchdog(settings.limits.hook_time_limit_s), name="sagellm:watchdog")
@@ -194,7 +194,7 @@ class CheckedHooks:
 
     def _call(self, section: str, hook_name: str, caller: Any = None, **kwargs: Any) -> Any:
         try:
-            return (caller or getattr(self.hook, hook_name))(**kwargs)
+            return self.dispatch.call(hook_name, kwargs, caller)
         except SagellmError:
             raise
         except PLUGIN_FAULTS as exc:

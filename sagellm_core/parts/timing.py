@@ -1,28 +1,28 @@
-"""Observability from pluggy itself: a wrapper plugin around every hook.
+"""The hook timer: every checked hook call timed and its outcome counted.
 
-``HookTimer`` is generated from the hookspecs: one ``wrapper=True`` impl per
-hook, which times the whole call (all implementations) and counts outcomes
-(answered, passed with ``None``, raised). No timing code lives in plugins.
+The checked calls (:mod:`sagellm_core.hooks`) time the whole call, all
+implementations of the hook, and count its outcome (answered, passed with
+``None``, raised). No timing code lives in plugins.
 
 Memory is constant: each hook keeps its call count and total time exactly,
-and a uniform sample of at most ``RESERVOIR`` durations (reservoir sampling,
-seeded) for its percentiles, so a server that runs for days or a replay of
-millions of requests holds the same few megabytes.
+and a uniform sample of at most ``RESERVOIR`` durations for its
+percentiles, so a server that runs for days or a replay of millions of
+requests holds the same few megabytes. The sample is kept by Li's
+Algorithm L (seeded), which draws the gap to the next kept call instead of
+a random number per call: after the first ``RESERVOIR`` calls, recording a
+call is an addition and a comparison.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import random
-import time
 from array import array
-from collections.abc import Callable, Generator
-from typing import Any
 
 import attrs
 
 from sagellm_core import hookspecs
-from sagellm_core.hookspecs import hookimpl
 
 #: Durations kept per hook for percentiles.
 RESERVOIR = 16384
@@ -37,15 +37,32 @@ class HookStats:
     #: A uniform sample of the calls' durations (all of them up to RESERVOIR).
     durations_s: array[float] = attrs.field(factory=lambda: array("d"))
     _rng: random.Random = attrs.field(factory=lambda: random.Random(0), repr=False)
+    #: Algorithm L's state: the running weight, and the call number kept next.
+    _weight: float = attrs.field(default=1.0, repr=False)
+    _next_kept: int = attrs.field(default=RESERVOIR, repr=False)
+
+    def record(self, seconds: float, answer: object) -> None:
+        """One call that took ``seconds`` and answered ``answer``."""
+        self.calls += 1
+        if answer is not None and answer != []:
+            self.answered += 1
+        self.add(seconds)
 
     def add(self, seconds: float) -> None:
+        """One duration, of the call ``calls`` counts last."""
         self.total_s += seconds
-        if len(self.durations_s) < RESERVOIR:
+        if self.calls <= RESERVOIR:
             self.durations_s.append(seconds)
-            return
-        slot = self._rng.randrange(self.calls)  # calls already counts this one
-        if slot < RESERVOIR:
-            self.durations_s[slot] = seconds
+            if self.calls == RESERVOIR:
+                self._skip()
+        elif self.calls == self._next_kept:
+            self.durations_s[self._rng.randrange(RESERVOIR)] = seconds
+            self._skip()
+
+    def _skip(self) -> None:
+        rng = self._rng
+        self._weight *= math.exp(math.log(1.0 - rng.random()) / RESERVOIR)
+        self._next_kept += int(math.log(1.0 - rng.random()) / math.log1p(-self._weight)) + 1
 
     def percentile_us(self, q: float) -> float:
         if not self.durations_s:
@@ -70,40 +87,11 @@ HOOK_NAMES = tuple(
 )
 
 
-def _make_wrapper(name: str) -> Callable[..., Any]:
-    def wrapper(self: Any) -> Generator[None, Any, Any]:
-        stats = self.stats[name]
-        stats.calls += 1
-        start = time.perf_counter()
-        try:
-            result = yield
-        except BaseException:
-            stats.errors += 1
-            stats.add(time.perf_counter() - start)
-            raise
-        stats.add(time.perf_counter() - start)
-        if result is not None and result != []:
-            stats.answered += 1
-        return result
-
-    wrapper.__name__ = name
-    return hookimpl(wrapper=True, tryfirst=True)(wrapper)
-
-
-def _init(self: Any) -> None:
-    self.stats = {name: HookStats() for name in HOOK_NAMES}
-
-
 class HookTimer:
-    """A pluggy wrapper plugin with one timing wrapper per hook (set below)."""
+    """Per-hook statistics, one :class:`HookStats` for every hook."""
 
-    stats: dict[str, HookStats]
-
-    __init__ = _init
-
-
-for _name in HOOK_NAMES:
-    setattr(HookTimer, _name, _make_wrapper(_name))
+    def __init__(self) -> None:
+        self.stats = {name: HookStats() for name in HOOK_NAMES}
 
 
 def summarise(timer: HookTimer) -> dict[str, dict[str, float]]:
