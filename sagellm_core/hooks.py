@@ -119,7 +119,7 @@ class CheckedHooks:
         first_party = GROUPS["scheduler"][1]  # others' passes are checked not to edit states (docs/threat-model.md)
         self._verify_passes = any(p.info.distribution != first_party for p in self.plugins.get("scheduler", ()))
         self.hook = self.pm.hook
-        self._predict: Caller = (self.hook.sagellm_predict_lifetime, self.who("lifetime"))
+        self._predict: Caller = (None, self.who("lifetime"))  # every predictor, through the dispatch
         self._predict_fallback: Caller | None = None
         lifetime = self.plugins.get("lifetime", [])
         if settings.lifetime_fallback is not None and lifetime:

@@ -127,8 +127,11 @@ def victims(answer: Any, num_blocks: int, candidates: Any) -> str | None:
     if len(chosen) > num_blocks:
         return f"returned {len(chosen)} victims, asked for at most {num_blocks}"
     try:  # None or an unhashable thing inside is no candidate
-        if len(set(chosen)) != len(chosen):
+        distinct = set(chosen)
+        if len(distinct) != len(chosen):
             return f"returned duplicate victims {chosen}"
+        if isinstance(candidates, (set, frozenset)) and distinct <= candidates:
+            return None  # the common case, at C speed
         stray = [v for v in chosen if v not in candidates]
     except TypeError:
         stray = [v for v in chosen if not isinstance(v, int)]

@@ -56,6 +56,8 @@ class Dispatch:
         self.timer = timer
         self.plans: dict[str, Plan] = {}
         self._generation = pm.generation
+        if timer is None:
+            self.call = self._run  # type: ignore[method-assign]
 
     def plan(self, hook_name: str) -> Plan:
         caller = getattr(self.pm.hook, hook_name)
@@ -70,13 +72,12 @@ class Dispatch:
 
     def call(self, hook_name: str, kwargs: dict[str, Any], caller: Any = None) -> Any:
         """Call ``hook_name`` with ``kwargs``, or the hook caller ``caller``
-        (a subset of the implementations) in its place."""
-        if self.timer is None:
-            return caller(**kwargs) if caller is not None else self._run(hook_name, kwargs)
-        stats = self.timer.stats[hook_name]
+        (a subset of the implementations) in its place, timed. (Untimed,
+        :meth:`_run` stands in for it: one Python frame less per call.)"""
+        stats = self.timer.stats[hook_name]  # type: ignore[union-attr]
         start = perf_counter()
         try:
-            answer = caller(**kwargs) if caller is not None else self._run(hook_name, kwargs)
+            answer = self._run(hook_name, kwargs, caller)
         except BaseException:
             stats.errors += 1
             stats.record(perf_counter() - start, None)
@@ -84,7 +85,9 @@ class Dispatch:
         stats.record(perf_counter() - start, answer)
         return answer
 
-    def _run(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
+    def _run(self, hook_name: str, kwargs: dict[str, Any], caller: Any = None) -> Any:
+        if caller is not None:
+            return caller(**kwargs)
         if self._generation != self.pm.generation:
             self.plans.clear()
             self._generation = self.pm.generation
