@@ -39,10 +39,14 @@ The adapter's patch points (``sagellm_plugin_lmdeploy.install``):
   ``SequenceLifecycle._block_manager.allocator``), reading a sequence's
   ``arrive_time``, ``all_ids``, ``num_new_tokens``, ``session_id``,
   ``seq_id`` and ``sampling_param.max_new_tokens``.
-* ``LogicalAllocator._gpu_allocator`` (``paging.block_manager``): LMDeploy's
-  physical GPU-block allocator (``allocate``/``free``/``get_num_free_blocks``),
-  replaced by ``SagellmPhysicalAllocator`` when the config names a kv-pool
-  plugin; and ``LogicalAllocator.free``, watched for blocks left to the trie.
+* ``LogicalAllocator`` (``paging.block_manager``): when the config names a
+  kv-pool plugin, its ``_gpu_allocator`` (LMDeploy's physical GPU-block
+  allocator: ``allocate``/``free``/``get_num_free_blocks``, ``_offset``) is
+  replaced by ``SagellmPhysicalAllocator``, and the allocator itself becomes
+  a ``SagellmLogicalAllocator`` (its ``allocate``/``free`` over
+  ``_log_mem.phy_map``/``ref_count``, ``_free_count``,
+  ``update_access_time``); ``LogicalAllocator.free`` is watched for blocks
+  left to the trie.
 * ``lmdeploy.pytorch.kv_connector.base.KVConnectorBase``: ``SagellmConnector``,
   sagellm's transport hook as a host tier. LMDeploy's ``build_kv_connector``
   knows only Mooncake; ``lmdeploy.pytorch.engine.engine`` and
@@ -79,6 +83,7 @@ from lmdeploy.pytorch.kv_connector.base import (  # noqa: E402
 from lmdeploy.pytorch.messages import MessageStatus, SamplingParam, SequenceMeta, UpdateTokenMode  # noqa: E402
 from lmdeploy.pytorch.paging import prefill_scheduler as prefill_scheduler_module  # noqa: E402
 from lmdeploy.pytorch.paging import scheduler as scheduler_module  # noqa: E402
+from lmdeploy.pytorch.paging.block_manager.base_block_manager import LogicalAllocator  # noqa: E402
 from lmdeploy.pytorch.paging.block_trie import BlockTrie  # noqa: E402
 from lmdeploy.pytorch.paging.eviction_helper import build_eviction_helper  # noqa: E402
 from lmdeploy.pytorch.paging.eviction_helper.recompute_eviction_helper import RecomputeEvictionHelper  # noqa: E402
@@ -117,6 +122,7 @@ __all__ = [
     "KVLoadResult",
     "KVSaveBlockLease",
     "KVTransferConfig",
+    "LogicalAllocator",
     "MessageStatus",
     "RecomputeEvictionHelper",
     "SamplingParam",

@@ -13,7 +13,8 @@ stay. What changes:
   cached descendants, which no lookup reaches once their parent is gone)
   instead of LMDeploy's least-recently-accessed leaves;
 * with a ``[kv_pool] plugin`` in the config, that plugin chooses the physical
-  GPU blocks LMDeploy's allocator hands out;
+  GPU blocks LMDeploy's allocator hands out, and a block's logical id (what
+  sequences, the trie and the plugins see) is the id the plugin chose;
 * with a ``[prefix_cache] plugin``, that plugin matches and caches in place
   of LMDeploy's trie walk (:mod:`sagellm_plugin_lmdeploy.matching`), and its
   pinned blocks are never offered to the policy.
@@ -31,7 +32,7 @@ from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixMatch, chain_key
-from sagellm_plugin_lmdeploy.compat import BlockTrie, numpy
+from sagellm_plugin_lmdeploy.compat import BlockTrie, LogicalAllocator, numpy
 from sagellm_plugin_lmdeploy.matching import PluginMatcher
 
 
@@ -151,6 +152,42 @@ class SagellmPhysicalAllocator:
         return self.runtime.pool_usage().num_free_blocks
 
 
+class SagellmLogicalAllocator(LogicalAllocator):
+    """LMDeploy's logical allocator over a :class:`SagellmPhysicalAllocator`,
+    naming each block by the id sagellm's pool chose: logical block ``i`` is
+    physical block ``i + offset``. LMDeploy's own keeps a second free list of
+    logical ids, handed out in its own stack order; once the pool's choices
+    differ from that order, the logical ids that sequences, the trie and the
+    prefix-cache plugin report stop being the ids the pool counts (two of
+    3,000 blocks after 300 Mooncake requests: a cached block the pool held
+    free, a freed one it held in use). No CPU swap (``num_cpu_blocks = 0``):
+    swapping remaps a logical block to another physical one."""
+
+    def allocate(self, num_blocks: int, device: str = "gpu"):
+        if device != "gpu":
+            raise MemoryError("sagellm-plugin-lmdeploy: no CPU blocks with a sagellm kv-pool plugin")
+        if num_blocks == 0:
+            return numpy.empty((0,), dtype=numpy.int64)
+        physical = self._gpu_allocator
+        if self.get_num_free_blocks() < num_blocks or physical.get_num_free_blocks() < num_blocks:
+            raise MemoryError("No enough free memory blocks.")  # as LMDeploy's allocator says it
+        phy_blocks = physical.allocate(num_blocks)
+        blocks = phy_blocks - physical.offset
+        self._log_mem.phy_map.put(blocks, phy_blocks)
+        self._log_mem.ref_count.put(blocks, 1)
+        self.update_access_time(blocks)
+        self._free_count -= num_blocks
+        return blocks
+
+    def free(self, blocks) -> None:
+        self.add_ref_count(blocks, -1)
+        self.update_access_time(blocks)
+        freed = blocks[self.get_ref_count(blocks) == 0]
+        if len(freed):
+            self._free_count += len(freed)
+            self._gpu_allocator.free(self.get_physical_blocks(freed))
+
+
 class Unpinned:
     """The evictable blocks less the pinned ones: the candidates a policy
     may name (a live view; O(1) membership, O(pinned) size)."""
@@ -215,7 +252,14 @@ class SagellmBlockTrie(BlockTrie):
                     f"sagellm-plugin-lmdeploy: the kv-pool has {runtime.num_blocks} blocks,"
                     f" LMDeploy's GPU pool {gpu.get_num_free_blocks()}"
                 )
+            if type(allocator) is not LogicalAllocator or allocator._cpu_allocator.get_num_free_blocks():
+                raise ConfigError(
+                    "sagellm-plugin-lmdeploy: a [kv_pool] plugin chooses LMDeploy's GPU blocks by id, which"
+                    " LMDeploy's CPU swap (num_cpu_blocks > 0) remaps: set num_cpu_blocks = 0, or leave out"
+                    " [kv_pool] plugin"
+                )
             allocator._gpu_allocator = SagellmPhysicalAllocator(runtime, gpu._offset)
+            allocator.__class__ = SagellmLogicalAllocator
         # Every free goes through the allocator LMDeploy shares between the
         # block manager and the trie: watch it for blocks left to the trie.
         self._allocator_free = allocator.free

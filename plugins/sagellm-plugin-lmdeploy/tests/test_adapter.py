@@ -64,17 +64,6 @@ def test_lmdeploy_and_replay_hit_the_same_blocks(mooncake, policy):
         assert stock[:2] == replay[:2]  # stock LMDeploy reports no evictions to sagellm
 
 
-# A known defect, found by the end-of-run block accounting check (issue 16):
-# with the plugin matching and sagellm's pool choosing LMDeploy's physical
-# blocks, 300 Mooncake requests on 3,000 blocks end with two blocks the
-# runtime counts as cached but free in its pool (895, 896) and two in use but
-# neither cached nor any request's (237, 2999). Not yet traced; strict, so the
-# fix shows here.
-@pytest.mark.xfail(
-    strict=True,
-    raises=PluginError,
-    reason="known: LMDeploy with a sagellm prefix-cache plugin ends with 2 of 3,000 blocks misaccounted",
-)
 @pytest.mark.parametrize("plugin", ["radix", "hash"])
 def test_the_prefix_cache_plugin_decides_lmdeploys_matches(mooncake, plugin):
     """With ``[prefix_cache] plugin`` named, the plugin's index and not
@@ -94,6 +83,11 @@ def test_the_prefix_cache_plugin_decides_lmdeploys_matches(mooncake, plugin):
     assert rt.num_cached_blocks == len(trie.sagellm.cached) > 0
     assert set(rt.evictable()) == trie.sagellm.evictable  # every sequence ended: only the cache holds blocks
     assert trie.stats.num_hit_tokens == rt.counters.hit_tokens > 0
+    # A block's logical id (what the trie and the plugin hold) is the id the
+    # pool chose: LMDeploy's own logical ids drift from it.
+    memory = trie.allocator._log_mem
+    cached = np.array(sorted(trie.sagellm.cached), dtype=np.int64)
+    assert (memory.phy_map[cached] == cached + trie.allocator._gpu_allocator.offset).all()
     inside = counts(text)
     assert inside == counts(mooncake_config(mooncake, "replay", "s3fifo", matching=plugin))
     assert inside == counts(mooncake_config(mooncake, "lmdeploy", "s3fifo"))
@@ -177,6 +171,15 @@ def test_a_model_with_ssm_checkpoints_keeps_lmdeploys_matching():
     allocator = build_scheduler(16, 16, max_batches=1).block_manager.allocator
     with installed(rt), pytest.raises(ConfigError, match="radix.*SSM state checkpoints.*leave out"):
         SagellmBlockTrie(allocator=allocator, block_size=16, enabled=True, checkpoint_state_manager=object())
+
+
+def test_a_kv_pool_plugin_refuses_lmdeploys_cpu_swap():
+    """The pool's block ids are LMDeploy's logical ids, which a swap to the
+    CPU would remap: refused with a one-line reason."""
+    rt = runtime('[kv_pool]\nplugin = "paged"\nnum_blocks = 16\n[eviction]\nplugin = "lru"\n')
+    allocator = lm.LogicalAllocator(num_cpu_blocks=8, num_gpu_blocks=16)
+    with installed(rt), pytest.raises(ConfigError, match="num_cpu_blocks = 0"):
+        SagellmBlockTrie(allocator=allocator, block_size=16, enabled=True)
 
 
 def test_policies_change_lmdeploys_hits():
