@@ -230,7 +230,7 @@ def print_reports(reports: Sequence[dict], console: Console | None = None) -> No
                 f" first failure: {r['lifetime_failure']}"
             )
     if len(reports) == 1 and reports[0]["hooks"]:
-        hooks = Table(title="hook calls (timed by the HookTimer wrapper)")
+        hooks = Table(title="hook calls (timed by the hook dispatch)")
         for i, h in enumerate(HOOK_HEADER):
             hooks.add_column(h, justify="left" if i == 0 else "right")
         for row in hook_rows(reports[0]):
