@@ -12,6 +12,12 @@ replay's cache-only mode, an approximation in timed mode (requests wait).
 It is an upper bound to report beside online policies, not a policy to
 deploy: it needs the whole trace in advance, and memory for one key per
 distinct block of it.
+
+``knows = "whether"`` is a weaker oracle: it knows only *whether* a block
+will be used again, not when, and evicts the blocks never used again first,
+then the others, each in LRU's order. It bounds what a perfect predictor of
+which conversations return can add to LRU's order (what the policy suite's
+gap to Belady is made of: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,14 +27,28 @@ import heapq
 import math
 from collections import defaultdict
 
+from attrs import field, frozen, validators
+
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import ROOT_KEY, CachedBlock, EvictionDecision, Request, chain_key
+
+#: More releases than any replay makes (the "whether" order's two groups).
+_RELEASES = float(2**50)
+
+
+@frozen
+class BeladySettings:
+    #: "when": each block's next use (Belady's MIN); "whether": only whether
+    #: it has one, LRU's order otherwise.
+    knows: str = field(default="when", validator=validators.in_(("when", "whether")))
 
 
 class BeladyEviction:
     """``[eviction] plugin = "belady"``"""
 
-    def __init__(self, settings, context: PluginContext):
+    Settings = BeladySettings
+
+    def __init__(self, settings: BeladySettings, context: PluginContext):
         if context.future_requests is None:
             raise ValueError("belady needs the future requests, which only a replay knows (context.future_requests)")
         bs = context.block_size
@@ -41,6 +61,8 @@ class BeladyEviction:
                 key = chain_key(key, tokens[page * bs : (page + 1) * bs].tobytes())
                 self._uses[key].append(i)
         self.now = -1
+        self._whether = settings is not None and settings.knows == "whether"
+        self._released = 0
         self._next: dict[int, float] = {}  # evictable block -> position of its next use
         self._heap: list[tuple[float, int, int]] = []  # (-next use, -depth, block)
 
@@ -55,8 +77,11 @@ class BeladyEviction:
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
-        for block in blocks:
+        for block in reversed(blocks) if self._whether else blocks:
             nxt = self._next_use(block.key)
+            if self._whether:  # never used again first, then the rest; each oldest release first, leaves first
+                self._released += 1
+                nxt = (2 * _RELEASES if nxt == math.inf else _RELEASES) - self._released
             self._next[block.block_id] = nxt
             heapq.heappush(self._heap, (-nxt, -block.depth, block.block_id))
 

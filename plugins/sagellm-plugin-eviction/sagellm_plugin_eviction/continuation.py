@@ -46,7 +46,7 @@ conversation kept in part still hits that part.
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import numpy
 from attrs import field, frozen, validators
@@ -112,8 +112,12 @@ class ContinuationEviction(LeafChains):
         # Gaps are observed only within the label window: a pseudo-count in
         # each of its bins is the prior, a uniform gap on the log scale.
         self.gaps = numpy.array([1.0 if bin_age(b) <= settings.label_after_s else 0.0 for b in range(AGE_BINS)])
-        self._edges = numpy.arange(AGE_BINS + 1, dtype=float)
-        self._tail: numpy.ndarray | None = None  # S at the bin edges, kept until the histogram changes
+        # S's table: gaps at or past each bin edge (counts are whole, so
+        # kept exactly by adding 1 up to a gap's bin), S and its slopes there.
+        self._gaps_from = numpy.append(numpy.cumsum(self.gaps[::-1])[::-1], 0.0)
+        self._tail = numpy.zeros(AGE_BINS + 1)
+        self._slopes = numpy.zeros(AGE_BINS + 1)  # the last 0: past the last edge, S stays 0
+        self._table_stale = True
         self._pending: OrderedDict[int, Turn] = OrderedDict()  # last block's key -> turn, oldest first
         self._leaf_turn: dict[int, Turn] = {}  # evictable leaf -> its turn
         # The turns with evictable leaves, in rows of arrays, so a choice
@@ -122,27 +126,62 @@ class ContinuationEviction(LeafChains):
         self._features = numpy.zeros((256, 6))
         self._released_at = numpy.zeros(256)
         self._opened = numpy.zeros(256, dtype=numpy.int64)
+        self._scratch = numpy.zeros(512)  # values(): the ages, then S, of twice the rows
         self._turns_opened = 0
         self._now = 0.0
+        self._latest_release = -math.inf  # no turn's release is later
 
     # -------------------------------------------------------------- model --
 
     def continuation_probability(self, features) -> numpy.ndarray:
-        return 1.0 / (1.0 + numpy.exp(-(features @ self.weights)))
+        if features.ndim == 1:
+            return 1.0 / (1.0 + numpy.exp(-(features @ self.weights)))
+        p = features @ self.weights  # the same steps, in place
+        numpy.negative(p, out=p)
+        numpy.exp(p, out=p)
+        numpy.add(p, 1.0, out=p)
+        return numpy.divide(1.0, p, out=p)
 
     def _learn(self, turn: Turn, continued: bool) -> None:
         p = float(self.continuation_probability(turn.features))
         self.weights += self.settings.learning_rate * (float(continued) - p) * turn.features
 
+    def _survival_table(self) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """S at the bin edges 0, 1, ..., AGE_BINS (the last 0), and the slope
+        from each edge to the next (the last 0), redone when a gap was seen."""
+        if self._table_stale:
+            numpy.divide(self._gaps_from, self._gaps_from[0], out=self._tail)
+            # numpy.interp's slopes, (S[j + 1] - S[j]) / (edge[j + 1] - edge[j]), edges 1 apart
+            numpy.subtract(self._tail[1:], self._tail[:-1], out=self._slopes[:-1])
+            self._table_stale = False
+        return self._tail, self._slopes
+
+    def _count_gap(self, gap_s: float) -> None:
+        b = age_bin(gap_s)
+        self.gaps[b] += 1.0
+        self._gaps_from[: b + 1] += 1.0
+        self._table_stale = True
+
     def _survival(self, ages: numpy.ndarray) -> numpy.ndarray:
         """S(age) = P(gap > age | continued), from the histogram, linear
         between bin edges on the bins' log scale: bins are a factor of √2
-        wide, too coarse to step S by a window of ``reuse_window_s``."""
-        if self._tail is None:  # the histogram changed since the last call
-            self._tail = numpy.append(numpy.cumsum(self.gaps[::-1])[::-1], 0.0) / self.gaps.sum()
-        tail = self._tail
-        position = 2.0 * numpy.log2(1.0 + ages / AGE_UNIT_S)  # bin b spans [b, b + 1)
-        return numpy.maximum(numpy.interp(position, self._edges, tail), 1e-9)
+        wide, too coarse to step S by a window of ``reuse_window_s``.
+        Overwrites ``ages``."""
+        tail, slopes = self._survival_table()
+        position = ages
+        numpy.divide(position, AGE_UNIT_S, out=position)
+        numpy.add(position, 1.0, out=position)
+        numpy.log2(position, out=position)
+        numpy.multiply(position, 2.0, out=position)  # bin b spans [b, b + 1)
+        # numpy.interp(position, edges, tail) to the bit, as an index and a
+        # step (edges are 0, 1, ..., AGE_BINS; past the last, S is 0): its
+        # binary search per point was a third of a choice's cost
+        edge = position.astype(numpy.intp)
+        numpy.minimum(edge, AGE_BINS, out=edge)
+        numpy.subtract(position, edge, out=position)  # the step past the edge
+        numpy.multiply(position, slopes[edge], out=position)
+        numpy.add(position, tail[edge], out=position)
+        return numpy.maximum(position, 1e-9, out=position)
 
     def _expire(self, now_s: float) -> None:
         horizon = now_s - self.settings.label_after_s
@@ -169,6 +208,7 @@ class ContinuationEviction(LeafChains):
                     self._features = numpy.resize(self._features, (2 * row, 6))
                     self._released_at = numpy.resize(self._released_at, 2 * row)
                     self._opened = numpy.resize(self._opened, 2 * row)
+                    self._scratch = numpy.zeros(4 * row)
                 self._with_leaves.append(turn)
                 self._features[row] = turn.features
                 self._released_at[row] = turn.released_at
@@ -239,6 +279,7 @@ class ContinuationEviction(LeafChains):
         if not blocks:
             return
         self._expire(now_s)
+        self._latest_release = max(self._latest_release, now_s)
         end = blocks[-1]  # chain order: the request's deepest block
         previous, shared_depth, pending = self._previous(end)
         self._turns_opened += 1
@@ -251,8 +292,7 @@ class ContinuationEviction(LeafChains):
             if pending:
                 del self._pending[previous.end_key]
                 self._learn(previous, continued=True)
-                self.gaps[age_bin(gap)] += 1.0
-                self._tail = None
+                self._count_gap(gap)
             new_blocks = max(0, end.depth - shared_depth)  # 0: the same prompt again
             turn = Turn(
                 turn_features(previous.turns + 1, new_blocks, end.depth + 1, gap),
@@ -280,36 +320,59 @@ class ContinuationEviction(LeafChains):
     # ------------------------------------------------------------ decision --
 
     def values(self) -> numpy.ndarray:
-        """value(a) now of each turn with leaves, by row (the module's docstring)."""
+        """value(a) now of each turn with leaves, by row (the module's
+        docstring). Computed in place, each step as the formula writes it,
+        so the figures are the formula's to the bit: a choice is overhead
+        bound at a few hundred rows."""
         n = len(self._with_leaves)
-        ages = numpy.maximum(self._now - self._released_at[:n], 0.0)
-        p = self.continuation_probability(self._features[:n])
-        both = self._survival(numpy.concatenate((ages, ages + self.settings.reuse_window_s)))  # one pass
+        both = self._scratch[: 2 * n]
+        ages = both[:n]
+        numpy.subtract(self._now, self._released_at[:n], out=ages)
+        if self._now < self._latest_release:  # a clock that went back (not a replay's)
+            numpy.maximum(ages, 0.0, out=ages)
+        numpy.add(ages, self.settings.reuse_window_s, out=both[n:])
+        self._survival(both)  # one pass for S(a) and S(a + H)
         still, later = both[:n], both[n:]
-        alive = p * still / (1.0 - p + p * still)
-        return alive * (1.0 - later / still)
+        p = self.continuation_probability(self._features[:n])
+        alive = numpy.multiply(p, still)
+        numpy.subtract(1.0, p, out=p)
+        numpy.add(p, alive, out=p)  # 1 - p + p S(a)
+        numpy.divide(alive, p, out=alive)
+        numpy.divide(later, still, out=later)
+        numpy.subtract(1.0, later, out=later)
+        return numpy.multiply(alive, later, out=alive)
 
     def _by_value(self, n: int, wanted: int):
-        """Rows least value first, then the oldest: the lowest ``wanted``
-        values (and their ties) sorted first, the rest only if those turns
-        do not hold enough victims (a full sort of thousands of turns per
-        choice cost most of it)."""
+        """Rows least value first, then the oldest. Most choices take all
+        their victims from the first turn: it is found alone when its value
+        is the only least one; the lowest ``wanted`` values (and their ties)
+        are sorted next, the rest only if those turns do not hold enough
+        victims (a full sort of thousands of turns per choice cost most of it)."""
         if not n:
             return
         values, released, opened = self.values(), self._released_at[:n], self._opened[:n]
+        first = int(values.argmin())
+        skip = 0
+        if numpy.count_nonzero(values == values[first]) == 1:
+            yield first  # the order's first row, found in two passes
+            skip = 1
+        # (rows as ints, one at a time: few are taken, and ties can make thousands)
         if n <= 2 * wanted:
-            yield from numpy.lexsort((opened, released, values))
+            yield from map(int, numpy.lexsort((opened, released, values))[skip:])
             return
         low = values <= numpy.partition(values, wanted - 1)[wanted - 1]
-        for rows in (numpy.flatnonzero(low), numpy.flatnonzero(~low)):
-            yield from rows[numpy.lexsort((opened[rows], released[rows], values[rows]))]
+        rows = numpy.flatnonzero(low)
+        yield from map(int, rows[numpy.lexsort((opened[rows], released[rows], values[rows]))][skip:])
+        rows = numpy.flatnonzero(~low)  # seldom reached: the lowest turns hold enough
+        yield from map(int, rows[numpy.lexsort((opened[rows], released[rows], values[rows]))])
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         turns, n = self._with_leaves, len(self._with_leaves)  # by row, as the values are
+        records = self._meta
         victims: list[int] = []
         chosen: set[int] = set()
-        children_taken: Counter[int] = Counter()
+        children_taken: dict[int, int] = {}
         for i in self._by_value(n, num_blocks):
             turn = turns[i]
             stack = sorted(turn.leaves)
@@ -322,10 +385,10 @@ class ContinuationEviction(LeafChains):
                 if len(victims) == num_blocks:
                     return EvictionDecision(tuple(victims))
                 # Its parent is next if this turn owns it and nothing else hangs from it.
-                parent = self._meta[block].parent
-                meta = self._meta.get(parent) if parent is not None else None
+                parent = records[block].parent
+                meta = records.get(parent) if parent is not None else None
                 if meta is not None:
-                    children_taken[parent] += 1
-                    if meta.value is turn and not meta.held and meta.children == children_taken[parent]:
+                    taken = children_taken[parent] = children_taken.get(parent, 0) + 1
+                    if meta.value is turn and not meta.held and meta.children == taken:
                         stack.append(parent)
         return EvictionDecision(tuple(victims))

@@ -185,6 +185,31 @@ def test_belady_evicts_the_block_used_farthest_in_the_future():
     assert oracle.sagellm_select_victims(num_blocks=2, candidates=EVERY_BLOCK).victim_ids == (1, 0)  # no side effects
 
 
+def test_belady_knowing_only_whether_a_block_returns_keeps_lru_order_among_the_rest():
+    """``knows = "whether"``: the block never used again goes first, as with
+    Belady; the two that return go in release order, not by next use."""
+    from sagellm_plugin_eviction.belady import BeladyEviction, BeladySettings
+
+    from sagellm_core.types import ROOT_KEY, chain_key
+
+    future = [Request(f"r{i}", pages(page), 1) for i, page in enumerate((1, 2, 3, 1, 3))]
+
+    def block(block_id, page):
+        return CachedBlock(block_id, 0, None, chain_key(ROOT_KEY, array("q", range(page * 4, page * 4 + 4)).tobytes()))
+
+    def victims(knows):
+        oracle = BeladyEviction(
+            BeladySettings(knows=knows), PluginContext("belady", 4, 10, future_requests=lambda: iter(future))
+        )
+        for i, page in enumerate((1, 2, 3)):  # A, B, C released in turn; A is next used by r3, C by r4, B never
+            oracle.sagellm_request_arrived(request=future[i])
+            oracle.sagellm_blocks_released(blocks=(block(i, page),))
+        return oracle.sagellm_select_victims(num_blocks=3, candidates=EVERY_BLOCK).victim_ids
+
+    assert victims("when") == (1, 2, 0)
+    assert victims("whether") == (1, 0, 2)
+
+
 def test_belady_needs_the_future_and_does_not_import_the_replay():
     import subprocess
     import sys
@@ -534,3 +559,69 @@ def test_fair_reads_the_tenant_field_and_shares_out_shared_blocks_as_one():
         p.sagellm_blocks_released(blocks=blocks)
     assert p.usage() == {"a": 3, "": 1}
     assert p.sagellm_select_victims(num_blocks=4, candidates=EVERY_BLOCK).victim_ids == (2, 1, 0, 10)
+
+
+def continuation_with_history():
+    """A continuation policy after conversations of many shapes: first turns
+    of 1 to 6 blocks, some continued after 5 to 400 s, some released at
+    once (ties), some older than the label window; every fifth round, the
+    first turn of five rounds before evicted, so that a later turn takes
+    its row and rows are not in release order."""
+    p = ContinuationEviction(ContinuationSettings(), PluginContext("p", block_size=16, num_blocks=10_000))
+    talk = Conversations(p)
+    rng = numpy.random.default_rng(7)
+    firsts = {}
+    for round_ in range(120):
+        now = 30.0 * round_
+        first = firsts[round_] = talk.turn(now, new_blocks=int(rng.integers(1, 7)))
+        talk.turn(now, new_blocks=2)  # released at the same time as the first
+        talk.turn(now, new_blocks=2)  # and alike: equal values
+        if rng.random() < 0.6:
+            talk.turn(now + float(rng.uniform(5.0, 400.0)), previous=first, new_blocks=int(rng.integers(0, 4)))
+        if round_ % 5 == 0 and round_ >= 5:
+            p.sagellm_blocks_evicted(blocks=tuple(reversed(firsts[round_ - 5])), now_s=now)
+    return p
+
+
+def reference_values(p):
+    """The module docstring's formula, as written, with numpy.interp."""
+    from sagellm_plugin_eviction.ages import AGE_BINS, AGE_UNIT_S
+
+    n = len(p._with_leaves)
+    ages = numpy.maximum(p._now - p._released_at[:n], 0.0)
+    prob = 1.0 / (1.0 + numpy.exp(-(p._features[:n] @ p.weights)))
+    tail = numpy.append(numpy.cumsum(p.gaps[::-1])[::-1], 0.0) / p.gaps.sum()
+
+    def survival(a):
+        position = 2.0 * numpy.log2(1.0 + a / AGE_UNIT_S)
+        return numpy.maximum(numpy.interp(position, numpy.arange(AGE_BINS + 1, dtype=float), tail), 1e-9)
+
+    still, later = survival(ages), survival(ages + p.settings.reuse_window_s)
+    alive = prob * still / (1.0 - prob + prob * still)
+    return alive * (1.0 - later / still)
+
+
+@pytest.mark.parametrize("now", [3600.0, 3610.0, 4000.0, 100.0])  # the last: a clock gone back
+def test_continuation_values_are_the_formulas_to_the_bit(now):
+    """values() works in place and interpolates S by index; its figures
+    must be the formula's exactly, or victims (and hit rates) could move."""
+    p = continuation_with_history()
+    at_the_end = p.values()
+    assert (at_the_end == 0.0).any() and (at_the_end > 0.0).any()  # turns past S's reach, and live ones
+    p._now = now
+    assert numpy.array_equal(p.values(), reference_values(p))
+
+
+@pytest.mark.parametrize("wanted", [1, 2, 5, 40, 10_000])
+@pytest.mark.parametrize("now, least", [(100.0, 1), (500.0, 2), (3620.0, 292)])
+def test_continuation_orders_turns_by_value_then_age_whatever_it_is_asked_for(wanted, now, least):
+    """The rows come least value first, then oldest release, then first
+    opened, however many victims are asked for (a partial sort or a full
+    one), whether the least value is one turn's (found alone) or shared."""
+    p = continuation_with_history()
+    p._now = now
+    n = len(p._with_leaves)
+    values = reference_values(p)
+    assert numpy.count_nonzero(values == values.min()) == least
+    expected = numpy.lexsort((p._opened[:n], p._released_at[:n], values)).tolist()
+    assert list(p._by_value(n, wanted)) == expected

@@ -1,0 +1,81 @@
+"""The shipped policy suite: its fresh part is new data, not the other
+parts again."""
+
+import pytest
+from sagellm_plugin_eviction import suite
+
+from sagellm_core.errors import SagellmError
+
+
+def draw(entry):
+    """What makes one of a source's workloads another sample: its seed and
+    the range of session draws it keeps."""
+    w = entry["config"]["workload"]
+    return w.get("seed", 0), w.get("session_from", 0.0), w.get("session_to", 1.0)
+
+
+def test_the_fresh_part_draws_every_workload_anew():
+    parsed, _ = suite.read_suite(None)
+    by_split = {}
+    for entry in parsed["workload"]:
+        by_split.setdefault(entry["split"], []).append(entry)
+    assert set(by_split) == {"tune", "held-out", "fresh"}
+    seen = [e for split in ("tune", "held-out") for e in by_split[split]]
+    for entry in by_split["fresh"]:
+        source = entry["config"]["workload"]["source"]
+        same_source = [e for e in seen if e["config"]["workload"]["source"] == source]
+        assert same_source, f"{entry['name']}: a source the other parts do not have"
+        assert all(draw(entry) != draw(e) for e in same_source), entry["name"]
+
+
+def test_a_split_outside_the_three_parts_is_refused(tmp_path):
+    path = tmp_path / "suite.toml"
+    path.write_text("fractions = [0.5]\n[[workload]]\nname = 'x'\nsplit = 'test'\nconfig = {}\n")
+    with pytest.raises(SagellmError, match="accepted: tune, held-out, fresh"):
+        suite.read_suite(path)
+
+
+SMALL_SUITE = """
+fractions = [0.25]
+
+[[workload]]
+name = "chat"
+split = "tune"
+config.workload = { source = "generator", tenants = 2, sessions_per_tenant = 6, turns = 3 }
+config.prefix_cache = { plugin = "radix", block_size = 64 }
+"""
+
+
+def test_a_policy_with_settings_and_a_weaker_oracle(tmp_path):
+    """``--policy NAME:KEY=VALUE``: Belady knowing only whether a block
+    returns lies between LRU and Belady, and, an oracle, is not among the
+    online policies the after-the-fact row picks from."""
+    path = tmp_path / "suite.toml"
+    path.write_text(SMALL_SUITE)
+    parsed, where = suite.read_suite(path)
+    rows = suite.evaluate(parsed, where, ["belady:knows=whether", "lfu", "s3fifo"], traces=tmp_path)
+    rate = {row["policy"]: row["block_hit_rate"] for row in rows}
+    assert rate["lru"] <= rate["belady:knows=whether"] <= rate["belady"]
+    (best,) = [s for s in suite.summary(rows) if s["policy"] == suite.BEST_AFTER_THE_FACT]
+    online_best = max(rate["lfu"], rate["s3fifo"], rate["lru"])
+    assert best["worst_ratio_to_lru"] == pytest.approx(online_best / rate["lru"])
+
+
+@pytest.mark.parametrize(
+    "policy, section",
+    [
+        ("lru", {"plugin": "lru"}),
+        (
+            "adaptive:margin=0.03,experts=['lru', 'lfu']",
+            {"plugin": "adaptive", "margin": 0.03, "experts": ["lru", "lfu"]},
+        ),
+        ("belady:knows=whether", {"plugin": "belady", "knows": "whether"}),
+    ],
+)
+def test_policy_settings_are_toml_values_or_bare_words(policy, section):
+    assert suite.eviction_section(policy) == section
+
+
+def test_a_policy_setting_without_a_value_is_refused():
+    with pytest.raises(SagellmError, match="KEY=VALUE"):
+        suite.eviction_section("adaptive:margin")
