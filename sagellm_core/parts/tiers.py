@@ -38,21 +38,22 @@ class HostTierIndex:
         """The transport put ``keys`` in ``slots``; a RuntimeError if a slot
         is beyond the tier's capacity (an engine's connector and the
         transport were sized apart)."""
-        beyond = [s for s in slots if not 0 <= s < self.capacity]
-        if beyond:
+        if slots and not (0 <= min(slots) and max(slots) < self.capacity):
+            beyond = [s for s in slots if not 0 <= s < self.capacity]
             raise RuntimeError(
                 f"sagellm transport placed blocks in host slots {beyond[:4]}, beyond the connector's host tier of"
                 f" {self.capacity} blocks (kv_connector_extra_config host_blocks)"
             )
+        slot_of, key_of = self._slot, self._key
         for key, slot in zip(keys, slots):
-            old = self._key.pop(slot, None)  # the slot's previous content
-            if old is not None and self._slot.get(old) == slot:
-                del self._slot[old]
-            previous_slot = self._slot.get(key)  # the same content saved before
+            old = key_of.pop(slot, None)  # the slot's previous content
+            if old is not None and slot_of.get(old) == slot:
+                del slot_of[old]
+            previous_slot = slot_of.get(key)  # the same content saved before
             if previous_slot is not None:
-                del self._key[previous_slot]
-            self._key[slot] = key
-            self._slot[key] = slot
+                del key_of[previous_slot]
+            key_of[slot] = key
+            slot_of[key] = slot
 
 
 class HostTier:
@@ -67,8 +68,9 @@ class HostTier:
 
     def offload(self, removed: Sequence[CachedBlock]) -> None:
         """Copy blocks leaving the device cache to the host tier."""
-        keys = tuple(b.key for b in removed)
-        plan = TransferPlan("device", "host", tuple(b.block_id for b in removed), self.rt.block_size, block_keys=keys)
+        keys = tuple([b.key for b in removed])
+        ids = tuple([b.block_id for b in removed])
+        plan = TransferPlan("device", "host", ids, self.rt.block_size, block_keys=keys)
         result = self.rt.transfer(plan)
         if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
             self.index.record(keys, result.dst_block_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from attrs import frozen
+from attrs import field, frozen
 
 from sagellm_core.drivers.stepping import ScheduledChunk
 
@@ -85,22 +85,40 @@ class CostModel:
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.002
+    # The model's per-token constants, derived once: step_time runs every
+    # simulated step, and the model's properties recount its parameters.
+    _flops_per_token: float = field(init=False, repr=False, eq=False)
+    _flops_per_token_pair: float = field(init=False, repr=False, eq=False)
+    _weight_bytes: int = field(init=False, repr=False, eq=False)
+    _kv_bytes_per_token: int = field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        m = self.model
+        object.__setattr__(self, "_flops_per_token", m.flops_per_token)
+        object.__setattr__(self, "_flops_per_token_pair", m.flops_per_token_pair)
+        object.__setattr__(self, "_weight_bytes", m.num_params * m.dtype_bytes)
+        object.__setattr__(self, "_kv_bytes_per_token", m.kv_bytes_per_token)
 
     def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
-        m = self.model
         tokens = 0
-        pairs = 0.0
+        pairs = 0
         kv_tokens = 0
         for c in chunks:
             n, ctx = c.num_new_tokens, c.num_context_tokens
             tokens += n
             # Each new token attends to the context and the chunk up to itself.
-            pairs += n * (ctx + (n + 1) / 2)
+            pairs += n * ctx + n * (n + 1) // 2
             kv_tokens += ctx + n
+        return self.step_time_of(tokens, pairs, kv_tokens)
+
+    def step_time_of(self, tokens: int, pairs: int, kv_tokens: int) -> float:
+        """The time of a step from its totals: ``tokens`` new tokens,
+        ``pairs`` causal (query, key) pairs they attend to, ``kv_tokens``
+        tokens in KV after it (summed over its chunks)."""
         if tokens == 0:
             return 0.0
-        flops = m.flops_per_token * tokens + m.flops_per_token_pair * pairs
-        bytes_moved = m.num_params * m.dtype_bytes + kv_tokens * m.kv_bytes_per_token
+        flops = self._flops_per_token * tokens + self._flops_per_token_pair * pairs
+        bytes_moved = self._weight_bytes + kv_tokens * self._kv_bytes_per_token
         compute = flops / (self.hardware.flops * self.flops_efficiency)
         memory = bytes_moved / (self.hardware.bandwidth * self.bandwidth_efficiency)
         return max(compute, memory) + self.step_overhead_s

@@ -23,7 +23,7 @@ import attrs
 from attrs import field, frozen, validators
 
 from sagellm_core.drivers.serial import serve_serially
-from sagellm_core.drivers.stepping import pack_step
+from sagellm_core.drivers.stepping import pack
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.runtime import Runtime
@@ -129,6 +129,12 @@ class Arrivals:
         self._in_flight: set[str] = set()  # sessions with a turn sent and not finished
         self._held: dict[str, deque[Request]] = {}
 
+    def any_due(self, now_s: float) -> bool:
+        """Whether :meth:`due` has a request for ``now_s``: asked every
+        step, before a generator is made for the few steps that have one."""
+        upcoming, released = self._next, self._released
+        return (upcoming is not None and upcoming.arrival_s <= now_s) or bool(released and released[0][0] <= now_s)
+
     def next_arrival_s(self) -> float | None:
         """When the next request may arrive (a held one does not count)."""
         upcoming = self._next.arrival_s if self._next is not None else math.inf
@@ -223,14 +229,16 @@ class ReplayEngine:
 
     def _timed(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
         s = self.settings
+        cost = self.cost
         arrivals = Arrivals(requests, s.closed_loop)
         waiting: list[SequenceState] = []
         running: list[SequenceState] = []
         now = 0.0
         while True:
-            for request in arrivals.due(now):
-                rt.set_time(request.arrival_s)
-                waiting.append(rt.arrive(request))
+            if arrivals.any_due(now):
+                for request in arrivals.due(now):
+                    rt.set_time(request.arrival_s)
+                    waiting.append(rt.arrive(request))
             if not waiting and not running:
                 nxt = arrivals.next_arrival_s()
                 if nxt is None:
@@ -238,16 +246,19 @@ class ReplayEngine:
                 now = nxt
                 continue
             rt.set_time(now)
+            # The passes reorder these lists in place: pack returns new ones,
+            # so nothing else holds them.
             ir = ScheduleIR(
                 now_s=now,
-                waiting=list(waiting),
-                running=list(running),
+                waiting=waiting,
+                running=running,
                 token_budget=s.max_num_batched_tokens,
                 max_num_seqs=s.max_num_seqs,
             )
             rt.schedule(ir)
-            plan, running, waiting = pack_step(rt, ir)
-            if not plan.chunks:
+            step = pack(rt, ir)
+            running, waiting = step.running, step.waiting
+            if not step.states:
                 # Nothing runs and the head of the queue does not fit even an
                 # empty pool (its prompt and output need more blocks than
                 # there are): it can never be served.
@@ -256,27 +267,25 @@ class ReplayEngine:
                 arrivals.done(head.request, now)
                 on_request()
                 continue
-            duration = self.cost.step_time(plan.chunks)
-            now += duration
+            now += cost.step_time_of(step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
             rt.set_time(now)
-            by_id = {st.request_id: st for st in running}
-            for chunk in plan.chunks:
-                state = by_id[chunk.request_id]
-                state.num_computed_tokens += chunk.num_new_tokens
-                if state.num_computed_tokens < state.num_tokens:
+            for state, n, prefill, completes in zip(step.states, step.num_new, step.prefill, step.completes):
+                state.num_computed_tokens += n
+                if not completes:
                     continue  # a prefill chunk that is not the last
-                state.num_output_tokens += 1  # the step samples one token
+                num_output = state.num_output_tokens + 1  # the step samples one token
+                state.num_output_tokens = num_output
                 if state.first_token_s is None:
                     state.first_token_s = now
-                if chunk.is_prefill:
+                if prefill:
                     rt.cache(state)
-                if state.num_output_tokens >= state.request.output_tokens:
+                if num_output >= state.request.output_tokens:
                     state.finish_s = now
                     running.remove(state)
                     recorder.record(rt.finish(state))
                     arrivals.done(state.request, now)
                     on_request()
             recorder.steps += 1
-            recorder.batched_tokens += plan.num_batched_tokens
+            recorder.batched_tokens += step.num_batched_tokens
             recorder.sample(rt, now, rt.pool_usage())
         recorder.simulated_s = now

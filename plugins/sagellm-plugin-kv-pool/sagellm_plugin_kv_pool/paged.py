@@ -24,41 +24,49 @@ class PagedPool:
     def __init__(self, settings, context: PluginContext):
         self.num_blocks = context.num_blocks
         self._free = deque(range(self.num_blocks))
-        self._is_free = bytearray(b"\x01") * self.num_blocks
+        # Block b's flag is at index b + 1, between two flags that are never
+        # set: a block's neighbours are read without a bounds test.
+        self._is_free = bytearray(1) + bytearray(b"\x01") * self.num_blocks + bytearray(1)
         self._free_runs = 1 if self.num_blocks else 0
-
-    def _neighbours_free(self, block_id: int) -> int:
-        left = block_id > 0 and self._is_free[block_id - 1]
-        right = block_id + 1 < self.num_blocks and self._is_free[block_id + 1]
-        return int(left) + int(right)
+        self._usage: PoolUsage | None = None  # the answer until the pool changes
 
     @hookimpl
     def sagellm_allocate_blocks(self, num_blocks: int, request: Request | None) -> BlockAllocation:
         if num_blocks > len(self._free):
             return _NO_BLOCKS
-        popleft = self._free.popleft
+        popleft, is_free = self._free.popleft, self._is_free
         ids = tuple(popleft() for _ in range(num_blocks))
+        runs = self._free_runs
         for block_id in ids:
-            self._is_free[block_id] = 0
+            is_free[block_id + 1] = 0
             # Taking a block out of a run of k splits it into (up to) two.
-            self._free_runs += self._neighbours_free(block_id) - 1
+            runs += is_free[block_id] + is_free[block_id + 2] - 1
+        self._free_runs = runs
+        self._usage = None
         return BlockAllocation(ids)
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
+        num_blocks, is_free = self.num_blocks, self._is_free
         for block_id in block_ids:
-            if not 0 <= block_id < self.num_blocks:
-                raise ValueError(f"block {block_id} is out of range 0..{self.num_blocks - 1}")
-            if self._is_free[block_id]:
+            if not 0 <= block_id < num_blocks:
+                raise ValueError(f"block {block_id} is out of range 0..{num_blocks - 1}")
+            if is_free[block_id + 1]:
                 raise ValueError(f"block {block_id} is freed twice")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"blocks {list(block_ids)} contain duplicates")
+        runs = self._free_runs
         for block_id in block_ids:
-            self._free_runs += 1 - self._neighbours_free(block_id)
-            self._is_free[block_id] = 1
+            runs += 1 - is_free[block_id] - is_free[block_id + 2]
+            is_free[block_id + 1] = 1
+        self._free_runs = runs
         self._free.extend(block_ids)
+        self._usage = None
         return True
 
     @hookimpl
     def sagellm_pool_usage(self) -> PoolUsage:
-        return PoolUsage(self.num_blocks, len(self._free), self._free_runs)
+        usage = self._usage
+        if usage is None:
+            usage = self._usage = PoolUsage(self.num_blocks, len(self._free), self._free_runs)
+        return usage

@@ -19,7 +19,7 @@ timed with ``perf_counter``.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import deque
 
 import numpy as np
 from attrs import field, frozen, validators
@@ -50,19 +50,22 @@ class LocalTransport:
             "device": np.zeros((context.num_blocks, settings.bytes_per_block), dtype=np.uint8),
             "host": np.zeros((settings.host_blocks, settings.bytes_per_block), dtype=np.uint8),
         }
-        # host slot -> content key (or None): the order of reuse, oldest first.
-        self._host_slots: OrderedDict[int, bytes | None] = OrderedDict()
-        self._host_free = list(range(settings.host_blocks - 1, -1, -1))
+        # Host slots holding a block, in the order they were written: the
+        # oldest is reused first once no slot is free.
+        self._host_used: deque[int] = deque()
+        self._host_free = list(range(settings.host_blocks - 1, -1, -1))  # popped from the end: lowest first
 
-    def _host_slots_for(self, n: int, keys: tuple[bytes, ...]) -> list[int]:
-        slots = []
-        for i in range(n):
-            if self._host_free:
-                slot = self._host_free.pop()
-            else:
-                slot, _ = self._host_slots.popitem(last=False)
-            self._host_slots[slot] = keys[i] if i < len(keys) else None
-            slots.append(slot)
+    def _host_slots_for(self, n: int) -> list[int]:
+        """``n`` host slots: free ones first (lowest first), then the oldest
+        written. ``n`` is at most the tier's size, so the reused ones were
+        all written before this call."""
+        free = self._host_free
+        take = min(n, len(free))
+        slots = free[len(free) - take :][::-1]
+        del free[len(free) - take :]
+        used = self._host_used
+        slots += [used.popleft() for _ in range(n - take)]
+        used.extend(slots)
         return slots
 
     @hookimpl
@@ -86,7 +89,13 @@ class LocalTransport:
 
     def _copy(self, src, dst, src_ids: list[int], dst_ids: list[int]) -> None:
         if self._block_dim is None:
-            dst[dst_ids] = src[src_ids]
+            if len(src_ids) <= 8 and src is not dst:
+                # A few rows: row by row is faster than numpy's fancy
+                # indexing, which builds index arrays from the lists first.
+                for s, d in zip(src_ids, dst_ids):
+                    dst[d] = src[s]
+            else:
+                dst[dst_ids] = src[src_ids]
             return
         if self._copy_blocks is not None:  # the engine's device copies, on its stream
             self._copy_blocks(src, src_ids, dst, dst_ids)
@@ -118,7 +127,7 @@ class LocalTransport:
         ) >= self._num_rows(dst):
             return TransferResult(False, 0, 0, 0.0, error="block id out of the tier's range")
         start = time.perf_counter()
-        slots = list(plan.dst_block_ids) or self._host_slots_for(n, plan.block_keys)
+        slots = list(plan.dst_block_ids) or self._host_slots_for(n)
         self._copy(src, dst, list(plan.src_block_ids), slots)
         seconds = time.perf_counter() - start
         return TransferResult(True, n, n * self._bytes_per_block, seconds, tuple(slots))

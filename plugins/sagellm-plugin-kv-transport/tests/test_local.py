@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from sagellm_plugin_kv_transport.local import LocalSettings, LocalTransport
 
 from sagellm_core import PluginContext
@@ -40,3 +41,26 @@ def test_failures_are_results_not_exceptions():
     ]:
         result = t.sagellm_transfer_blocks(plan=plan)
         assert not result.ok and error in result.error
+
+
+def test_a_batch_takes_the_free_slots_lowest_first_then_the_oldest_written():
+    t = transport(host=3)
+    assert t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (0, 1), 16)).dst_block_ids == (0, 1)
+    # one slot free (2), then the oldest written (0)
+    assert t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (2, 3), 16)).dst_block_ids == (2, 0)
+    assert t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", (4, 5, 6), 16)).dst_block_ids == (1, 2, 0)
+
+
+@pytest.mark.parametrize("count", [1, 8, 9, 16])  # row by row up to 8 blocks, numpy's fancy indexing above
+def test_every_batch_size_moves_each_blocks_bytes(count):
+    t = LocalTransport(LocalSettings(host_blocks=32, bytes_per_block=8), PluginContext("local", 16, 32))
+    device = t.tiers["device"]
+    device[:] = np.arange(32, dtype=np.uint8)[:, None]
+    src = tuple(range(31, 31 - count, -1))
+    out = t.sagellm_transfer_blocks(plan=TransferPlan("device", "host", src, 16))
+    assert [int(t.tiers["host"][slot][0]) for slot in out.dst_block_ids] == list(src)
+    device[:] = 0
+    back = t.sagellm_transfer_blocks(
+        plan=TransferPlan("host", "device", out.dst_block_ids, 16, dst_block_ids=tuple(range(count)))
+    )
+    assert back.ok and [int(device[i][0]) for i in range(count)] == list(src)

@@ -1,9 +1,10 @@
 """A radix tree over token ids with page-aligned edges (SGLang's RadixCache
 with ``page_size > 1``, keyed by whole pages).
 
-Each node holds one edge: a run of pages (``block_size`` tokens each) and the
-physical block holding each page. Children are keyed by their first page, so
-a match walks one dict lookup per node and compares pages along the edge.
+Each node holds one edge: a run of pages (``block_size`` tokens each, as
+one bytes object) and the physical block holding each page. Children are
+keyed by their first page, so a match walks one dict lookup per node and
+compares the edge in one memcmp.
 A match that ends inside an edge splits it at that page boundary, so that
 references are counted per node: ``lock_ref`` counts the requests whose path
 runs through the node (vLLM's ``ref_cnt``, SGLang's ``lock_ref``). They are
@@ -41,15 +42,17 @@ from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch,
 
 
 class _Node:
-    __slots__ = ("parent", "children", "keys", "edge", "blocks", "start", "lock_ref", "hits", "pinned")
+    __slots__ = ("parent", "children", "first", "edge", "blocks", "start", "lock_ref", "hits", "pinned")
 
-    def __init__(self, parent: _Node | None, keys: list[bytes], blocks: list[CachedBlock], start: int):
+    def __init__(self, parent: _Node | None, edge: bytes, blocks: list[CachedBlock], start: int):
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
-        self.keys = keys
         # The edge's pages as one bytes object: a whole edge is matched with
-        # one comparison (a memcmp) instead of one per page.
-        self.edge = b"".join(keys)
+        # one comparison (a memcmp) instead of one per page, and each page's
+        # bytes are held once (not also as a bytes object of its own).
+        self.edge = edge
+        #: The first page: the node's key among its parent's children.
+        self.first = edge[: len(edge) // len(blocks)] if blocks else b""
         self.blocks = blocks
         self.start = start  # page index of the edge's first page
         self.lock_ref = 0
@@ -60,13 +63,14 @@ class _Node:
 class _Evictable:
     """Live view of the unlocked blocks; O(1) membership and size."""
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_where")
 
     def __init__(self, cache: RadixPrefixCache):
         self._cache = cache
+        self._where = cache._where  # the same dict, for the hot membership test
 
     def __contains__(self, block_id: object) -> bool:
-        node = self._cache._where.get(block_id)  # type: ignore[arg-type]
+        node = self._where.get(block_id)  # type: ignore[arg-type]
         return node is not None and node.lock_ref == 0
 
     def __len__(self) -> int:
@@ -142,59 +146,69 @@ class RadixPrefixCache:
     def _root(self, namespace: str) -> _Node:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = _Node(None, [], [], 0)
+            root = self._roots[namespace] = _Node(None, b"", [], 0)
             root.lock_ref = 1  # never evictable, never counted
         return root
 
     def _root_key(self, namespace: str) -> int:
         return chain_key(ROOT_KEY, namespace.encode()) if namespace else ROOT_KEY
 
-    def _key(self, token_ids, page: int) -> bytes:
-        bs = self.block_size
-        return token_ids[page * bs : (page + 1) * bs].tobytes()
+    @staticmethod
+    def _bytes(token_ids) -> memoryview:
+        """``token_ids``' bytes, without a copy where they are contiguous (a
+        token array is; a match reads pages of a prompt of up to millions of
+        tokens, and copying it whole for each lookup, lock and insert was a
+        large part of their cost)."""
+        view = memoryview(token_ids)
+        return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
 
     def _walk(self, root: _Node, token_ids, num_pages: int, split: bool) -> tuple[_Node, list[CachedBlock]]:
         """Follow ``token_ids``' first ``num_pages`` pages down from ``root``.
         Return the deepest node reached and the matched blocks. With ``split``
         a match ending inside an edge splits it, so the node ends the match."""
         size = self.block_size * token_ids.itemsize  # bytes per page
-        raw = token_ids[: num_pages * self.block_size].tobytes()
         node, page, matched = root, 0, []
-        while page < num_pages:
-            at = page * size
-            child = node.children.get(raw[at : at + size])
-            if child is None:
-                break
-            keys, end = child.keys, min(len(child.keys), num_pages - page)
-            if child.edge.startswith(raw[at : at + end * size]):
-                j = end
-            else:  # the query leaves the edge: find the page where
-                j = 1
-                while j < end and keys[j] == raw[at + j * size : at + (j + 1) * size]:
-                    j += 1
-            if j < len(keys):
-                if not split:
-                    matched.extend(child.blocks[:j])
-                    return child, matched
-                child = self._split(child, j)
-            matched.extend(child.blocks)
-            node, page = child, page + j
+        if not num_pages or not root.children:
+            return node, matched
+        with self._bytes(token_ids) as raw:
+            while page < num_pages:
+                at = page * size
+                child = node.children.get(bytes(raw[at : at + size]))
+                if child is None:
+                    break
+                edge, pages = child.edge, len(child.blocks)
+                end = min(pages, num_pages - page)
+                if edge.startswith(raw[at : at + end * size]):
+                    j = end
+                else:  # the query leaves the edge: find the page where
+                    j = 1
+                    while j < end and edge[j * size : (j + 1) * size] == raw[at + j * size : at + (j + 1) * size]:
+                        j += 1
+                if j < pages:
+                    if not split:
+                        matched.extend(child.blocks[:j])
+                        return child, matched
+                    child = self._split(child, j)
+                matched.extend(child.blocks)
+                node, page = child, page + j
         return node, matched
 
     def _split(self, child: _Node, j: int) -> _Node:
         parent = child.parent
-        mid = _Node(parent, child.keys[:j], child.blocks[:j], child.start)
+        cut = j * len(child.first)
+        mid = _Node(parent, child.edge[:cut], child.blocks[:j], child.start)
         mid.lock_ref = child.lock_ref
         mid.hits = child.hits
         if child.pinned:  # both halves stay pinned, each with its own pin lock
             mid.pinned = True
             self._pinned.add(mid)
-        parent.children[mid.keys[0]] = mid
-        child.keys, child.blocks = child.keys[j:], child.blocks[j:]
-        child.edge = child.edge[len(mid.edge) :]
+        parent.children[mid.first] = mid
+        child.blocks = child.blocks[j:]
+        child.edge = child.edge[cut:]
+        child.first = child.edge[: len(mid.first)]
         child.start += j
         child.parent = mid
-        mid.children[child.keys[0]] = child
+        mid.children[child.first] = child
         for block in mid.blocks:
             self._where[block.block_id] = mid
         return mid
@@ -284,15 +298,17 @@ class RadixPrefixCache:
             parent = matched[-1] if matched else None
             parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, self._root_key(namespace))
             tenant = request.tenant if self.isolate_tenants else None
-            keys, blocks = [], []
-            for p in range(page, num_pages):
-                key = self._key(token_ids, p)
-                block = CachedBlock(block_ids[p], p, parent_id, chain_key(parent_key, key), namespace, tenant)
-                parent_id, parent_key = block.block_id, block.key
-                keys.append(key)
-                blocks.append(block)
-            leaf = _Node(node, keys, blocks, page)
-            node.children[keys[0]] = leaf
+            blocks = []
+            size = self.block_size * token_ids.itemsize  # bytes per page
+            with self._bytes(token_ids) as raw:
+                for p in range(page, num_pages):
+                    parent_key = chain_key(parent_key, raw[p * size : (p + 1) * size])  # type: ignore[arg-type]
+                    block = CachedBlock(block_ids[p], p, parent_id, parent_key, namespace, tenant)
+                    parent_id = block.block_id
+                    blocks.append(block)
+                edge = bytes(raw[page * size : num_pages * size])
+            leaf = _Node(node, edge, blocks, page)
+            node.children[leaf.first] = leaf
             for block in blocks:
                 self._where[block.block_id] = leaf
                 self._info[block.block_id] = block
@@ -341,10 +357,12 @@ class RadixPrefixCache:
         _, cached = self._walk(root, tokens, start, split=False) if root is not None and start else (None, [])
         key, first = (cached[-1].key, len(cached)) if cached else (self._root_key(namespace), 0)
         out = []
-        for page in range(first, num_blocks):
-            key = chain_key(key, self._key(tokens, page))
-            if page >= start:
-                out.append(key)
+        size = self.block_size * tokens.itemsize  # bytes per page
+        with self._bytes(tokens) as raw:
+            for page in range(first, num_blocks):
+                key = chain_key(key, raw[page * size : (page + 1) * size])  # type: ignore[arg-type]
+                if page >= start:
+                    out.append(key)
         return tuple(out)
 
     @hookimpl
@@ -353,8 +371,10 @@ class RadixPrefixCache:
 
     @hookimpl
     def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:
+        where, info = self._where, self._info
         for block_id in block_ids:
-            if block_id not in self._view:
+            node = where.get(block_id)
+            if node is None or node.lock_ref:
                 raise ValueError(f"block {block_id} is not an evictable cached block")
         removed: list[CachedBlock] = []
         # Each node's edge is cut once, after the loop: victims trimmed from
@@ -363,24 +383,37 @@ class RadixPrefixCache:
         # victim in the same node always cuts shallower (the deeper blocks
         # are gone), so the last cut recorded is the one to keep.
         edge_cuts: dict[int, tuple[_Node, int]] = {}
-        for block_id in block_ids:
-            node = self._where.get(block_id)
+        at, count = 0, len(block_ids)
+        while at < count:
+            block_id = block_ids[at]
+            at += 1
+            node = where.get(block_id)
             if node is None:
                 continue  # went with an ancestor named earlier in this call
-            index = self._info[block_id].depth - node.start
-            gone = node.blocks[index:]
-            stack = list(node.children.values())
-            while stack:
-                sub = stack.pop()
-                stack.extend(sub.children.values())
-                gone.extend(sub.blocks)
-            node.children = {}
+            blocks = node.blocks
+            index = info[block_id].depth - node.start
+            gone = blocks[index:]
+            if node.children:
+                stack = list(node.children.values())
+                while stack:
+                    sub = stack.pop()
+                    stack.extend(sub.children.values())
+                    gone.extend(sub.blocks)
+                node.children = {}
+            # The victims after it that trim this edge on, each the block
+            # before the last one cut, leaf first (as LRU names a released
+            # chain's blocks): each removes itself alone, so they are taken
+            # here in one pass, in the order named.
+            while index and at < count and block_ids[at] == blocks[index - 1].block_id:
+                index -= 1
+                gone.append(blocks[index])
+                at += 1
             if index == 0:
-                del node.parent.children[node.keys[0]]
-            edge_cuts[id(node)] = (node, index * len(node.keys[0]))
-            del node.keys[index:], node.blocks[index:]
+                del node.parent.children[node.first]
+            edge_cuts[id(node)] = (node, index * len(node.first))
+            del blocks[index:]
             for block in gone:
-                del self._where[block.block_id], self._info[block.block_id]
+                del where[block.block_id], info[block.block_id]
             removed.extend(gone)
         for node, keep in edge_cuts.values():
             node.edge = node.edge[:keep]

@@ -1,6 +1,8 @@
 from collections import Counter
 
+import hypothesis
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from prefix_cache_strategies import SERVE, drawn_request, req
@@ -162,7 +164,9 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def edges_are_their_pages(self):
         for node in set(self.cache._where.values()):
-            assert node.edge == b"".join(node.keys) and len(node.keys) == len(node.blocks)
+            pages = [self.content[b.block_id] for b in node.blocks]
+            assert node.edge == b"".join(pages) and node.first == pages[0]
+            assert node.parent.children[node.first] is node
 
     @invariant()
     def no_orphans_and_evictable_is_exact(self):
@@ -269,4 +273,58 @@ def test_trimming_a_chain_from_its_leaf_copies_its_edge_once():
         assert len(removed) == pages // 2 and len(cache) == pages - pages // 2
         copied[pages] = CountingEdge.copied
     # the kept half of the edge, once: ten times the blocks, ten times the bytes
-    assert copied[640] == 10 * copied[64] == 10 * (64 // 2) * len(node.keys[0])
+    assert copied[640] == 10 * copied[64] == 10 * (64 // 2) * len(node.first)
+
+
+def test_token_ids_that_are_not_contiguous_are_cached_and_matched_by_their_values():
+    """The cache reads token bytes in place where they are contiguous; a
+    strided buffer (an engine's numpy view) is read through a copy, to the
+    same pages, keys and matches."""
+    np = pytest.importorskip("numpy")
+    strided = np.repeat(np.arange(12, dtype=np.int64), 2)[::2]  # 0..11, every other element of a buffer
+    assert not strided.flags.c_contiguous
+    for given in (strided, np.arange(12, dtype=np.int64)):
+        cache = make()
+        a = req("a", list(range(12)))
+        cache.sagellm_acquire_prefix(request=a)
+        cache.sagellm_insert_prefix(request=a, token_ids=given, block_ids=[0, 1, 2])
+        cache.sagellm_release_prefix(request=a)
+        assert cache.sagellm_lookup_prefix(request=req("b", list(range(13)))).block_ids == (0, 1, 2)
+        assert cache.sagellm_block_keys(request=req("c", list(range(13))), start=0, num_blocks=3) == tuple(
+            cache._info[b].key for b in (0, 1, 2)
+        )
+        assert cache.sagellm_lookup_prefix(request=req("d", list(range(8)) + [5] * 5)).block_ids == (0, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=40), min_size=1, max_size=6), data=st.data()
+)
+def test_one_removal_call_removes_what_one_call_per_victim_would_in_that_order(prompts, data):
+    """Victims trimming an edge leaf first are taken in one pass: the blocks
+    removed, and their order, are those of removing the victims one by one."""
+
+    def build():
+        cache, blocks = make(), BlockIds()
+        for i, tokens in enumerate(prompts):
+            cache.sagellm_release_prefix(request=serve(cache, blocks, f"r{i}", tokens))
+        return cache
+
+    together, one_by_one = build(), build()
+    evictable = sorted(together.sagellm_evictable_blocks())
+    if not evictable:
+        return
+    # Leaf-first runs (as LRU names them) and arbitrary picks.
+    leaf_first = sorted(evictable, key=lambda b: -together._info[b].depth)
+    victims = data.draw(st.sampled_from([leaf_first, evictable, data.draw(st.permutations(evictable))]))
+    victims = victims[: data.draw(st.integers(1, len(victims)))]
+    removed = [b.block_id for b in together.sagellm_remove_blocks(block_ids=victims)]
+    expected = []
+    for victim in victims:
+        if victim in one_by_one._where:
+            expected += [b.block_id for b in one_by_one.sagellm_remove_blocks(block_ids=[victim])]
+    assert removed == expected
+    assert set(together._where) == set(one_by_one._where) and len(together) == len(one_by_one)
+    for block_id, node in together._where.items():
+        other = one_by_one._where[block_id]
+        assert node.edge == other.edge and [b.block_id for b in node.blocks] == [b.block_id for b in other.blocks]

@@ -1,0 +1,213 @@
+"""The timed replay's step packing (``drivers.stepping.pack``) computes in
+line what ``SequenceState``'s properties, ``Runtime.grow`` and the cost model
+compute (issue 15: the step loop was most of a timed replay's time). These
+tests hold the in-line figures against the originals at every step of real
+replays, with preemptions, and the cost model's totals against its formula."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sagellm_core import hookimpl
+from sagellm_core.drivers import stepping
+from sagellm_core.drivers.stepping import ScheduledChunk
+from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.replay import engine as engine_mod
+from sagellm_core.replay import session, workloads
+from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
+from sagellm_core.replay.engine import Arrivals
+from sagellm_core.replay.report import build
+from sagellm_core.types import PreemptionDecision, Request
+
+TIGHT = """
+[engine]
+name = "replay"
+mode = "timed"
+max_num_batched_tokens = {budget}
+max_num_seqs = {seqs}
+[workload]
+source = "generator"
+tenants = 3
+sessions_per_tenant = 6
+turns = 3
+system_prompt_tokens = 512
+session_rate = 50.0
+[prefix_cache]
+plugin = "radix"
+block_size = 16
+[kv_pool]
+plugin = "paged"
+num_blocks = {blocks}
+[eviction]
+plugin = "lru"
+[scheduler]
+passes = ["fcfs"]
+[report]
+hook_timing = false
+"""
+
+
+class HeadFirstPreemption:
+    """Preempts the head of the running list: a request already scheduled in
+    the step, whose chunk packing must then take back (the default rule
+    preempts the tail, not yet reached)."""
+
+    @hookimpl
+    def sagellm_select_preemption(self, running, needed_by):
+        return PreemptionDecision(running[0].request_id)
+
+
+def checked_replay(
+    monkeypatch, blocks: int, budget: int, seqs: int = 256, preemption=None
+) -> tuple[dict, dict[str, int]]:
+    """A timed replay whose every packed step is checked against the
+    properties and the cost model it stands in for; returns the report and
+    counts of what the steps did."""
+    seen = {"steps": 0, "decodes": 0, "prefills": 0, "grown": 0, "dropped": 0, "chunks_taken_back": 0}
+    real_pack, real_drop = stepping.pack, stepping.PackedStep._drop
+
+    def drop(step, state):
+        totals = (step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
+        n = real_drop(step, state)
+        if n:
+            seen["chunks_taken_back"] += 1
+            assert totals[0] - n == step.num_batched_tokens == sum(step.num_new)
+        return n
+
+    cost = CostModel(HARDWARE["h100"], MODELS["llama-3.1-8b"])
+
+    def pack(rt, ir):
+        before = list(ir.running)
+        blocks_before = {id(s): len(s.block_ids) for s in before}
+        step = real_pack(rt, ir)
+        seen["steps"] += 1
+        scheduled = set(map(id, step.states))
+        assert len(scheduled) == len(step.states)
+        for state, n, context, prefill, completes in zip(
+            step.states, step.num_new, step.context, step.prefill, step.completes
+        ):
+            admitted = id(state) not in blocks_before
+            assert context == state.num_computed_tokens
+            assert 0 < n <= state.num_tokens - context
+            assert prefill == (True if admitted else state.in_prefill)
+            assert completes == (context + n == state.num_tokens)
+            assert len(state.block_ids) * rt.block_size >= context + n  # blocks for every scheduled token
+            if not admitted:
+                seen["grown"] += len(state.block_ids) > blocks_before[id(state)]
+                seen["decodes" if not prefill else "prefills"] += 1
+        # Running stays in its order, less the preempted, then the admitted in theirs.
+        kept = set(map(id, step.running))
+        admitted_now = [s for s in step.states if id(s) not in blocks_before]
+        assert step.running == [s for s in before if id(s) in kept] + admitted_now
+        preempted = [s for s in before if id(s) not in kept]
+        seen["dropped"] += len(preempted)
+        assert not scheduled & set(map(id, preempted))
+        if preempted:
+            assert not admitted_now  # as vLLM: no admissions in a step that preempts
+            assert set(map(id, step.waiting[: len(preempted)])) == set(map(id, preempted))  # at the front
+        assert step.num_batched_tokens == sum(step.num_new) <= ir.token_budget
+        plan = step.plan()
+        assert [c.request_id for c in plan.chunks] == [s.request_id for s in step.states]
+        totals = (step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
+        assert cost.step_time_of(*totals) == cost.step_time(plan.chunks) == reference_step_time(cost, plan.chunks)
+        return step
+
+    monkeypatch.setattr(engine_mod, "pack", pack)
+    monkeypatch.setattr(stepping.PackedStep, "_drop", drop)
+    settings = settings_from_toml(TIGHT.format(blocks=blocks, budget=budget, seqs=seqs), "t.toml")
+    replay, _ = session.build_engine(settings)
+    rt = session.build_runtime(settings, replay)
+    if preemption is not None:
+        rt.pm.register(preemption, name="test:preemption")
+    recorder = replay.run(rt, workloads.load(settings.workload))
+    rt.check_invariants()
+    return build(rt, recorder, "timed", 0.0, "t", recorder.finished), seen
+
+
+def reference_step_time(cost: CostModel, chunks) -> float:
+    """The cost model as it was before its totals became integers (b2237f1):
+    attention pairs summed as floats, the model's figures from its properties."""
+    m = cost.model
+    tokens = 0
+    pairs = 0.0
+    kv_tokens = 0
+    for c in chunks:
+        n, ctx = c.num_new_tokens, c.num_context_tokens
+        tokens += n
+        pairs += n * (ctx + (n + 1) / 2)
+        kv_tokens += ctx + n
+    if tokens == 0:
+        return 0.0
+    flops = m.flops_per_token * tokens + m.flops_per_token_pair * pairs
+    bytes_moved = m.num_params * m.dtype_bytes + kv_tokens * m.kv_bytes_per_token
+    compute = flops / (cost.hardware.flops * cost.flops_efficiency)
+    memory = bytes_moved / (cost.hardware.bandwidth * cost.bandwidth_efficiency)
+    return max(compute, memory) + cost.step_overhead_s
+
+
+def test_packing_agrees_with_the_states_under_memory_pressure(monkeypatch):
+    report, seen = checked_replay(monkeypatch, blocks=300, budget=2048)
+    assert report["requests"] == 54 and report["preemptions"] > 0
+    # Every path of the packing ran: decodes in a block with room, decodes and
+    # prefill chunks that took a block, preemptions that dropped a chunk.
+    assert seen["decodes"] > seen["grown"] > 0 and seen["prefills"] > 0 and seen["dropped"] > 0
+
+
+def test_a_preempted_request_scheduled_earlier_in_the_step_gives_its_tokens_back(monkeypatch):
+    report, seen = checked_replay(monkeypatch, blocks=300, budget=2048, preemption=HeadFirstPreemption())
+    assert report["requests"] == 54 and report["preemptions"] > 0
+    assert seen["chunks_taken_back"] > 0
+
+
+def test_packing_agrees_with_the_states_with_chunked_prefill_and_few_seqs(monkeypatch):
+    report, seen = checked_replay(monkeypatch, blocks=2048, budget=256, seqs=4)
+    assert report["requests"] == 54 and report["preemptions"] == 0
+    assert seen["prefills"] > 0 and seen["decodes"] > 0
+
+
+def test_pack_step_returns_the_packed_steps_chunks():
+    text = TIGHT.format(blocks=2048, budget=512, seqs=8)
+    settings = settings_from_toml(text, "t.toml")
+    eng, _ = session.build_engine(settings)
+    rt = session.build_runtime(settings, eng)
+    from sagellm_core.types import ScheduleIR
+
+    states = [rt.arrive(Request(f"r{i}", list(range(i * 1000, i * 1000 + 300)), 5)) for i in range(3)]
+    plan, running, waiting = stepping.pack_step(rt, ScheduleIR(0.0, list(states), [], 512, 8))
+    # 512 tokens of budget: the first prompt whole, the second's first 212 tokens.
+    assert plan.chunks == (ScheduledChunk("r0", 300, 0, True), ScheduledChunk("r1", 212, 0, True))
+    assert plan.num_batched_tokens == 512
+    assert running == states[:2] and waiting == states[2:]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_step_time_from_integer_totals_is_the_float_formula_exactly(seed):
+    rng = random.Random(seed)
+    for hardware in HARDWARE.values():
+        for model in MODELS.values():
+            cost = CostModel(hardware, model, step_overhead_s=rng.choice([0.0, 0.002]))
+            chunks = [
+                ScheduledChunk(str(i), rng.choice([1, 1, 1, rng.randrange(1, 8193)]), rng.randrange(0, 1 << 22), False)
+                for i in range(rng.randrange(0, 257))
+            ]
+            assert cost.step_time(chunks) == reference_step_time(cost, chunks)
+
+
+def test_any_due_is_whether_due_yields():
+    turns = [
+        Request("a1", [1], 1, arrival_s=0.0, session_id="a"),
+        Request("b1", [1], 1, arrival_s=0.5),
+        Request("a2", [1], 1, arrival_s=1.0, session_id="a"),
+        Request("c1", [1], 1, arrival_s=9.0),
+    ]
+    arrivals = Arrivals(iter(turns), closed_loop=True)
+    assert not arrivals.any_due(-1.0) and list(arrivals.due(-1.0)) == []
+    assert arrivals.any_due(0.0)
+    assert [r.request_id for r in arrivals.due(5.0)] == ["a1", "b1"]  # a2 held for a1
+    assert not arrivals.any_due(5.0)
+    arrivals.done(turns[0], 6.0)  # a2 released at 6.0
+    assert not arrivals.any_due(5.9) and arrivals.any_due(6.0)
+    assert [r.request_id for r in arrivals.due(6.0)] == ["a2"]
+    assert not arrivals.any_due(8.9) and arrivals.any_due(9.0)
