@@ -288,7 +288,9 @@ class CheckedHooks:
         the prefix cache; return every block removed. The caller frees them."""
         hook = "sagellm_remove_blocks"
         removed = self._call("prefix_cache", hook, block_ids=victims)
-        self._checked("prefix_cache", hook, removed, answers.removal(removed, victims, self._cached, self.holders))
+        self._checked(
+            "prefix_cache", hook, removed, answers.removal(removed, victims, self._cached, self._taken, self._returned)
+        )
         self._cached.difference_update(b.block_id for b in removed)
         return removed  # type: ignore[no-any-return]
 

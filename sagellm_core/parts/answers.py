@@ -9,7 +9,8 @@ from inside the runtime; :mod:`sagellm_core.hooks` names the plugin."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -88,13 +89,19 @@ def released(answer: Any, cached: set[int]) -> str | None:
     return None
 
 
-def removal(answer: Any, victims: Sequence[int], cached: set[int], holders: Callable[[int], int]) -> str | None:
+def removal(
+    answer: Any, victims: Sequence[int], cached: set[int], taken: Mapping[int, int], returned: Mapping[int, int]
+) -> str | None:
+    """``taken`` and ``returned`` count the times requests took and gave
+    back each cached block: a block taken more often than returned is held."""
     if not _blocks(answer):
         return f"returned {answer!r}, not CachedBlocks"
     ids = [b.block_id for b in answer]
     if len(set(ids)) != len(ids) or not set(victims) <= set(ids) or not cached.issuperset(ids):
         return f"removed {ids} for victims {list(victims)}"
-    locked = [b for b in ids if holders(b)]
+    if list(map(taken.get, ids, repeat(0))) == list(map(returned.get, ids, repeat(0))):
+        return None  # nothing held: the common case, at C speed
+    locked = [b for b in ids if taken.get(b, 0) != returned.get(b, 0)]
     if locked:
         return f"removed blocks that requests hold (locked, not evictable): {locked[:8]}"
     return None

@@ -13,7 +13,7 @@ built by the patched ``build_kv_connector``, see :mod:`install`):
   allocated), asynchronously as LMDeploy's load protocol is: the request
   waits until the workers report the load, then LMDeploy publishes it.
 
-Blocks are known by sagellm's chained content key (BLAKE2b over the block's
+Blocks are known by sagellm's chained content key (SHA-256 over the block's
 token ids, from the adapter's root), as the radix cache and the trie adapter
 know them. Worker side: the host tier is one CPU tensor per KV tensor,
 ``host_blocks`` blocks long; loads run before the forward, saves after, with

@@ -20,7 +20,7 @@ stay. What changes:
   pinned blocks are never offered to the policy.
 
 Blocks are described as the radix prefix cache describes them
-(:class:`CachedBlock`: depth, parent, the chained BLAKE2b content key over
+(:class:`CachedBlock`: depth, parent, the chained SHA-256 content key over
 the block's token ids, the adapter as namespace), so a policy sees the same
 stream in LMDeploy as in ``sagellm replay``, and the Belady oracle's keys
 match.

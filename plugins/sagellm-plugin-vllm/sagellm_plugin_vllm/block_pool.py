@@ -14,7 +14,7 @@ described as the radix prefix cache describes them (:class:`CachedBlock`:
 depth, parent, a chained content key, the ``cache_salt`` as namespace), so a
 policy behaves the same in vLLM as in ``sagellm replay``. The key is vLLM's
 own block hash (64 bits of it): equal keys mean equal prefixes, as with
-sagellm's BLAKE2b keys, but the two are not the same numbers, so the Belady
+sagellm's chained SHA-256 keys, but the two are not the same numbers, so the Belady
 oracle, which computes sagellm keys from the workload, does not run inside
 vLLM.
 
