@@ -136,9 +136,15 @@ class Runtime(CheckedHooks):
                 self.counters.lifetime_failure = str(exc)
             return self._checked_prediction(self._predict_fallback, request)
 
+    def _num_free(self) -> int:
+        # Counted here when the runtime takes its pool's blocks (the pool's own
+        # report is held to it at the end of a run): no hook call per block grown.
+        owned = "kv_pool" in self.engine_owns
+        return self.pool_usage().num_free_blocks if owned else self.num_blocks - len(self._in_use)
+
     def _make_room(self, num_blocks: int) -> bool:
         """Evict until ``num_blocks`` blocks are free; False if it cannot."""
-        short = num_blocks - self.pool_usage().num_free_blocks
+        short = num_blocks - self._num_free()
         return short <= 0 or self._evict_upto(short) >= short
 
     def _evict_upto(self, num_blocks: int | None) -> int:
@@ -202,7 +208,7 @@ class Runtime(CheckedHooks):
         loaded = len(host_keys) * self.block_size
         num_new = min(state.num_tokens - cached - loaded, token_budget)
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks
-        free = self.pool_usage().num_free_blocks
+        free = self._num_free()
         if num_new <= 0 or need > free + len(self.evictable()):
             # Roll back the lock: the policy was not told of it. But a match
             # may have pinned blocks the policy holds as evictable (radix
@@ -246,24 +252,7 @@ class Runtime(CheckedHooks):
         and the next ``host_blocks`` loaded from the host tier: its first
         admission in the hit rates, a later one (after preemption) as
         re-prefill."""
-        request, c = state.request, self.counters
-        cached = hit_blocks * self.block_size
-        if state.num_preemptions == 0:
-            c.host_hit_blocks += host_blocks
-            query = blocks_for(request.num_prompt_tokens, self.block_size)
-            c.query_blocks += query
-            c.hit_blocks += hit_blocks
-            c.lost_waiting_blocks += max(0, state.cached_tokens_hint // self.block_size - hit_blocks)
-            tenant = c.tenant_blocks.setdefault(request.tenant, [0, 0])
-            tenant[0] += query
-            tenant[1] += hit_blocks
-            c.query_tokens += request.num_prompt_tokens
-            c.hit_tokens += cached
-            c.query_token_pairs += request.num_prompt_tokens * (request.num_prompt_tokens + 1) // 2
-            c.hit_token_pairs += cached * (cached + 1) // 2
-            c.prefill_tokens += state.num_tokens - cached - host_blocks * self.block_size
-        else:
-            c.reprefill_tokens += state.num_tokens - cached
+        self.counters.count_admission(state, hit_blocks, host_blocks, self.block_size)
 
     def _unlock_after_touch(self, request: Request) -> None:
         self.blocks_released(self.release_prefix(request))

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+if TYPE_CHECKING:
+    from sagellm_core.types import SequenceState
 
 
 @attrs.define
@@ -45,3 +50,27 @@ class Counters:
     rejections: dict[str, int] = attrs.field(factory=dict)
     #: tenant -> [query blocks, hit blocks], first admissions only.
     tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
+
+    def count_admission(self, state: SequenceState, hit_blocks: int, host_blocks: int, block_size: int) -> None:
+        """A request admitted with ``hit_blocks`` of its prefix cached and
+        the next ``host_blocks`` loaded from the host tier: its first
+        admission in the hit rates, a later one (after preemption) as
+        re-prefill."""
+        request, c = state.request, self
+        cached = hit_blocks * block_size
+        if state.num_preemptions == 0:
+            c.host_hit_blocks += host_blocks
+            query = -(-request.num_prompt_tokens // block_size)
+            c.query_blocks += query
+            c.hit_blocks += hit_blocks
+            c.lost_waiting_blocks += max(0, state.cached_tokens_hint // block_size - hit_blocks)
+            tenant = c.tenant_blocks.setdefault(request.tenant, [0, 0])
+            tenant[0] += query
+            tenant[1] += hit_blocks
+            c.query_tokens += request.num_prompt_tokens
+            c.hit_tokens += cached
+            c.query_token_pairs += request.num_prompt_tokens * (request.num_prompt_tokens + 1) // 2
+            c.hit_token_pairs += cached * (cached + 1) // 2
+            c.prefill_tokens += state.num_tokens - cached - host_blocks * block_size
+        else:
+            c.reprefill_tokens += state.num_tokens - cached
