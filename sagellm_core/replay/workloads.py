@@ -137,6 +137,11 @@ def _installed(source: str):
             for request in load(settings):
                 if not isinstance(request, Request):
                     raise TraceError(f"{where} ({entry.value}) yielded {type(request).__name__}, not a Request")
+                if not isinstance(request.session_id, (str, type(None))):  # sessions are drawn by their name
+                    raise TraceError(
+                        f"{where} ({entry.value}) yielded request {request.request_id!r} whose session_id is"
+                        f" {request.session_id!r}, not a string"
+                    )
                 yield request
         except SagellmError:
             raise
