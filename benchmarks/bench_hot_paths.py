@@ -9,7 +9,8 @@
 * prefix match of a 2,000-token prompt (16-token blocks) in a radix tree of
   100,000 cached blocks, and the share of it spent building page keys;
 * choosing 64 victims among 100,000 evictable blocks: LRU, LFU, the
-  predictive, continuation-aware, cost-aware and SLO-aware policies, and the
+  predictive, continuation-aware, cost-aware, SLO-aware and dead-block
+  (hawkeye) policies, and the
   adaptive policy led by each of its experts (it answers with the leader's
   choice).
 Prints p50 per call and the ratios.
@@ -28,6 +29,7 @@ from rich.table import Table
 from sagellm_plugin_eviction.adaptive import AdaptiveEviction, AdaptiveSettings
 from sagellm_plugin_eviction.continuation import ContinuationEviction, ContinuationSettings
 from sagellm_plugin_eviction.cost import CostAwareEviction, CostSettings
+from sagellm_plugin_eviction.hawkeye import HawkeyeEviction, HawkeyeSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
@@ -77,6 +79,17 @@ def managers(plugin: object) -> tuple[pluggy.PluginManager, Dispatch, Dispatch]:
     return pm, Dispatch(pm), Dispatch(pm, HookTimer())
 
 
+def deep_half_dead(policy: HawkeyeEviction) -> HawkeyeEviction:
+    """Trained as OPTgen would after seeing the last 32 blocks of 64-block
+    releases never come back: half the blocks below are then predicted dead,
+    and a choice merges the two queues."""
+    for from_end in range(32):
+        signature = policy.signature(CachedBlock(0, 63 - from_end, None, key=0), from_end, 64)
+        for _ in range(policy.settings.memory):
+            policy._train(signature, False)
+    return policy
+
+
 def main() -> None:
     rows = []
     cache, prompts = build_cache()
@@ -109,6 +122,8 @@ def main() -> None:
         ("continuation-aware, 1,563 turns of 64 blocks", ContinuationEviction(ContinuationSettings(), ctx)),
         ("cost-aware (GDSF)", CostAwareEviction(CostSettings(), ctx)),
         ("SLO-aware, the 10k least recent protected", SLOEviction(None, ctx)),
+        ("hawkeye, none predicted dead yet", HawkeyeEviction(HawkeyeSettings(), ctx)),
+        ("hawkeye, about half predicted dead (deep blocks)", deep_half_dead(HawkeyeEviction(HawkeyeSettings(), ctx))),
     )
     for name, policy in policies:
         # as pluggy does, pass ``now_s`` only to the policies that take it
@@ -123,6 +138,8 @@ def main() -> None:
             # a waiting request, its deadline ahead, whose prefix is LRU's first 10k victims
             waiting = Request("waiting", [0], 1, deadline_s=60.0)
             policy.sagellm_request_arrived(request=waiting, prediction=None, match=PrefixMatch(blocks[:10_000]))
+        if name.startswith("hawkeye, about half"):  # the row's label says half
+            assert 0.45 * NUM_BLOCKS <= policy.predicted_dead <= 0.55 * NUM_BLOCKS, policy.predicted_dead
         # the row's label says 64 victims: a choice that names fewer is not that row
         assert len(policy.sagellm_select_victims(num_blocks=64, candidates=every_block).victim_ids) == 64, name
         results[name] = p50_us(

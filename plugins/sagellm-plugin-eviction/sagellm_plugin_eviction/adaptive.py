@@ -45,6 +45,7 @@ from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
 from .arc import ARCEviction
 from .continuation import ContinuationEviction
 from .cost import CostAwareEviction
+from .hawkeye import HawkeyeEviction
 from .lfu import LFUEviction
 from .lru import LRUEviction
 from .predictive import PredictiveEviction
@@ -60,6 +61,7 @@ EXPERTS: dict[str, type] = {
     "continuation": ContinuationEviction,
     "predictive": PredictiveEviction,
     "cost": CostAwareEviction,
+    "hawkeye": HawkeyeEviction,
 }
 
 OBSERVATIONS = ("sagellm_blocks_cached", "sagellm_blocks_touched", "sagellm_blocks_released", "sagellm_blocks_evicted")
