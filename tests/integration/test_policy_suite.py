@@ -110,3 +110,29 @@ def test_output_paths_are_checked_before_the_runs(small_suite, tmp_path, capsys,
     assert main([*args, option, str(tmp_path / path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "skipping" not in err  # refused before any workload was looked at
+
+
+ONE_WORKLOAD_SUITE = """
+fractions = [0.25]
+
+[[workload]]
+name = "chat"
+split = "tune"
+config.workload = { source = "generator", tenants = 2, sessions_per_tenant = 6, turns = 3 }
+config.prefix_cache = { plugin = "radix", block_size = 64 }
+"""
+
+
+def test_a_policy_with_settings_and_a_weaker_oracle(tmp_path):
+    """``--policy NAME:KEY=VALUE``: Belady knowing only whether a block
+    returns lies between LRU and Belady, and, an oracle, is not among the
+    online policies the after-the-fact row picks from."""
+    path = tmp_path / "suite.toml"
+    path.write_text(ONE_WORKLOAD_SUITE)
+    parsed, where = suite.read_suite(path)
+    rows = suite.evaluate(parsed, where, ["belady:knows=whether", "lfu", "s3fifo"], traces=tmp_path)
+    rate = {row["policy"]: row["block_hit_rate"] for row in rows}
+    assert rate["lru"] <= rate["belady:knows=whether"] <= rate["belady"]
+    (best,) = [s for s in suite.summary(rows) if s["policy"] == suite.BEST_AFTER_THE_FACT]
+    online_best = max(rate["lfu"], rate["s3fifo"], rate["lru"])
+    assert best["worst_ratio_to_lru"] == pytest.approx(online_best / rate["lru"])
