@@ -207,7 +207,8 @@ class CheckedHooks:
         return PluginError(f"{self.who(section)} {hook_name} {what}")
 
     def _observe(self, hook_name: str, **kwargs: Any) -> None:
-        self._call("observer", hook_name, **kwargs)
+        if self.dispatch.implemented(hook_name):
+            self._call("observer", hook_name, **kwargs)
 
     def lookup(self, request: Request) -> PrefixMatch:
         match = self._call("prefix_cache", "sagellm_lookup_prefix", request=request) or EMPTY_MATCH

@@ -235,9 +235,11 @@ def sagellm_blocks_touched(blocks: tuple[CachedBlock, ...], now_s: float) -> Non
 
 
 @hookspec
-def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None) -> None:
     """Cached blocks lost their last reference and became evictable, chain
-    order, root first."""
+    order, root first. ``request``: the one whose release freed them (its
+    session and tenant say whether they may return), or ``None`` where the
+    engine does not say (vLLM's and LMDeploy's pools)."""
 
 
 @hookspec

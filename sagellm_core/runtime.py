@@ -34,6 +34,7 @@ from sagellm_core.parts.counters import Counters as Counters
 from sagellm_core.parts.tiers import HostTier
 from sagellm_core.types import (
     CachedBlock,
+    EvictionCandidates,
     KVCaches,
     LifetimePrediction,
     PrefixMatch,
@@ -95,10 +96,10 @@ class Runtime(CheckedHooks):
         if blocks:
             self._observe("sagellm_blocks_touched", blocks=blocks, now_s=self._now_s)
 
-    def blocks_released(self, blocks: tuple[CachedBlock, ...]) -> None:
-        """No request holds these cached blocks any more: they are evictable."""
+    def blocks_released(self, blocks: tuple[CachedBlock, ...], request: Request | None = None) -> None:
+        """No request holds these cached blocks any more (``request`` let go of them last, where known)."""
         if blocks:
-            self._observe("sagellm_blocks_released", blocks=blocks, now_s=self._now_s)
+            self._observe("sagellm_blocks_released", blocks=blocks, now_s=self._now_s, request=request)
 
     def blocks_evicted(self, blocks: tuple[CachedBlock, ...]) -> None:
         """These blocks left the cache (counted as evictions)."""
@@ -126,6 +127,8 @@ class Runtime(CheckedHooks):
         fallback``, a predictor that raises or returns garbage is counted
         (``lifetime_fallbacks``; the first failure is kept, naming it) and the
         fallback answers instead, so no request is lost to it."""
+        if "lifetime" not in self.plugins:
+            return None
         try:
             return self._checked_prediction(self._predict, request)
         except PluginError as exc:
@@ -142,17 +145,17 @@ class Runtime(CheckedHooks):
         owned = "kv_pool" in self.engine_owns
         return self.pool_usage().num_free_blocks if owned else self.num_blocks - len(self._in_use)
 
-    def _make_room(self, num_blocks: int) -> bool:
+    def _make_room(self, num_blocks: int, candidates: EvictionCandidates | None = None) -> bool:
         """Evict until ``num_blocks`` blocks are free; False if it cannot."""
         short = num_blocks - self._num_free()
-        return short <= 0 or self._evict_upto(short) >= short
+        return short <= 0 or self._evict_upto(short, candidates) >= short
 
-    def _evict_upto(self, num_blocks: int | None) -> int:
-        """Evict up to ``num_blocks`` blocks (``None``: every evictable one)
-        as the policy chooses; return the blocks evicted."""
+    def _evict_upto(self, num_blocks: int | None, candidates: EvictionCandidates | None = None) -> int:
+        """Evict up to ``num_blocks`` blocks (``None``: every evictable one) as the
+        policy chooses (first from ``candidates``, just asked); return the blocks evicted."""
         evicted = 0
         while num_blocks is None or evicted < num_blocks:
-            candidates = self.evictable()
+            candidates = self.evictable() if candidates is None or evicted else candidates
             if len(candidates) == 0:
                 break
             victims = self.select_victims(len(candidates) if num_blocks is None else num_blocks - evicted, candidates)
@@ -178,14 +181,22 @@ class Runtime(CheckedHooks):
         stay. Returns the blocks evicted."""
         return self._evict_upto(None)
 
-    def arrive(self, request: Request, match: PrefixMatch | None = None) -> SequenceState:
+    @property
+    def observes_arrivals(self) -> bool:
+        """Whether a plugin observes arrivals (and their matched blocks)."""
+        return self.dispatch.implemented("sagellm_request_arrived")
+
+    def arrive(self, request: Request, match: PrefixMatch | int | None = None) -> SequenceState:
         """A new request: its lifetime predicted, its cached prefix looked up
-        (or ``match``, where the engine matched it itself), observed."""
+        (or ``match``, where the engine matched it itself: its blocks, or only
+        how many unless a plugin ``observes_arrivals``), observed."""
         prediction = self.predict_lifetime(request)
         state = SequenceState(request=request, prediction=prediction)
         if match is None:
             match = self.lookup(request)
-        state.cached_tokens_hint = match.num_blocks * self.block_size
+        if isinstance(match, int) and self.observes_arrivals:
+            raise RequestError(f"request {request.request_id!r}: arrival observers need the matched blocks")
+        state.cached_tokens_hint = (match if isinstance(match, int) else match.num_blocks) * self.block_size
         self._observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
         return state
 
@@ -209,7 +220,8 @@ class Runtime(CheckedHooks):
         num_new = min(state.num_tokens - cached - loaded, token_budget)
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks
         free = self._num_free()
-        if num_new <= 0 or need > free + len(self.evictable()):
+        candidates = self.evictable() if need > free else None  # asked once, for the check and the first round
+        if num_new <= 0 or (candidates is not None and need > free + len(candidates)):
             # Roll back the lock: the policy was not told of it. But a match
             # may have pinned blocks the policy holds as evictable (radix
             # pin_after_hits): they are not evictable any more, so it is told.
@@ -222,7 +234,7 @@ class Runtime(CheckedHooks):
         # Before any eviction, so the policy never picks a locked block.
         self.blocks_touched(match.blocks)
         try:
-            ids = self.allocate_blocks(need, request) if need <= free or self._make_room(need) else None
+            ids = self.allocate_blocks(need, request) if need <= free or self._make_room(need, candidates) else None
         except PluginError:
             self._unlock_after_touch(request)
             raise
@@ -255,7 +267,7 @@ class Runtime(CheckedHooks):
         self.counters.count_admission(state, hit_blocks, host_blocks, self.block_size)
 
     def _unlock_after_touch(self, request: Request) -> None:
-        self.blocks_released(self.release_prefix(request))
+        self.blocks_released(self.release_prefix(request), request)
 
     def grow(self, state: SequenceState, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens of a running request."""
@@ -283,18 +295,18 @@ class Runtime(CheckedHooks):
         num_full = min(state.num_computed_tokens, len(token_ids)) // self.block_size
         if num_full == 0:
             return
-        given = state.block_ids[:num_full]
-        result = self.insert_prefix(request, token_ids[: num_full * self.block_size], given)
+        given, whole = state.block_ids[:num_full], len(token_ids) // self.block_size == num_full  # whole: no copy
+        result = self.insert_prefix(request, token_ids if whole else token_ids[: num_full * self.block_size], given)
         if result is None:
             return
-        position = {block_id: i for i, block_id in enumerate(given)}
-        state.private_block_ids.difference_update(b.block_id for b in result.adopted)
-        self._taken.update([b.block_id for b in result.adopted] + [b.block_id for _, b in result.replaced])
-        if result.replaced:
-            for given_id, cached in result.replaced:
-                state.block_ids[position[given_id]] = cached.block_id
-                state.private_block_ids.discard(given_id)
-            self.free_blocks(g for g, _ in result.replaced)
+        adopted = [b.block_id for b in result.adopted]
+        state.private_block_ids.difference_update(adopted)
+        self._taken.update(adopted + [b.block_id for _, b in result.replaced] if result.replaced else adopted)
+        position = {block_id: i for i, block_id in enumerate(given)} if result.replaced else {}
+        for given_id, cached in result.replaced:
+            state.block_ids[position[given_id]] = cached.block_id
+            state.private_block_ids.discard(given_id)
+        self.free_blocks(g for g, _ in result.replaced)
         self.blocks_touched(result.locked)
         self.blocks_cached(result.adopted)
 
@@ -303,14 +315,13 @@ class Runtime(CheckedHooks):
         released = self.release_prefix(state.request)  # first: a plugin that raises here changed nothing of ours
         private = state.private_block_ids
         self.free_blocks(private)
-        shared = state.block_ids[: len(state.block_ids) - len(private)]  # the cached blocks come first
-        self._returned.update(
-            shared if private.isdisjoint(shared) else [b for b in state.block_ids if b not in private]
-        )
+        held = state.block_ids
+        shared = held[: len(held) - len(private)]  # the cached blocks come first
+        self._returned.update(shared if private.isdisjoint(shared) else [b for b in held if b not in private])
         state.block_ids = []
         state.private_block_ids = set()
         self._active.pop(state.request_id, None)
-        self.blocks_released(released)
+        self.blocks_released(released, state.request)
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
         """An engine with real KV tensors tells the plugins where they are,
@@ -336,8 +347,7 @@ class Runtime(CheckedHooks):
     def reject(self, state: SequenceState, reason: str = "never fits the pool") -> None:
         """A request that can never run, counted with ``reason``."""
         state.status = RequestStatus.FINISHED
-        self.counters.requests_rejected += 1
-        self.counters.rejections[reason] = self.counters.rejections.get(reason, 0) + 1
+        self.counters.count_rejection(reason)
 
     def finish(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> RequestOutcome:
         self.cache(state, output_token_ids)
@@ -358,11 +368,7 @@ class Runtime(CheckedHooks):
             num_preemptions=state.num_preemptions,
             prediction=state.prediction,
         )
-        c = self.counters
-        c.requests_finished += 1
-        if state.prediction is not None:
-            c.lifetime_predictions += 1
-            c.lifetime_abs_error += abs(state.prediction.output_tokens - state.num_output_tokens)
+        self.counters.count_finish(state)
         self._observe("sagellm_request_finished", outcome=outcome)
         return outcome
 

@@ -51,6 +51,16 @@ class Counters:
     #: tenant -> [query blocks, hit blocks], first admissions only.
     tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 
+    def count_rejection(self, reason: str) -> None:
+        self.requests_rejected += 1
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def count_finish(self, state: SequenceState) -> None:
+        self.requests_finished += 1
+        if state.prediction is not None:
+            self.lifetime_predictions += 1
+            self.lifetime_abs_error += abs(state.prediction.output_tokens - state.num_output_tokens)
+
     def count_admission(self, state: SequenceState, hit_blocks: int, host_blocks: int, block_size: int) -> None:
         """A request admitted with ``hit_blocks`` of its prefix cached and
         the next ``host_blocks`` loaded from the host tier: its first

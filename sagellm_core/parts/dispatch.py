@@ -70,6 +70,15 @@ class Dispatch:
         self.plans[hook_name] = plan
         return plan
 
+    def implemented(self, hook_name: str) -> bool:
+        """Whether any plugin implements ``hook_name`` (an observation no
+        plugin takes is not called, nor timed)."""
+        if self._generation != self.pm.generation:
+            self.plans.clear()
+            self._generation = self.pm.generation
+        plan = self.plans[hook_name] if hook_name in self.plans else self.plan(hook_name)
+        return plan is None or bool(plan[1])
+
     def call(self, hook_name: str, kwargs: dict[str, Any], caller: Any = None) -> Any:
         """Call ``hook_name`` with ``kwargs``, or the hook caller ``caller``
         (a subset of the implementations) in its place, timed. (Untimed,

@@ -12,10 +12,11 @@ import pytest
 from sagellm_core import hookimpl, hookspecs
 from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.drivers.serial import serve_serially
+from sagellm_core.errors import RequestError
 from sagellm_core.kit.testing import declare_plugins, settings_from_toml
 from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import CachedBlock, PoolUsage, Request, SequenceState
+from sagellm_core.types import CachedBlock, PoolUsage, PrefixMatch, Request, SequenceState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,6 +179,45 @@ def test_the_engine_may_make_the_state_and_end_the_request_itself(rt):
     recorder = serve_serially(rt, requests(2), lambda s: PoolUsage(64, 64), Recorder(), arrive=arrive, finish=finish)
     assert arrived == ended == ["r0", "r1"]
     assert recorder.finished == 0 and rt.counters.requests_finished == 0 and recorder.simulated_s == 1.0
+
+
+class ArrivalsSeen:
+    def __init__(self):
+        self.matches = []
+
+    @hookimpl
+    def sagellm_request_arrived(self, request, match):
+        self.matches.append((request.request_id, match.block_ids))
+
+
+def test_an_engine_that_matched_itself_may_give_only_the_length(rt):
+    """An engine's own match enters as its blocks, or as only their number
+    while no plugin observes arrivals (collecting the blocks costs more than
+    the engine's own admission): the hint is the same either way."""
+    assert not rt.observes_arrivals
+    state = rt.arrive(Request("r0", list(range(12)), 1), match=2)
+    assert state.cached_tokens_hint == 2 * rt.block_size
+    seen = ArrivalsSeen()
+    rt.pm.register(seen, name="test:arrivals")
+    assert rt.observes_arrivals
+    with pytest.raises(RequestError, match="'r1': arrival observers need the matched blocks"):
+        rt.arrive(Request("r1", list(range(12)), 1), match=2)
+    blocks = tuple(chain(5, 6))
+    state = rt.arrive(Request("r2", list(range(12)), 1), match=PrefixMatch(blocks))
+    assert state.cached_tokens_hint == 2 * rt.block_size and seen.matches == [("r2", (5, 6))]
+
+
+def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
+    declare_plugins(tmp_path, {"sagellm.eviction": {"oldest": "sagellm_core.kit.testing:OldestFirstPreemption"}})
+    runtime = Runtime(
+        settings_from_toml(CONFIG.replace("hook_timing = false", "hook_timing = true")),
+        engine_owns=("prefix_cache", "kv_pool"),
+    )
+    runtime.arrive(Request("r0", list(range(12)), 1), match=PrefixMatch())
+    assert runtime.timer.stats["sagellm_request_arrived"].calls == 0
+    runtime.pm.register(ArrivalsSeen(), name="test:arrivals")  # seen from the next call on
+    runtime.arrive(Request("r1", list(range(12)), 1), match=PrefixMatch())
+    assert runtime.timer.stats["sagellm_request_arrived"].calls == 1
 
 
 # ------------------------------------------- no driver reaches into the runtime --

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
-from itertools import count, repeat, takewhile
-from operator import attrgetter, gt, is_not
+from itertools import repeat, takewhile
+from operator import attrgetter, is_not
 
 from sagellm_core.drivers.blocks import BlockObserver
 from sagellm_core.errors import PluginError
@@ -62,34 +62,49 @@ class PoolObserver(BlockObserver):
         #: down its own hashes, no second ``get_computed_blocks``.
         self.by_hash: dict[bytes, CachedBlock] = {}
         self._hash_of: dict[int, bytes] = {}
+        #: Whether a cached block was forgotten while its cached children
+        #: stayed (vLLM evicting one block itself): chains may have gaps.
+        self.gapped = False
 
     def match(self, block_hashes: Sequence[bytes], max_blocks: int) -> PrefixMatch:
         """The cached prefix of a request whose block hashes are
         ``block_hashes``, at most ``max_blocks`` long: what vLLM's
         ``find_longest_cache_hit`` finds, as sagellm records those blocks."""
-        if max_blocks < len(block_hashes):
-            block_hashes = block_hashes[:max_blocks]
+        found = self._search(block_hashes, max_blocks)
+        if not found:
+            return EMPTY_MATCH
         by_hash = self.by_hash
+        try:
+            return PrefixMatch(tuple(map(by_hash.__getitem__, block_hashes[:found])))
+        except KeyError:  # a gap before the block the search found
+            return PrefixMatch(tuple(takewhile(_is_block, map(by_hash.get, block_hashes[:found]))))
+
+    def match_length(self, block_hashes: Sequence[bytes], max_blocks: int) -> int:
+        """How many blocks :meth:`match` would give, without collecting
+        them: for a runtime whose plugins do not observe arrivals (a hundred
+        blocks cost a few µs to collect, twice vLLM's whole add_request)."""
+        found = self._search(block_hashes, max_blocks)
+        return self.match(block_hashes, found).num_blocks if found and self.gapped else found
+
+    def _search(self, block_hashes: Sequence[bytes], max_blocks: int) -> int:
         # The cached set is prefix-closed (evicting a block evicts its
         # descendants), so a binary search finds the hit's length in a few
-        # probes and one C-speed pass collects it. Only vLLM evicting one
-        # block of a chain itself (a KV connector's evict_blocks) leaves a
-        # gap: then the search overshoots into it, and the walk stops at it.
-        low, high = 0, len(block_hashes)  # block_hashes[:low] cached (so far)
+        # probes. Only vLLM evicting one block of a chain itself (a KV
+        # connector's evict_blocks) leaves a gap (``gapped``): then the
+        # search may overshoot into it, and a walk must stop at it.
+        by_hash = self.by_hash
+        low, high = 0, min(max_blocks, len(block_hashes))  # block_hashes[:low] cached (so far)
         while low < high:
             middle = (low + high + 1) // 2
             if block_hashes[middle - 1] in by_hash:
                 low = middle
             else:
                 high = middle - 1
-        if not low:
-            return EMPTY_MATCH
-        try:
-            return PrefixMatch(tuple(map(by_hash.__getitem__, block_hashes[:low])))
-        except KeyError:  # a gap before the block the search found
-            return PrefixMatch(tuple(takewhile(_is_block, map(by_hash.get, block_hashes))))
+        return low
 
     def forget(self, block_id: int) -> CachedBlock | None:
+        if self.children.get(block_id):
+            self.gapped = True  # its cached children stay: their chains have a gap now
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             self.by_hash.pop(block_hash, None)
@@ -158,19 +173,20 @@ class PoolObserver(BlockObserver):
         """As :meth:`BlockObserver.with_descendants` (the runtime checked
         that the victims are distinct evictable blocks), with a shortcut,
         in C-speed calls, for what the policies mostly hand out: leaves, or
-        chains from the leaf up, each block after its cached descendants,
-        all of them victims. The depth-first walk then gives the victims
-        themselves, in their order."""
+        whole chains, every cached descendant of a victim a victim itself.
+        Then the victims are the answer as they are (in their order: every
+        block handed out is evicted, so the order only says which vLLM
+        takes first)."""
         child_sets = list(filter(None, map(self.children.get, victims)))
         if not child_sets:
             return list(victims)  # leaves only
+        # Each victim's children are all victims exactly when the children
+        # counted under the victims are as many as the victims whose parent
+        # is a victim (every such victim is one of those children).
         chosen = set(victims)
-        if all(map(chosen.issuperset, child_sets)):
-            # Every descendant is a victim; each must come before its parent.
-            position = dict(zip(victims, count()))
-            parents = map(_parent_id, map(self.cached.__getitem__, victims))
-            if all(map(gt, map(position.get, parents, repeat(len(victims))), count())):
-                return list(victims)
+        parents = map(_parent_id, map(self.cached.__getitem__, victims))
+        if sum(map(len, child_sets)) == sum(map(chosen.__contains__, parents)):
+            return list(victims)
         return super().with_descendants(victims)
 
     def evict_all(self, block_ids: Sequence[int]) -> None:

@@ -37,7 +37,15 @@ from itertools import islice, repeat
 from operator import attrgetter
 
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import EMPTY_MATCH, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+from sagellm_core.types import (
+    EMPTY_MATCH,
+    PrefixMatch,
+    Request,
+    RequestOutcome,
+    RequestStatus,
+    ScheduleIR,
+    SequenceState,
+)
 from sagellm_plugin_vllm.block_pool import attach
 from sagellm_plugin_vllm.compat import (
     AsyncScheduler,
@@ -187,11 +195,14 @@ class SagellmDecisions:
         # it admits the request, and its hit is the one counted.
         manager = self.kv_cache_manager
         observer = getattr(manager.block_pool, "sagellm", None)
+        match: PrefixMatch | int = EMPTY_MATCH
         if observer is not None and manager.prefix_cache_lookup_enabled(request):
             # At least one token is always computed, as vLLM's lookup leaves it.
-            match = observer.match(request.block_hashes, (request.num_tokens - 1) // self.block_size)
-        else:
-            match = EMPTY_MATCH
+            limit = (request.num_tokens - 1) // self.block_size
+            if self.sagellm.observes_arrivals:
+                match = observer.match(request.block_hashes, limit)
+            else:  # only its length is read
+                match = observer.match_length(request.block_hashes, limit)
         # A driver that has the prompt as a sagellm token array hands it over
         # (``sagellm_token_ids``), sparing a per-token copy of vLLM's list.
         token_ids = request.__dict__.pop("sagellm_token_ids", None)

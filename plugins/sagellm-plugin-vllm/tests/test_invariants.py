@@ -70,7 +70,7 @@ def arrive(scheduler, request) -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=prompts,
-    policy=st.sampled_from(["lru", "lfu", "s3fifo"]),
+    policy=st.sampled_from(["lru", "lfu", "s3fifo", "slo"]),  # slo observes arrivals: their matched blocks
     seqs=st.integers(1, 4),
     passes=st.sampled_from(["", '[scheduler]\npasses = ["priority"]\n']),
 )
@@ -120,3 +120,48 @@ def test_pool_stays_consistent(requests, policy, seqs, passes):
         scheduler.update_from_output(out, made_up_output(scheduler, out))
         check(scheduler)
     assert not scheduler.has_unfinished_requests()
+
+
+def test_the_arrival_hint_stops_at_a_gap_vllm_evicted():
+    """vLLM evicting one block of a cached chain itself (a KV connector's
+    ``evict_blocks``) leaves its cached descendants behind it: the length
+    read off the hash index (no plugin observes arrivals) stops at the gap,
+    as vLLM's own lookup does."""
+    rt = Runtime(
+        settings_from_toml(f"[kv_pool]\nnum_blocks = {POOL}\n[report]\nhook_timing = false\n"), engine_owns=ENGINE_OWNS
+    )
+    assert not rt.observes_arrivals
+    scheduler = build_scheduler(
+        "sagellm",
+        block_size=BS,
+        num_blocks=POOL,
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        max_model_len=256,
+        runtime=rt,
+    )
+    v.init_none_hash(v.sha256)
+    hasher = v.get_request_block_hasher(BS, v.sha256)
+
+    def request(request_id: str):
+        return v.VllmRequest(
+            request_id=request_id,
+            prompt_token_ids=list(range(1, 23)),  # 5 full blocks and a part
+            sampling_params=v.SamplingParams(max_tokens=1, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
+        )
+
+    first = request("first")
+    arrive(scheduler, first)
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, made_up_output(scheduler, out))
+    pool = scheduler.kv_cache_manager.block_pool
+    chain = [pool.sagellm.by_hash[h].block_id for h in first.block_hashes[:5]]
+    pool.evict_blocks({chain[1]})  # a binary search over the hashes would find 5
+    assert pool.sagellm.gapped and pool.sagellm.by_hash.keys() >= set(first.block_hashes[2:5])
+    second = request("second")
+    arrive(scheduler, second)  # the hint is vLLM's own hit: 1 block
+    assert second.sagellm_state.cached_tokens_hint == rt.block_size
