@@ -233,6 +233,11 @@ class SagellmBlockTrie(BlockTrie):
                     " reuses SSM state checkpoints, which only LMDeploy's trie matches: leave out"
                     " [prefix_cache] plugin"
                 )
+            if runtime.block_size != block_size:  # its pages would not be LMDeploy's blocks
+                raise ConfigError(
+                    f"sagellm-plugin-lmdeploy: [prefix_cache] block_size is {runtime.block_size} and LMDeploy's"
+                    f" block size is {block_size}: {runtime.who('prefix_cache')} must page prompts as LMDeploy does"
+                )
             self.matcher = PluginMatcher(runtime, block_size)
         super().__init__(
             allocator=allocator,

@@ -173,6 +173,16 @@ def test_a_model_with_ssm_checkpoints_keeps_lmdeploys_matching():
         SagellmBlockTrie(allocator=allocator, block_size=16, enabled=True, checkpoint_state_manager=object())
 
 
+def test_a_prefix_cache_plugin_must_page_as_lmdeploy_does():
+    """A plugin paging prompts in 16-token pages while LMDeploy's blocks
+    hold 4 tokens would cache pages no block holds (a hypothesis example
+    corrupted the radix tree so): refused, naming both sizes."""
+    rt = runtime('[prefix_cache]\nplugin = "radix"\n[kv_pool]\nnum_blocks = 16\n[eviction]\nplugin = "lru"\n')
+    allocator = build_scheduler(16, 4, max_batches=1).block_manager.allocator
+    with installed(rt), pytest.raises(ConfigError, match="block_size is 16 and LMDeploy's block size is 4"):
+        SagellmBlockTrie(allocator=allocator, block_size=4, enabled=True)
+
+
 def test_a_kv_pool_plugin_refuses_lmdeploys_cpu_swap():
     """The pool's block ids are LMDeploy's logical ids, which a swap to the
     CPU would remap: refused with a one-line reason."""

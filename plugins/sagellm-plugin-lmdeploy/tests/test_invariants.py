@@ -65,7 +65,7 @@ def check(scheduler, rt) -> None:
 def test_trie_stays_consistent(requests, policy, pool, matching):
     rt = runtime_for(
         settings_from_toml(
-            f"[prefix_cache]\n{matching}\n[kv_pool]\nnum_blocks = {POOL}\n{pool}\n"
+            f"[prefix_cache]\nblock_size = {BS}\n{matching}\n[kv_pool]\nnum_blocks = {POOL}\n{pool}\n"
             f'[eviction]\nplugin = "{policy}"\n[report]\nhook_timing = false\n'
         )
     )
