@@ -19,7 +19,10 @@ the first row of its group (measured in this process):
   stock vLLM, and the sagellm scheduler (LRU), given a ``Request`` as vLLM's
   engine core builds it (token ids in a list, copied into sagellm's array),
   or with the prompt's sagellm token array handed over, as sagellm's vLLM
-  engine driver does;
+  engine driver does; and with a plugin that observes arrivals (doing
+  nothing with them), so the match's blocks are collected for it (with LRU
+  alone nobody reads them and only the match's length is taken; both
+  checked);
 * 64 blocks from 100k cached: sagellm's LRU ``sagellm_select_victims`` alone,
   and ``BlockPool.get_new_blocks(64)`` when every free block is cached, so
   each call evicts: stock vLLM, and vLLM with the sagellm LRU, ARC and
@@ -57,7 +60,7 @@ from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler
 from sagellm_plugin_vllm.live import ENGINE_OWNS
 
-from sagellm_core import PluginContext
+from sagellm_core import PluginContext, hookimpl
 from sagellm_core import config as config_mod
 from sagellm_core.kit.testing import BlockIds, serve_prompt
 from sagellm_core.runtime import Runtime
@@ -132,6 +135,15 @@ def vllm_request(request_id: str, tokens: list[int], hasher) -> v.VllmRequest:
         arrival_time=0.0,
         block_hasher=hasher,
     )
+
+
+class ArrivalObserver:
+    """Observes arrivals and does nothing: what collecting a match's blocks
+    for any plugin that reads them costs."""
+
+    @hookimpl
+    def sagellm_request_arrived(self, match) -> None:
+        pass
 
 
 def sagellm_side(all_prompts):
@@ -294,7 +306,7 @@ def breakdown(all_prompts, hasher, stock) -> list[tuple[str, float]]:
     token_array = Request("a", add_tokens, 1).prompt_token_ids
     parts = {
         "vLLM's own Scheduler.add_request": (Scheduler, "add_request"),
-        "the match, read off the pool observer's hash index": (block_pool.PoolObserver, "match"),
+        "the match's length, read off the pool observer's hash index": (block_pool.PoolObserver, "match_length"),
         "building sagellm's Request": (scheduler, "sagellm_request"),
         "Runtime.arrive (all of it)": (Runtime, "arrive"),
         "  of which the lifetime prediction": (Runtime, "predict_lifetime"),
@@ -380,12 +392,19 @@ def main() -> None:
     # add_request, before the eviction rows take the cached blocks away.
     add_tokens = all_prompts[11][:ADD_TOKENS]
     sagellm_lru = filled_scheduler(all_prompts, hasher, "lru")
+    observed = filled_scheduler(all_prompts, hasher, "lru")
+    observed.sagellm.pm.register(ArrivalObserver(), name="benchmark:arrivals")
+    assert observed.sagellm.observes_arrivals and not sagellm_lru.sagellm.observes_arrivals
     add_request = add_requests_us(
         {
             "add_request, cached 2,048-token prompt: stock vLLM": (stock, None),
             "  sagellm scheduler (lru), token ids from vLLM's list": (sagellm_lru, None),
             "  sagellm scheduler (lru), token array handed over (engine driver)": (
                 sagellm_lru,
+                Request("a", add_tokens, 1).prompt_token_ids,
+            ),
+            "  sagellm scheduler (lru, an arrival observer), token array handed over": (
+                observed,
                 Request("a", add_tokens, 1).prompt_token_ids,
             ),
         },
