@@ -237,9 +237,8 @@ def sagellm_blocks_touched(blocks: tuple[CachedBlock, ...], now_s: float) -> Non
 @hookspec
 def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None) -> None:
     """Cached blocks lost their last reference and became evictable, chain
-    order, root first. ``request``: the one whose release freed them (its
-    session and tenant say whether they may return), or ``None`` where the
-    engine does not say (vLLM's and LMDeploy's pools)."""
+    order, root first; ``request`` let go of them last (its session says if
+    they may return), ``None`` where the engine does not say (vLLM, LMDeploy)."""
 
 
 @hookspec

@@ -7,8 +7,10 @@ blocks of ``block_size`` tokens, ``*_tokens`` counts tokens, ``*_bytes`` bytes,
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
+import struct
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Protocol
@@ -33,6 +35,9 @@ def as_token_array(values: Any) -> array[int] | None:
     try:
         view = memoryview(values)
     except TypeError:
+        if isinstance(values, list) and len(values) > 64:  # an engine's prompt: packed in one C call, not per item
+            with contextlib.suppress(struct.error):  # (what is wrong with it, array() says below)
+                return array(TOKEN_ARRAY_TYPECODE, struct.pack(f"{len(values)}q", *values))
         return array(TOKEN_ARRAY_TYPECODE, values)
     out = array(TOKEN_ARRAY_TYPECODE)
     if view.ndim == 1 and view.itemsize == out.itemsize and view.format.lstrip("@=<") in ("q", "l"):
@@ -221,9 +226,7 @@ class EvictionCandidates(Protocol):
     them to the victim-selection hook. Membership and size are O(1)."""
 
     def __contains__(self, block_id: object) -> bool: ...
-
     def __len__(self) -> int: ...
-
     def __iter__(self) -> Iterator[int]: ...
 
 

@@ -2,6 +2,9 @@
 
 from array import array
 
+import hypothesis
+from hypothesis import strategies as st
+
 from sagellm_core.types import Request, as_token_array
 
 
@@ -23,3 +26,22 @@ def test_token_ids_become_one_int64_array_whatever_they_came_as():
     same = array("q", ids)
     assert as_token_array(same) is same
     assert Request("r", as_long, 1).prompt_token_ids == expected
+
+
+@hypothesis.given(
+    st.lists(
+        st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(2**63, 2**70), st.floats(), st.text()), max_size=300
+    )
+)
+def test_a_long_list_packs_as_array_would_take_it(values):
+    """An engine's prompt (a list of more than 64 ids) is packed in one C
+    call: the same array, and for a bad id the same error, as ``array()``."""
+    try:
+        want: object = array("q", values)
+    except (TypeError, OverflowError) as exc:
+        want = type(exc)
+    try:
+        got: object = as_token_array(values)
+    except (TypeError, OverflowError) as exc:
+        got = type(exc)
+    assert got == want
