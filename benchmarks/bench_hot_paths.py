@@ -151,7 +151,7 @@ def main() -> None:
     adaptive = AdaptiveEviction(AdaptiveSettings(), ctx)
     adaptive.sagellm_blocks_cached(blocks=blocks, now_s=0.0)
     for i in range(0, NUM_BLOCKS, 64):
-        adaptive.sagellm_blocks_released(blocks=blocks[i : i + 64], now_s=0.0)
+        adaptive.sagellm_blocks_released(blocks=blocks[i : i + 64], now_s=0.0, request=None)
     for leader, expert in enumerate(adaptive.experts):
         adaptive.leader = leader
         assert len(adaptive.sagellm_select_victims(num_blocks=64, candidates=every_block).victim_ids) == 64

@@ -34,13 +34,15 @@ shadow); choosing victims costs what the leader's choice costs.
 from __future__ import annotations
 
 import inspect
+import re
+import tomllib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision
+from sagellm_core.types import CachedBlock, EvictionCandidates, EvictionDecision, Request
 
 from .arc import ARCEviction
 from .continuation import ContinuationEviction
@@ -49,6 +51,7 @@ from .hawkeye import HawkeyeEviction
 from .lfu import LFUEviction
 from .lru import LRUEviction
 from .predictive import PredictiveEviction
+from .revisit import RevisitEviction
 from .s3fifo import S3FIFOEviction
 
 #: The policies of this distribution that can be experts (online, and
@@ -62,13 +65,33 @@ EXPERTS: dict[str, type] = {
     "predictive": PredictiveEviction,
     "cost": CostAwareEviction,
     "hawkeye": HawkeyeEviction,
+    "revisit": RevisitEviction,
 }
+
+
+def expert_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:KEY=VALUE,...``: an expert and its settings (each
+    value TOML or a bare word), as ``--policy`` takes them; ``;`` separates
+    them too (inside a ``--policy`` of ``adaptive``, a comma would end the
+    expert's list item)."""
+    name, _, params = spec.partition(":")
+    settings: dict[str, Any] = {}
+    for item in filter(None, re.split(r"[,;](?=\s*\w+=)", params)):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"expert {spec!r}: settings are KEY=VALUE, separated by commas")
+        try:
+            settings[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            settings[key.strip()] = value
+    return name, settings
+
 
 OBSERVATIONS = ("sagellm_blocks_cached", "sagellm_blocks_touched", "sagellm_blocks_released", "sagellm_blocks_evicted")
 
 
 def _expert_names(instance: Any, attribute: Any, value: tuple[str, ...]) -> None:
-    unknown = [name for name in value if name not in EXPERTS]
+    unknown = [name for name in value if expert_spec(name)[0] not in EXPERTS]
     if unknown or len(set(value)) != len(value) or len(value) < 2:
         raise ValueError(
             f"experts = {list(value)!r}: two or more distinct names among {', '.join(EXPERTS)}"
@@ -96,25 +119,34 @@ class _Expert:
     ``(blocks, now_s)`` whichever of the two it takes."""
 
     def __init__(self, name: str, context: PluginContext):
-        cls = EXPERTS[name]
+        base, params = expert_spec(name)
+        cls = EXPERTS[base]
         settings_cls = getattr(cls, "Settings", None)
         self.name = name
-        self.policy = cls(settings_cls() if settings_cls is not None else None, context)
-        self.observe: dict[str, Callable[[tuple[CachedBlock, ...], float], None]] = {}
+        self.policy = cls(settings_cls(**params) if settings_cls is not None else None, context)
+        self.observe: dict[str, Callable[..., None]] = {}
+        #: the hooks whose implementation takes the releasing request
+        self.takes_request: set[str] = set()
         for hook in OBSERVATIONS:
             method = getattr(self.policy, hook, None)
             if method is None:
                 continue
-            if "now_s" in inspect.signature(method).parameters:
+            parameters = inspect.signature(method).parameters
+            if "request" in parameters:
+                self.takes_request.add(hook)
+            if "now_s" in parameters:
                 self.observe[hook] = method
             else:
-                self.observe[hook] = lambda blocks, now_s, method=method: method(blocks)
+                self.observe[hook] = lambda blocks, now_s, method=method, **kw: method(blocks, **kw)
         self.select = self.policy.sagellm_select_victims
 
-    def tell(self, hook: str, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    def tell(self, hook: str, blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None = None) -> None:
         method = self.observe.get(hook)
         if method is not None and blocks:
-            method(blocks, now_s)
+            if hook in self.takes_request:
+                method(blocks, now_s, request=request)
+            else:
+                method(blocks, now_s)
 
 
 class _Node:
@@ -153,7 +185,7 @@ class ShadowCache:
         self.next_id = 0
         self.evictable = _Evictable(self)
 
-    def play(self, keys: list[int], now_s: float) -> int:
+    def play(self, keys: list[int], now_s: float, request: Request | None = None) -> int:
         """One request's chain of content keys: returns the blocks hit."""
         ids = []
         for key in keys:
@@ -184,7 +216,10 @@ class ShadowCache:
         self.expert.tell("sagellm_blocks_cached", tuple(new), now_s)
         self.held = set()
         chain = tuple(self.nodes[b].block for b in ids) + tuple(new)
-        self.expert.tell("sagellm_blocks_released", chain, now_s)
+        if request is None:  # (a driver that does not know requests)
+            self.expert.tell("sagellm_blocks_released", chain, now_s)
+        else:
+            self.expert.tell("sagellm_blocks_released", chain, now_s, request)
         return hits
 
     def _evict(self, count: int, now_s: float) -> None:
@@ -229,9 +264,9 @@ class AdaptiveEviction:
     def leader_name(self) -> str:
         return self.experts[self.leader].name
 
-    def _tell(self, hook: str, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    def _tell(self, hook: str, blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None = None) -> None:
         for expert in self.experts:
-            expert.tell(hook, blocks, now_s)
+            expert.tell(hook, blocks, now_s, request)
 
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -244,10 +279,10 @@ class AdaptiveEviction:
         self._tell("sagellm_blocks_touched", blocks, now_s)
 
     @hookimpl
-    def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
-        self._tell("sagellm_blocks_released", blocks, now_s)
+    def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None) -> None:
+        self._tell("sagellm_blocks_released", blocks, now_s, request)
         if blocks:
-            self._play(blocks[-1].block_id, now_s)
+            self._play(blocks[-1].block_id, now_s, request)
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -259,7 +294,7 @@ class AdaptiveEviction:
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         return self.experts[self.leader].select(num_blocks, candidates)
 
-    def _play(self, end: int, now_s: float) -> None:
+    def _play(self, end: int, now_s: float, request: Request | None = None) -> None:
         """Play the chain ending at real block ``end`` on every shadow and
         move the lead if another expert has earned it."""
         keys: list[int] = []
@@ -272,7 +307,7 @@ class AdaptiveEviction:
         decay = self._decay_per_block ** len(keys)
         scores = self.scores
         for i, shadow in enumerate(self.shadows):
-            scores[i] = scores[i] * decay + shadow.play(keys, now_s)
+            scores[i] = scores[i] * decay + shadow.play(keys, now_s, request)
         best = max(range(len(scores)), key=scores.__getitem__)
         if best != self.leader and scores[best] > scores[self.leader] * (1.0 + self.settings.margin):
             self.leader = best

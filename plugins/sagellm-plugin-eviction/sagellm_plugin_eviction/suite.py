@@ -7,7 +7,8 @@ Belady (the offline optimum) and every policy asked for, and prints the
 block hit rate, the ratio to LRU, and the share of the gap between LRU and
 Belady that the policy closes; then, per policy, the worst ratio to LRU and
 the mean share of the gap closed over the suite. The suite's workloads are
-split in a half to tune on, a half held out and a fresh part (``--split``).
+split in a half to tune on, a half held out, a fresh part and a final
+part (``--split``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import tomllib
 from collections import Counter
 from importlib import metadata, resources
@@ -30,11 +30,15 @@ from sagellm_core.config import WORKLOAD_GROUP, parse
 from sagellm_core.errors import ConfigError, SagellmError
 from sagellm_core.replay import session, workloads
 
+from .adaptive import expert_spec
+
 REFERENCES = ("lru", "belady")
 #: The suite's parts: tuned on, held out (judged once, at issue 20's first
 #: stop, then looked at), fresh (new seeds and another ShareGPT slice, judged
-#: once, at the end of issue 20's second stop); "all" is every workload.
-SPLITS = ("tune", "held-out", "fresh", "all")
+#: once, at the end of issue 20's second stop, then looked at), final (seed
+#: 303 and a third ShareGPT slice, added before the request-aware policy was
+#: built, judged once at the end of that work); "all" is every workload.
+SPLITS = ("tune", "held-out", "fresh", "final", "all")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 #: Below this gap between LRU and Belady (absolute hit rate) there is nothing
 #: to close, and the share is not reported.
@@ -95,17 +99,11 @@ def footprint(settings) -> tuple[int, int]:
 def eviction_section(policy: str) -> dict:
     """``NAME`` or ``NAME:KEY=VALUE,...`` (a plugin and its settings, each
     value TOML or a bare word): the run's ``[eviction]`` section."""
-    name, _, params = policy.partition(":")
-    section: dict[str, Any] = {"plugin": name}
-    for item in filter(None, re.split(r",(?=\s*\w+=)", params)):  # a list value keeps its commas
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise SagellmError(f"--policy {policy}: settings are KEY=VALUE, separated by commas")
-        try:
-            section[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            section[key] = value
-    return section
+    try:
+        name, settings = expert_spec(policy)
+    except ValueError:
+        raise SagellmError(f"--policy {policy}: settings are KEY=VALUE, separated by commas") from None
+    return {"plugin": name, **settings}
 
 
 def is_oracle(policy: str) -> bool:
@@ -358,7 +356,7 @@ def sagellm_register_commands(subparsers) -> None:
         "--split",
         choices=SPLITS,
         default="tune",
-        help="the suite's part to run: tune, held-out, fresh, or all (default: tune)",
+        help="the suite's part to run: tune, held-out, fresh, final, or all (default: tune)",
     )
     p.add_argument("--suite", help="a suite file (default: the plugin's suite.toml)")
     p.add_argument(

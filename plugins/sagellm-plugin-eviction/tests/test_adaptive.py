@@ -1,6 +1,7 @@
 """The adaptive policy follows the expert that hits most, judged on shadow
 caches; the shadow cache itself keeps a prefix cache's invariants."""
 
+import inspect
 import random
 
 import hypothesis.strategies as st
@@ -21,9 +22,13 @@ class Driven:
         self.policy = policy
         self.select = policy.sagellm_select_victims
 
-    def tell(self, hook, blocks, now_s):
+    def tell(self, hook, blocks, now_s, request=None):
         if blocks:
-            getattr(self.policy, hook)(blocks=blocks, now_s=now_s)
+            method = getattr(self.policy, hook)
+            if "request" in inspect.signature(method).parameters:  # the releasing request, where known
+                method(blocks=blocks, now_s=now_s, request=request)
+            else:
+                method(blocks=blocks, now_s=now_s)
 
 
 def replay(policy_or_name, trace, capacity=CAPACITY):

@@ -24,13 +24,15 @@ class Driven:
         self.policy = policy
         self.select = policy.sagellm_select_victims
 
-    def tell(self, hook, blocks, now_s):
+    def tell(self, hook, blocks, now_s, request=None):
         if blocks:
             method = getattr(self.policy, hook)
-            if "now_s" in inspect.signature(method).parameters:
-                method(blocks=blocks, now_s=now_s)
+            parameters = inspect.signature(method).parameters
+            given = {"request": request} if "request" in parameters else {}  # the releasing request
+            if "now_s" in parameters:
+                method(blocks=blocks, now_s=now_s, **given)
             else:
-                method(blocks=blocks)
+                method(blocks=blocks, **given)
 
 
 def no_future():

@@ -19,13 +19,23 @@ def test_the_fresh_part_draws_every_workload_anew():
     by_split = {}
     for entry in parsed["workload"]:
         by_split.setdefault(entry["split"], []).append(entry)
-    assert set(by_split) == {"tune", "held-out", "fresh"}
+    assert set(by_split) == {"tune", "held-out", "fresh", "final"}
     seen = [e for split in ("tune", "held-out") for e in by_split[split]]
-    for entry in by_split["fresh"]:
+    for entry in by_split["fresh"] + by_split["final"]:
         source = entry["config"]["workload"]["source"]
         same_source = [e for e in seen if e["config"]["workload"]["source"] == source]
         assert same_source, f"{entry['name']}: a source the other parts do not have"
         assert all(draw(entry) != draw(e) for e in same_source), entry["name"]
+
+
+def test_the_final_part_draws_anew_from_every_earlier_part():
+    parsed, _ = suite.read_suite(None)
+    final = [e for e in parsed["workload"] if e["split"] == "final"]
+    earlier = [e for e in parsed["workload"] if e["split"] != "final"]
+    assert {e["config"]["workload"]["source"] for e in final} >= {"generator", "agentic", "sharegpt", "rag"}
+    for entry in final:
+        source = entry["config"]["workload"]["source"]
+        assert all(draw(entry) != draw(e) for e in earlier if e["config"]["workload"]["source"] == source)
 
 
 def test_a_split_outside_the_three_parts_is_refused(tmp_path):
