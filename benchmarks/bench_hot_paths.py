@@ -10,7 +10,8 @@
   100,000 cached blocks, and the share of it spent building page keys;
 * choosing 64 victims among 100,000 evictable blocks: LRU, LFU, the
   predictive, continuation-aware, cost-aware, SLO-aware and dead-block
-  (hawkeye) policies, and the
+  (hawkeye, revisit: each with none and about half predicted dead) policies,
+  and the
   adaptive policy led by each of its experts (it answers with the leader's
   choice).
 * a block's content key for a 4 KB page: ``chain_key`` (SHA-256) against
@@ -36,6 +37,7 @@ from sagellm_plugin_eviction.hawkeye import HawkeyeEviction, HawkeyeSettings
 from sagellm_plugin_eviction.lfu import LFUEviction
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_eviction.predictive import PredictiveEviction, PredictiveSettings
+from sagellm_plugin_eviction.revisit import RevisitEviction, RevisitSettings
 from sagellm_plugin_eviction.slo import SLOEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
@@ -93,6 +95,26 @@ def deep_half_dead(policy: HawkeyeEviction) -> HawkeyeEviction:
     return policy
 
 
+def revisit_released(ctx: PluginContext, blocks: tuple[CachedBlock, ...], half_dead: bool) -> RevisitEviction:
+    """``revisit`` with the blocks released in 64-block chains by one
+    session's requests; with ``half_dead``, trained before each release as
+    if the deeper half of the chain never came back and the rest did (its
+    weights then call the deeper half dead, and a choice merges queues)."""
+    policy = RevisitEviction(RevisitSettings(), ctx)
+    policy.sagellm_blocks_cached(blocks=blocks)
+    request = Request("turn", [0] * 64, 1, session_id="session")
+    for i in range(0, len(blocks), 64):
+        chain = blocks[i : i + 64]
+        if half_dead:
+            signatures = policy.signatures(chain, request)
+            for live, half in ((True, signatures[:32]), (False, signatures[32:])):
+                for signature in half:
+                    for _ in range(200):
+                        policy._train(signature, live)
+        policy.sagellm_blocks_released(blocks=chain, now_s=0.0, request=request)
+    return policy
+
+
 def main() -> None:
     rows = []
     cache, prompts = build_cache()
@@ -127,22 +149,27 @@ def main() -> None:
         ("SLO-aware, the 10k least recent protected", SLOEviction(None, ctx)),
         ("hawkeye, none predicted dead yet", HawkeyeEviction(HawkeyeSettings(), ctx)),
         ("hawkeye, about half predicted dead (deep blocks)", deep_half_dead(HawkeyeEviction(HawkeyeSettings(), ctx))),
+        ("revisit, none predicted dead", revisit_released(ctx, blocks, half_dead=False)),
+        ("revisit, about half predicted dead (deep blocks)", revisit_released(ctx, blocks, half_dead=True)),
     )
     for name, policy in policies:
         # as pluggy does, pass ``now_s`` only to the policies that take it
         def timed(hook, policy=policy):
             return {"now_s": 0.0} if "now_s" in inspect.signature(getattr(policy, hook)).parameters else {}
 
-        if hasattr(policy, "sagellm_blocks_cached"):
-            policy.sagellm_blocks_cached(blocks=blocks, **timed("sagellm_blocks_cached"))
-        for i in range(0, NUM_BLOCKS, 64):
-            policy.sagellm_blocks_released(blocks=blocks[i : i + 64], **timed("sagellm_blocks_released"))
+        if not isinstance(policy, RevisitEviction):  # (released by its own requests above)
+            if hasattr(policy, "sagellm_blocks_cached"):
+                policy.sagellm_blocks_cached(blocks=blocks, **timed("sagellm_blocks_cached"))
+            for i in range(0, NUM_BLOCKS, 64):
+                policy.sagellm_blocks_released(blocks=blocks[i : i + 64], **timed("sagellm_blocks_released"))
         if isinstance(policy, SLOEviction):
             # a waiting request, its deadline ahead, whose prefix is LRU's first 10k victims
             waiting = Request("waiting", [0], 1, deadline_s=60.0)
             policy.sagellm_request_arrived(request=waiting, prediction=None, match=PrefixMatch(blocks[:10_000]))
-        if name.startswith("hawkeye, about half"):  # the row's label says half
-            assert 0.45 * NUM_BLOCKS <= policy.predicted_dead <= 0.55 * NUM_BLOCKS, policy.predicted_dead
+        if "about half predicted dead" in name:  # the row's label says half
+            assert 0.45 * NUM_BLOCKS <= policy.predicted_dead <= 0.55 * NUM_BLOCKS, (name, policy.predicted_dead)
+        if "none predicted dead" in name:
+            assert policy.predicted_dead == 0, (name, policy.predicted_dead)
         # the row's label says 64 victims: a choice that names fewer is not that row
         assert len(policy.sagellm_select_victims(num_blocks=64, candidates=every_block).victim_ids) == 64, name
         results[name] = p50_us(
