@@ -299,8 +299,7 @@ class Runtime(CheckedHooks):
         result = self.insert_prefix(request, token_ids if whole else token_ids[: num_full * self.block_size], given)
         if result is None:
             return
-        adopted = [b.block_id for b in result.adopted]
-        state.private_block_ids.difference_update(adopted)
+        state.private_block_ids.difference_update(adopted := [b.block_id for b in result.adopted])
         self._taken.update(adopted + [b.block_id for _, b in result.replaced] if result.replaced else adopted)
         position = {block_id: i for i, block_id in enumerate(given)} if result.replaced else {}
         for given_id, cached in result.replaced:

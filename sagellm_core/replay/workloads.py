@@ -195,6 +195,9 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
     import numpy as np  # imported when a trace is read, not when the core is (`sagellm --version` stays quick)
 
     positions = np.arange(0, dtype=np.uint64)  # the low halves of a block's ids, grown as prompts need
+    # The ids are computed into this buffer, kept from prompt to prompt (not a
+    # new array per prompt), and copied out once into the prompt's array.
+    scratch = np.empty(0, dtype=np.uint64)
     try:
         fh = open(path, encoding="utf-8-sig")
     except OSError as exc:
@@ -255,8 +258,12 @@ def mooncake(path: str, trace_block_tokens: int = 512) -> Iterator[Request]:
             width = min(trace_block_tokens, length)
             if len(positions) < width:
                 positions = np.arange(width, dtype=np.uint64)
-            rows = np.asarray(hashes, dtype=np.uint64)[:, None] << np.uint64(32) | positions[:width]
-            tokens = _token_array(rows.view(np.int64).ravel()[:length])
+            size = len(hashes) * width  # under twice the prompt's length
+            if len(scratch) < size:
+                scratch = np.empty(max(size, 2 * len(scratch)), dtype=np.uint64)
+            rows = scratch[:size].reshape(len(hashes), width)
+            np.bitwise_or(np.asarray(hashes, dtype=np.uint64)[:, None] << np.uint64(32), positions[:width], out=rows)
+            tokens = _token_array(scratch[:length])
             yield Request(
                 request_id=f"mooncake-{lineno}",
                 prompt_token_ids=tokens,

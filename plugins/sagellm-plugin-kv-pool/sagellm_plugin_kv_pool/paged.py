@@ -35,7 +35,7 @@ class PagedPool:
         if num_blocks > len(self._free):
             return _NO_BLOCKS
         popleft, is_free = self._free.popleft, self._is_free
-        ids = tuple(popleft() for _ in range(num_blocks))
+        ids = tuple([popleft() for _ in range(num_blocks)])
         runs = self._free_runs
         for block_id in ids:
             is_free[block_id + 1] = 0

@@ -50,6 +50,8 @@ class LocalTransport:
             "device": np.zeros((context.num_blocks, settings.bytes_per_block), dtype=np.uint8),
             "host": np.zeros((settings.host_blocks, settings.bytes_per_block), dtype=np.uint8),
         }
+        # The numpy tiers' bytes, by the tier's id (the rows are C-contiguous).
+        self._flat = {id(tier): memoryview(tier.reshape(-1)) for tier in self.tiers.values()}
         # Host slots holding a block, in the order they were written: the
         # oldest is reused first once no slot is free.
         self._host_used: deque[int] = deque()
@@ -80,6 +82,7 @@ class LocalTransport:
         pin = device.is_cuda and torch.cuda.is_available()
         host = torch.empty(shape, dtype=device.dtype, device="cpu", pin_memory=pin)
         self.tiers = {"device": device, "host": host}
+        self._flat = {}  # (the numpy tiers' memory goes with them)
         self._block_dim = kv_caches.block_dim
         self._copy_blocks = kv_caches.copy_blocks
         self._bytes_per_block = kv_caches.bytes_per_block
@@ -89,12 +92,15 @@ class LocalTransport:
 
     def _copy(self, src, dst, src_ids: list[int], dst_ids: list[int]) -> None:
         if self._block_dim is None:
-            if len(src_ids) <= 8 and src is not dst:
-                # A few rows: row by row is faster than numpy's fancy
-                # indexing, which builds index arrays from the lists first.
+            if src is not dst:
+                # Row by row, each row a slice of the tier's bytes: faster
+                # than numpy's fancy indexing (which builds index arrays from
+                # the lists and gathers into a temporary) and than numpy rows.
+                size, flat = self._bytes_per_block, self._flat
+                s_rows, d_rows = flat[id(src)], flat[id(dst)]
                 for s, d in zip(src_ids, dst_ids):
-                    dst[d] = src[s]
-            else:
+                    d_rows[d * size : (d + 1) * size] = s_rows[s * size : (s + 1) * size]
+            else:  # within one tier: gathered first, as rows may be both read and written
                 dst[dst_ids] = src[src_ids]
             return
         if self._copy_blocks is not None:  # the engine's device copies, on its stream

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
 
 from attrs import field, frozen, validators
@@ -39,6 +40,90 @@ from attrs import field, frozen, validators
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.errors import ConfigError
 from sagellm_core.types import ROOT_KEY, CachedBlock, PrefixInsert, PrefixMatch, Request, chain_key
+
+# The slots of CachedBlock's fields (a frozen attrs class), set directly.
+_BLOCK_ID, _DEPTH, _PARENT_ID, _KEY, _NAMESPACE, _TENANT = (
+    CachedBlock.__dict__[name] for name in ("block_id", "depth", "parent_id", "key", "namespace", "tenant")
+)
+
+
+class _Block(CachedBlock):
+    """A cached block whose content key is computed when it is first read.
+
+    The tree matches prompts by their bytes, not by keys: a key is for the
+    plugins that read it (a host tier, ARC's ghosts, KV events), and a run
+    whose plugins never do (LRU over a radix cache) pays no SHA-256 per page,
+    the largest single cost of a cache-only replay. The block keeps its
+    page's bytes (the edge they were inserted with) and its parent (a block,
+    or the namespace's root key) until then. Equal to, and hashed as, the
+    :class:`CachedBlock` with the same fields. Once any key is read, the
+    tree computes the keys of the blocks it inserts from then on at once
+    (its plugins read keys: deferring them would only cost more).
+    """
+
+    #: (edge bytes, page start, page end, parent block or root key, the
+    #: tree's flag that keys are read) until the key is known, then None.
+    __slots__ = ("_lazy",)
+
+    @property  # type: ignore[override]
+    def key(self) -> int:
+        lazy = self._lazy
+        if lazy is None:
+            return _KEY.__get__(self)  # type: ignore[no-any-return]
+        lazy[4][0] = True  # keys are read: the tree computes them at insertion from now on
+        chain, up = [self], lazy[3]
+        while isinstance(up, _Block) and up._lazy is not None:  # iteratively: chains are long
+            chain.append(up)
+            up = up._lazy[3]
+        key = up if isinstance(up, int) else up.key
+        for block in reversed(chain):
+            edge, start, end, _, _ = block._lazy
+            with memoryview(edge) as raw:
+                key = chain_key(key, raw[start:end])  # type: ignore[arg-type]
+            _KEY.__set__(block, key)
+            _LAZY.__set__(block, None)  # the bytes and the parent are not needed any more
+        return key
+
+    @key.setter
+    def key(self, value: int) -> None:  # attrs' __init__ (attrs.evolve, unpickling) sets it
+        _KEY.__set__(self, value)
+        _LAZY.__set__(self, None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CachedBlock):
+            return NotImplemented
+        return (self.block_id, self.depth, self.parent_id, self.key, self.namespace, self.tenant) == (
+            other.block_id,
+            other.depth,
+            other.parent_id,
+            other.key,
+            other.namespace,
+            other.tenant,
+        )
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = CachedBlock.__hash__
+
+    def __repr__(self) -> str:
+        return CachedBlock.__repr__(self).replace("_Block(", "CachedBlock(", 1)
+
+
+_LAZY = _Block.__dict__["_lazy"]
+
+
+def _lazy_block(block_id: int, depth: int, parent_id: int | None, namespace: str, tenant: str | None, lazy) -> _Block:
+    """A block with what computes its key (``_Block._lazy``)."""
+    block = _Block.__new__(_Block)
+    _LAZY.__set__(block, lazy)
+    _BLOCK_ID.__set__(block, block_id)
+    _DEPTH.__set__(block, depth)
+    _PARENT_ID.__set__(block, parent_id)
+    _NAMESPACE.__set__(block, namespace)
+    _TENANT.__set__(block, tenant)
+    return block
 
 
 class _Node:
@@ -132,6 +217,11 @@ class RadixPrefixCache:
         self.max_pinned = int(settings.max_pinned_share * context.num_blocks)
         self._pinned: set[_Node] = set()
         self.num_pinned = 0
+        self._keys_read = [False]  # set when a block's key is first read (see _Block)
+        #: Counts the changes of the tree's shape (nodes added, split, cut).
+        self._shape = 0
+        #: The last lookup: (request, shape then, node reached, blocks matched).
+        self._last_lookup: tuple[Request, int, _Node, list[CachedBlock]] | None = None
 
     # ------------------------------------------------------------ helpers --
 
@@ -162,13 +252,29 @@ class RadixPrefixCache:
         view = memoryview(token_ids)
         return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
 
-    def _walk(self, root: _Node, token_ids, num_pages: int, split: bool) -> tuple[_Node, list[CachedBlock]]:
+    def _walk(
+        self, root: _Node, token_ids, num_pages: int, split: bool, held: _Node | None = None
+    ) -> tuple[_Node, list[CachedBlock]]:
         """Follow ``token_ids``' first ``num_pages`` pages down from ``root``.
         Return the deepest node reached and the matched blocks. With ``split``
-        a match ending inside an edge splits it, so the node ends the match."""
+        a match ending inside an edge splits it, so the node ends the match.
+        ``held``: a node whose path is checked first, with one comparison per
+        node and no child lookup (the path a request holds, when it inserts
+        its blocks), and followed from its end if it matches."""
         size = self.block_size * token_ids.itemsize  # bytes per page
         node, page, matched = root, 0, []
-        if not num_pages or not root.children:
+        if held is not None and held is not root:
+            path = []
+            while held.parent is not None:
+                path.append(held)
+                held = held.parent
+            end = path[0].start + len(path[0].blocks)
+            if held is root and end <= num_pages:
+                with self._bytes(token_ids) as raw:
+                    if all(n.edge.startswith(raw[n.start * size : (n.start + len(n.blocks)) * size]) for n in path):
+                        node, page = path[0], end
+                        matched = [b for n in reversed(path) for b in n.blocks]
+        if page >= num_pages or not node.children:
             return node, matched
         with self._bytes(token_ids) as raw:
             while page < num_pages:
@@ -194,6 +300,7 @@ class RadixPrefixCache:
         return node, matched
 
     def _split(self, child: _Node, j: int) -> _Node:
+        self._shape += 1
         parent = child.parent
         cut = j * len(child.first)
         mid = _Node(parent, child.edge[:cut], child.blocks[:j], child.start)
@@ -245,7 +352,8 @@ class RadixPrefixCache:
         root = self._roots.get(self._namespace(request))
         if root is None:
             return PrefixMatch()
-        _, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=False)
+        node, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=False)
+        self._last_lookup = (request, self._shape, node, matched)
         return PrefixMatch(tuple(matched))
 
     @hookimpl
@@ -253,7 +361,16 @@ class RadixPrefixCache:
         if request.request_id in self._locked:
             raise ValueError(f"request {request.request_id!r} already holds a prefix")
         root = self._root(self._namespace(request))
-        node, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=True)
+        last, self._last_lookup = self._last_lookup, None
+        if last is not None and last[0] is request and last[1] == self._shape:
+            # The tree has not changed since this request's lookup (an engine
+            # that admits as it looks up, as cache-only replay does): its
+            # walk is taken, split where the match ends inside an edge.
+            node, matched = last[2], last[3]
+            if 0 < len(matched) - node.start < len(node.blocks):
+                node = self._split(node, len(matched) - node.start)
+        else:
+            node, matched = self._walk(root, request.prompt_token_ids, self._limit(request), split=True)
         self._lock(node)
         self._locked[request.request_id] = node
         if self.pin_after_hits and matched:
@@ -290,30 +407,43 @@ class RadixPrefixCache:
     ) -> PrefixInsert:
         num_pages = len(block_ids)
         namespace = self._namespace(request)
-        node, matched = self._walk(self._root(namespace), token_ids, num_pages, split=True)
+        holds = self._locked.get(request.request_id)  # the path it holds is checked, not looked up again
+        node, matched = self._walk(self._root(namespace), token_ids, num_pages, split=True, held=holds)
         replaced = tuple((given, held) for given, held in zip(block_ids, matched) if given != held.block_id)
         adopted: tuple[CachedBlock, ...] = ()
         page = len(matched)
         if page < num_pages:
             parent = matched[-1] if matched else None
-            parent_id, parent_key = (parent.block_id, parent.key) if parent else (None, self._root_key(namespace))
+            parent_id = parent.block_id if parent else None
+            up: CachedBlock | int = parent if parent else self._root_key(namespace)
             tenant = request.tenant if self.isolate_tenants else None
-            blocks = []
+            blocks: list[CachedBlock] = []
             size = self.block_size * token_ids.itemsize  # bytes per page
+            new_ids = block_ids[page:num_pages]
             with self._bytes(token_ids) as raw:
-                for p in range(page, num_pages):
-                    parent_key = chain_key(parent_key, raw[p * size : (p + 1) * size])  # type: ignore[arg-type]
-                    block = CachedBlock(block_ids[p], p, parent_id, parent_key, namespace, tenant)
-                    parent_id = block.block_id
-                    blocks.append(block)
                 edge = bytes(raw[page * size : num_pages * size])
+            at, keys_read = 0, self._keys_read
+            if keys_read[0]:
+                key = up if isinstance(up, int) else up.key
+                with memoryview(edge) as pages:
+                    for depth, block_id in enumerate(new_ids, page):
+                        key = chain_key(key, pages[at : at + size])  # type: ignore[arg-type]
+                        blocks.append(CachedBlock(block_id, depth, parent_id, key, namespace, tenant))
+                        parent_id, at = block_id, at + size
+            else:
+                for depth, block_id in enumerate(new_ids, page):
+                    up = _lazy_block(
+                        block_id, depth, parent_id, namespace, tenant, (edge, at, at + size, up, keys_read)
+                    )
+                    blocks.append(up)
+                    parent_id, at = block_id, at + size
             leaf = _Node(node, edge, blocks, page)
             node.children[leaf.first] = leaf
-            for block in blocks:
-                self._where[block.block_id] = leaf
-                self._info[block.block_id] = block
+            self._where.update(zip(new_ids, repeat(leaf)))
+            self._info.update(zip(new_ids, blocks))
             self._num_evictable += len(blocks)
             node, adopted = leaf, tuple(blocks)
+            self._shape += 1
             if self._events_path:
                 self._emit(
                     type="stored",
@@ -418,6 +548,7 @@ class RadixPrefixCache:
         for node, keep in edge_cuts.values():
             node.edge = node.edge[:keep]
         self._num_evictable -= len(removed)
+        self._shape += 1
         if self._events_path and removed:
             self._emit(type="removed", keys=[b.key for b in removed])
         return tuple(removed)
