@@ -114,39 +114,41 @@ class AdaptiveSettings:
     margin: float = field(default=0.01, converter=float, validator=validators.ge(0))
 
 
-class _Expert:
-    """A policy instance and its observation methods, each called as
-    ``(blocks, now_s)`` whichever of the two it takes."""
+def _told(method: Callable[..., None]) -> Callable[[tuple[CachedBlock, ...], float, Request | None], None]:
+    """``method`` called as ``(blocks, now_s, request)``, given those of the
+    two it takes (as pluggy passes a hook implementation its arguments)."""
+    parameters = inspect.signature(method).parameters
+    if "now_s" in parameters and "request" in parameters:
+        return lambda blocks, now_s, request: method(blocks, now_s=now_s, request=request)
+    if "now_s" in parameters:
+        return lambda blocks, now_s, request: method(blocks, now_s=now_s)
+    if "request" in parameters:
+        return lambda blocks, now_s, request: method(blocks, request=request)
+    return lambda blocks, now_s, request: method(blocks)
 
-    def __init__(self, name: str, context: PluginContext):
-        base, params = expert_spec(name)
-        cls = EXPERTS[base]
-        settings_cls = getattr(cls, "Settings", None)
+
+class _Expert:
+    """A policy instance and its observation methods, each told the blocks,
+    the time and the releasing request, whichever of those it takes."""
+
+    def __init__(self, name: str, policy: Any):
         self.name = name
-        self.policy = cls(settings_cls(**params) if settings_cls is not None else None, context)
-        self.observe: dict[str, Callable[..., None]] = {}
-        #: the hooks whose implementation takes the releasing request
-        self.takes_request: set[str] = set()
-        for hook in OBSERVATIONS:
-            method = getattr(self.policy, hook, None)
-            if method is None:
-                continue
-            parameters = inspect.signature(method).parameters
-            if "request" in parameters:
-                self.takes_request.add(hook)
-            if "now_s" in parameters:
-                self.observe[hook] = method
-            else:
-                self.observe[hook] = lambda blocks, now_s, method=method, **kw: method(blocks, **kw)
-        self.select = self.policy.sagellm_select_victims
+        self.policy = policy
+        self.observe = {hook: _told(getattr(policy, hook)) for hook in OBSERVATIONS if hasattr(policy, hook)}
+        self.select = policy.sagellm_select_victims
+
+    @classmethod
+    def named(cls, name: str, context: PluginContext) -> _Expert:
+        """The expert ``NAME`` or ``NAME:KEY=VALUE,...``, built with its settings."""
+        base, params = expert_spec(name)
+        policy_cls = EXPERTS[base]
+        settings_cls = getattr(policy_cls, "Settings", None)
+        return cls(name, policy_cls(settings_cls(**params) if settings_cls is not None else None, context))
 
     def tell(self, hook: str, blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None = None) -> None:
-        method = self.observe.get(hook)
-        if method is not None and blocks:
-            if hook in self.takes_request:
-                method(blocks, now_s, request=request)
-            else:
-                method(blocks, now_s)
+        call = self.observe.get(hook)
+        if call is not None and blocks:
+            call(blocks, now_s, request)
 
 
 class _Node:
@@ -216,10 +218,7 @@ class ShadowCache:
         self.expert.tell("sagellm_blocks_cached", tuple(new), now_s)
         self.held = set()
         chain = tuple(self.nodes[b].block for b in ids) + tuple(new)
-        if request is None:  # (a driver that does not know requests)
-            self.expert.tell("sagellm_blocks_released", chain, now_s)
-        else:
-            self.expert.tell("sagellm_blocks_released", chain, now_s, request)
+        self.expert.tell("sagellm_blocks_released", chain, now_s, request)
         return hits
 
     def _evict(self, count: int, now_s: float) -> None:
@@ -250,8 +249,8 @@ class AdaptiveEviction:
 
     def __init__(self, settings: AdaptiveSettings, context: PluginContext):
         self.settings = settings
-        self.experts = [_Expert(name, context) for name in settings.experts]
-        self.shadows = [ShadowCache(_Expert(name, context), context.num_blocks) for name in settings.experts]
+        self.experts = [_Expert.named(name, context) for name in settings.experts]
+        self.shadows = [ShadowCache(_Expert.named(name, context), context.num_blocks) for name in settings.experts]
         self.scores = [0.0] * len(self.experts)
         self.leader = 0
         #: Leader changes, as (blocks requested so far, expert name).

@@ -1,7 +1,6 @@
 """The adaptive policy follows the expert that hits most, judged on shadow
 caches; the shadow cache itself keeps a prefix cache's invariants."""
 
-import inspect
 import random
 
 import hypothesis.strategies as st
@@ -14,30 +13,13 @@ from sagellm_core import PluginContext
 CAPACITY = 200
 
 
-class Driven:
-    """A policy driven through the shadow cache's interface, as the real
-    cache would drive it (every hook with ``now_s``)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.select = policy.sagellm_select_victims
-
-    def tell(self, hook, blocks, now_s, request=None):
-        if blocks:
-            method = getattr(self.policy, hook)
-            if "request" in inspect.signature(method).parameters:  # the releasing request, where known
-                method(blocks=blocks, now_s=now_s, request=request)
-            else:
-                method(blocks=blocks, now_s=now_s)
-
-
 def replay(policy_or_name, trace, capacity=CAPACITY):
     """Hit blocks of a trace of key chains on a cache of ``capacity``."""
     context = PluginContext("p", block_size=16, num_blocks=capacity)
     if isinstance(policy_or_name, str):
-        driver = _Expert(policy_or_name, context)
+        driver = _Expert.named(policy_or_name, context)
     else:
-        driver = Driven(policy_or_name)
+        driver = _Expert("under test", policy_or_name)
     cache = ShadowCache(driver, capacity)
     return sum(cache.play(keys, float(t)) for t, keys in enumerate(trace))
 
@@ -129,7 +111,7 @@ def test_bad_experts_are_refused_naming_them(experts, message):
 )
 def test_shadow_cache_keeps_a_prefix_caches_invariants(expert, capacity, trace):
     context = PluginContext("p", block_size=16, num_blocks=capacity)
-    cache = ShadowCache(_Expert(expert, context), capacity)
+    cache = ShadowCache(_Expert.named(expert, context), capacity)
     cached: dict[int, int] = {}  # what the cache must hold at least: nothing it was not given
     for t, (root, length) in enumerate(trace):
         keys = [root * 100 + i for i in range(length)]

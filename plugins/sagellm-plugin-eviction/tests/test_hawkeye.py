@@ -1,7 +1,6 @@
 """The dead-block predictor learns from the past which blocks Belady would
 not keep and evicts them first; it never reads the future."""
 
-import inspect
 import math
 import random
 
@@ -16,25 +15,6 @@ from sagellm_core.types import CachedBlock
 CAPACITY = 150
 
 
-class Driven:
-    """A policy driven through the shadow cache's interface, as the real
-    cache drives it (``now_s`` only to the hooks that take it)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.select = policy.sagellm_select_victims
-
-    def tell(self, hook, blocks, now_s, request=None):
-        if blocks:
-            method = getattr(self.policy, hook)
-            parameters = inspect.signature(method).parameters
-            given = {"request": request} if "request" in parameters else {}  # the releasing request
-            if "now_s" in parameters:
-                method(blocks=blocks, now_s=now_s, **given)
-            else:
-                method(blocks=blocks, **given)
-
-
 def no_future():
     raise AssertionError("an online policy read the future requests")
 
@@ -45,7 +25,11 @@ def context(capacity=CAPACITY):
 
 
 def replay(policy_or_name, trace, capacity=CAPACITY):
-    driver = _Expert(policy_or_name, context(capacity)) if isinstance(policy_or_name, str) else Driven(policy_or_name)
+    driver = (
+        _Expert.named(policy_or_name, context(capacity))
+        if isinstance(policy_or_name, str)
+        else _Expert("under test", policy_or_name)
+    )
     cache = ShadowCache(driver, capacity)
     return sum(cache.play(keys, float(t)) for t, keys in enumerate(trace))
 
@@ -88,7 +72,7 @@ def test_with_its_defaults_it_beats_lru_on_the_dead_class_trace_too():
 
 def test_before_any_evidence_it_is_lru():
     ctx = PluginContext("p", block_size=16, num_blocks=100)
-    mine, lru = _Expert("hawkeye", ctx), _Expert("lru", ctx)
+    mine, lru = _Expert.named("hawkeye", ctx), _Expert.named("lru", ctx)
     blocks = [CachedBlock(i, i % 4, None if i % 4 == 0 else i - 1, key=i) for i in range(40)]
     for expert in (mine, lru):
         expert.tell("sagellm_blocks_cached", tuple(blocks), 0.0)
@@ -114,7 +98,7 @@ def test_as_an_expert_of_adaptive_it_takes_the_lead_where_it_is_better():
 )
 def test_victims_are_distinct_candidates_and_at_most_asked(capacity, trace, asks):
     policy = HawkeyeEviction(HawkeyeSettings(sampled_blocks=8, window=2.0), context(capacity))
-    cache = ShadowCache(Driven(policy), capacity)
+    cache = ShadowCache(_Expert("under test", policy), capacity)
     for t, (root, length) in enumerate(trace):
         cache.play([root * 100 + i for i in range(length)], float(t))
         assert len(cache.nodes) <= capacity

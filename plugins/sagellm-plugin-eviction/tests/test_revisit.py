@@ -2,7 +2,6 @@
 released blocks, which sessions' blocks never come back, and demotes them
 in LRU's order; it reads no future request."""
 
-import inspect
 import random
 
 import hypothesis.strategies as st
@@ -23,25 +22,6 @@ def no_future():
 def context(capacity=CAPACITY):
     # the future is there to be read, and reading it fails the test
     return PluginContext("p", block_size=16, num_blocks=capacity, future_requests=no_future)
-
-
-class Driven:
-    """A policy driven through the shadow cache's interface, as the real
-    cache drives it: ``now_s`` and the releasing request only to the hooks
-    that take them."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.select = policy.sagellm_select_victims
-
-    def tell(self, hook, blocks, now_s, request=None):
-        if blocks:
-            method = getattr(self.policy, hook)
-            parameters = inspect.signature(method).parameters
-            given = {"now_s": now_s} if "now_s" in parameters else {}
-            if "request" in parameters:
-                given["request"] = request
-            method(blocks=blocks, **given)
 
 
 def sessions_trace(seed=0, sessions=400, one_shot_share=0.6, batch_sessions=True):
@@ -77,7 +57,7 @@ def request(request_id, session_id, tenant, blocks):
 
 
 def replay(policy, trace, capacity=CAPACITY, with_requests=True):
-    driver = _Expert(policy, context(capacity)) if isinstance(policy, str) else Driven(policy)
+    driver = _Expert.named(policy, context(capacity)) if isinstance(policy, str) else _Expert("under test", policy)
     cache = ShadowCache(driver, capacity)
     return sum(cache.play(keys, float(t), req if with_requests else None) for t, (keys, req) in enumerate(trace))
 
@@ -156,7 +136,7 @@ def test_without_requests_it_still_runs_and_keeps_to_lru_order_when_unsure():
 
 def test_before_any_eviction_nothing_is_dead_and_it_is_lru():
     ctx = PluginContext("p", block_size=16, num_blocks=100)
-    mine, lru = _Expert("revisit", ctx), _Expert("lru", ctx)
+    mine, lru = _Expert.named("revisit", ctx), _Expert.named("lru", ctx)
     blocks = [CachedBlock(i, i % 4, None if i % 4 == 0 else i - 1, key=i) for i in range(40)]
     for expert in (mine, lru):
         expert.tell("sagellm_blocks_cached", tuple(blocks), 0.0)
@@ -184,7 +164,7 @@ def test_as_an_expert_of_adaptive_it_sees_the_requests_and_takes_the_lead():
 )
 def test_victims_are_distinct_candidates_and_at_most_asked(capacity, trace, asks):
     policy = RevisitEviction(RevisitSettings(demotion=1.0), context(capacity))
-    cache = ShadowCache(Driven(policy), capacity)
+    cache = ShadowCache(_Expert("under test", policy), capacity)
     for t, (root, length, session) in enumerate(trace):
         req = request(f"r{t}", f"s{session}", "t", length) if session else None
         cache.play([root * 100 + i for i in range(length)], float(t), req)
