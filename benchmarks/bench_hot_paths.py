@@ -15,7 +15,9 @@
   adaptive policy led by each of its experts (it answers with the leader's
   choice).
 * a block's content key for a 4 KB page: ``chain_key`` (SHA-256) against
-  the BLAKE2b chain it replaced.
+  the BLAKE2b chain it replaced;
+* an engine's prompt of 2,048 ids as a list, into a token array:
+  ``array()`` element by element against ``as_token_array``.
 Prints p50 per call and the ratios.
 """
 
@@ -26,6 +28,7 @@ import inspect
 import random
 import statistics
 import time
+from array import array
 
 import pluggy
 from rich.console import Console
@@ -45,7 +48,7 @@ from sagellm_core import PluginContext, hookspecs
 from sagellm_core.kit.testing import BlockIds, serve_prompt
 from sagellm_core.parts.dispatch import Dispatch, PluginManager
 from sagellm_core.parts.timing import HookTimer
-from sagellm_core.types import CachedBlock, PrefixMatch, Request, chain_key
+from sagellm_core.types import CachedBlock, PrefixMatch, Request, as_token_array, chain_key
 
 BS = 16
 NUM_BLOCKS = 100_000
@@ -218,6 +221,17 @@ def main() -> None:
     rows += [
         ("content key of a 4 KB page: BLAKE2b chain (before issue 15)", blake2b_us, 1.0),
         ("  chain_key (SHA-256)", sha256_us, sha256_us / blake2b_us),
+    ]
+
+    # An engine's prompt as a list of 2,048 ids (vLLM's, a tokenizer's) into
+    # a token array: array()'s per-item path, and as_token_array (one pack).
+    prompt_ids = [random.Random(2).randrange(152_000) for _ in range(2048)]
+    assert as_token_array(prompt_ids) == array("q", prompt_ids)
+    per_item_us = p50_us(lambda: array("q", prompt_ids), number=20)
+    packed_us = p50_us(lambda: as_token_array(prompt_ids), number=20)
+    rows += [
+        ("2,048 token ids from a list: array('q', ids)", per_item_us, 1.0),
+        ("  as_token_array (one struct pack)", packed_us, packed_us / per_item_us),
     ]
 
     table = Table(title="sagellm hot paths (p50 per call)")
