@@ -168,8 +168,8 @@ class Runtime(CheckedHooks):
         removed = self.remove_cached(victims)
         ids = [b.block_id for b in removed]
         try:
-            if self._host is not None:
-                self._host.offload(removed)
+            if self._host is not None and not self._host.offload(removed):
+                self.counters.host_bypassed_blocks += len(removed)
         finally:  # a transport that raised leaks no block
             self.free_blocks(ids)
             self.blocks_evicted(removed)

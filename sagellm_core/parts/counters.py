@@ -40,6 +40,9 @@ class Counters:
     #: Blocks found on the host tier after the device-cache hit (loaded back
     #: by an engine's KV connector instead of recomputed), first admissions.
     host_hit_blocks: int = 0
+    #: Evicted blocks not offloaded because the host tier was bypassed
+    #: (nothing read back from it for a whole turnover; :mod:`.tiers`).
+    host_bypassed_blocks: int = 0
     lifetime_abs_error: float = 0.0
     lifetime_predictions: int = 0
     #: Predictions the fallback made because the picked predictor failed,

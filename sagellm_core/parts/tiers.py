@@ -56,24 +56,53 @@ class HostTierIndex:
             slot_of[key] = slot
 
 
+#: While the host tier is bypassed, one eviction round in this many is
+#: still offloaded: the probe that notices when blocks start to return.
+PROBE_EVERY = 16
+
+
 class HostTier:
     """The runtime's host tier (``[transport] offload_evicted``): evicted
     blocks are copied to host memory by the transport plugin, found again by
     content key when a later prompt needs them, and copied back instead of
-    recomputed. The transport sizes the tier and reuses its slots."""
+    recomputed. The transport sizes the tier and reuses its slots.
+
+    Admission: a copy to the tier pays for itself only if the block comes
+    back. Once the tier's whole content has turned over with none read
+    back (twice the blocks it holds offloaded since the last load), the
+    tier is bypassed: one eviction round in ``PROBE_EVERY`` is still
+    offloaded, and as the tier is then written more slowly those blocks
+    stay longer to be found; any load back opens it to every round again.
+    On a trace without reuse this saves every copy but the probes' (and
+    their content keys); where blocks return, they return before the tier
+    turns over, and it is never bypassed."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.index = HostTierIndex(sys.maxsize)
+        #: Blocks offloaded since a load back; eviction rounds while bypassed.
+        self.offloaded_since_load = 0
+        self._bypassed_rounds = 0
 
-    def offload(self, removed: Sequence[CachedBlock]) -> None:
-        """Copy blocks leaving the device cache to the host tier."""
+    @property
+    def bypassed(self) -> bool:
+        return bool(self.index) and self.offloaded_since_load >= 2 * len(self.index)
+
+    def offload(self, removed: Sequence[CachedBlock]) -> bool:
+        """Copy blocks leaving the device cache to the host tier; False
+        (nothing copied) while it is bypassed, but for a probe round."""
+        if self.bypassed:
+            self._bypassed_rounds += 1
+            if self._bypassed_rounds % PROBE_EVERY:
+                return False
         keys = tuple([b.key for b in removed])
         ids = tuple([b.block_id for b in removed])
         plan = TransferPlan("device", "host", ids, self.rt.block_size, block_keys=keys)
         result = self.rt.transfer(plan)
         if result is not None and result.ok and len(result.dst_block_ids) == len(keys):
             self.index.record(keys, result.dst_block_ids)
+            self.offloaded_since_load += len(keys)
+        return True
 
     def keys_after(self, request: Request, match: PrefixMatch) -> tuple[Hashable, ...]:
         """Content keys of the prompt's blocks after the device match that the
@@ -103,4 +132,7 @@ class HostTier:
             "host", "device", slots, self.rt.block_size, dst_block_ids=tuple(block_ids), block_keys=keys
         )
         result = self.rt.transfer(plan)
-        return result is not None and result.ok
+        if result is not None and result.ok:
+            self.offloaded_since_load = 0
+            return True
+        return False

@@ -113,6 +113,7 @@ def build(
             "failures": c.transfer_failures,
             "blocks": c.transferred_blocks,
             "bytes": c.transferred_bytes,
+            "bypassed_blocks": c.host_bypassed_blocks,
             "bytes_per_s": round(c.transferred_bytes / c.transfer_s) if c.transfer_s > 0 else None,
         },
         "hooks": summarise(rt.timer) if rt.timer else {},
@@ -174,6 +175,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("lifetime_fallbacks", "lifetime fallbacks", "{:,}"),
     ("transfers.count", "KV transfers", "{:,}"),
     ("transfers.bytes", "KV bytes moved", "{:,}"),
+    ("transfers.bypassed_blocks", "evicted blocks not offloaded (tier bypassed)", "{:,}"),
     ("wall_s", "wall time (s)", "{:.2f}"),
 ]
 
