@@ -56,13 +56,14 @@ class _Block(CachedBlock):
     the largest single cost of a cache-only replay. The block keeps its
     page's bytes (the edge they were inserted with) and its parent (a block,
     or the namespace's root key) until then. Equal to, and hashed as, the
-    :class:`CachedBlock` with the same fields. Once any key is read, the
-    tree computes the keys of the blocks it inserts from then on at once
-    (its plugins read keys: deferring them would only cost more).
+    :class:`CachedBlock` with the same fields. Where the plugins read the
+    keys of most blocks (ARC's ghosts, a host tier that takes every evicted
+    block), deferring them only costs more: the tree counts the keys read
+    and computes them at insertion then (:class:`_KeyReads`).
     """
 
     #: (edge bytes, page start, page end, parent block or root key, the
-    #: tree's flag that keys are read) until the key is known, then None.
+    #: tree's :class:`_KeyReads`) until the key is known, then None.
     __slots__ = ("_lazy",)
 
     @property  # type: ignore[override]
@@ -70,11 +71,11 @@ class _Block(CachedBlock):
         lazy = self._lazy
         if lazy is None:
             return _KEY.__get__(self)  # type: ignore[no-any-return]
-        lazy[4][0] = True  # keys are read: the tree computes them at insertion from now on
         chain, up = [self], lazy[3]
         while isinstance(up, _Block) and up._lazy is not None:  # iteratively: chains are long
             chain.append(up)
             up = up._lazy[3]
+        lazy[4].read += len(chain)
         key = up if isinstance(up, int) else up.key
         for block in reversed(chain):
             edge, start, end, _, _ = block._lazy
@@ -112,6 +113,32 @@ class _Block(CachedBlock):
 
 
 _LAZY = _Block.__dict__["_lazy"]
+
+
+class _KeyReads:
+    """How many of the blocks a tree inserted lazily had their keys read:
+    while at least half did, the tree computes keys as it inserts (but one
+    edge in ``SAMPLE_EVERY``, which stays lazy so the share is still
+    measured). Both counts halve past ``WINDOW`` blocks, so the share
+    follows the run as it goes (a host tier that stops taking every evicted
+    block, :mod:`sagellm_core.parts.tiers`, turns the tree lazy again)."""
+
+    SAMPLE_EVERY = 8
+    WINDOW = 1 << 16
+    __slots__ = ("read", "inserted", "edges")
+
+    def __init__(self) -> None:
+        self.read = self.inserted = self.edges = 0
+
+    def eager(self, num_blocks: int) -> bool:
+        """Whether the next edge's ``num_blocks`` keys are computed now."""
+        self.edges += 1
+        if self.inserted and self.read * 2 >= self.inserted and self.edges % self.SAMPLE_EVERY:
+            return True
+        self.inserted += num_blocks
+        if self.inserted > self.WINDOW:
+            self.read, self.inserted = self.read // 2, self.inserted // 2
+        return False
 
 
 def _lazy_block(block_id: int, depth: int, parent_id: int | None, namespace: str, tenant: str | None, lazy) -> _Block:
@@ -217,7 +244,7 @@ class RadixPrefixCache:
         self.max_pinned = int(settings.max_pinned_share * context.num_blocks)
         self._pinned: set[_Node] = set()
         self.num_pinned = 0
-        self._keys_read = [False]  # set when a block's key is first read (see _Block)
+        self._key_reads = _KeyReads()
         #: Counts the changes of the tree's shape (nodes added, split, cut).
         self._shape = 0
         #: The last lookup: (request, shape then, node reached, blocks matched).
@@ -422,8 +449,8 @@ class RadixPrefixCache:
             new_ids = block_ids[page:num_pages]
             with self._bytes(token_ids) as raw:
                 edge = bytes(raw[page * size : num_pages * size])
-            at, keys_read = 0, self._keys_read
-            if keys_read[0]:
+            at, key_reads = 0, self._key_reads
+            if key_reads.eager(len(new_ids)):
                 key = up if isinstance(up, int) else up.key
                 with memoryview(edge) as pages:
                     for depth, block_id in enumerate(new_ids, page):
@@ -433,7 +460,7 @@ class RadixPrefixCache:
             else:
                 for depth, block_id in enumerate(new_ids, page):
                     up = _lazy_block(
-                        block_id, depth, parent_id, namespace, tenant, (edge, at, at + size, up, keys_read)
+                        block_id, depth, parent_id, namespace, tenant, (edge, at, at + size, up, key_reads)
                     )
                     blocks.append(up)
                     parent_id, at = block_id, at + size

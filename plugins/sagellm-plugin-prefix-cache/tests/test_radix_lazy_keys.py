@@ -7,7 +7,7 @@ import sys
 
 import attrs
 from prefix_cache_strategies import req
-from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
+from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings, _Block, _KeyReads
 
 from sagellm_core import PluginContext
 from sagellm_core.types import ROOT_KEY, CachedBlock, chain_key
@@ -81,3 +81,28 @@ def test_a_chain_longer_than_the_recursion_limit():
     tokens = list(range(n * BS))
     _, result = insert(cache, "a", tokens)
     assert result.adopted[-1].key == eager_keys(tokens)[-1]
+
+
+def test_the_tree_computes_keys_at_insertion_while_its_plugins_read_most_of_them():
+    cache = make(num_blocks=100_000)
+    served = iter(range(1_000))
+
+    def new_edge() -> tuple[CachedBlock, ...]:  # four blocks sharing nothing with the others
+        n = next(served)
+        return insert(cache, f"r{n}", [n * 1_000 + t for t in range(4 * BS)], first_id=n * 4)[1].adopted
+
+    def lazy(edge) -> bool:
+        return all(type(b) is _Block and b._lazy is not None for b in edge)
+
+    unread = [new_edge() for _ in range(8)]
+    assert all(map(lazy, unread))  # nothing read: nothing hashed
+    keys = [b.key for edge in unread for b in edge]  # a plugin reads every key (ARC's ghosts, a host tier)
+    assert keys == [eager_keys([n * 1_000 + t for t in range(4 * BS)])[i] for n in range(8) for i in range(4)]
+    edges = [new_edge() for _ in range(2 * _KeyReads.SAMPLE_EVERY)]
+    sampled = [lazy(edge) for edge in edges]
+    assert sum(sampled) == 2  # one edge in SAMPLE_EVERY stays lazy, to keep measuring the share read
+    assert all(type(b) is CachedBlock for edge, was_lazy in zip(edges, sampled) if not was_lazy for b in edge)
+    # The plugins stop reading keys (a host tier bypassed): the samples go
+    # unread, and the tree turns lazy again.
+    more = [new_edge() for _ in range(20 * _KeyReads.SAMPLE_EVERY)]
+    assert all(map(lazy, more[-_KeyReads.SAMPLE_EVERY :]))
