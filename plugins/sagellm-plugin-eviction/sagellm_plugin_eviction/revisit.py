@@ -69,6 +69,10 @@ TABLE_SIZE = 8192
 FEATURES = 7
 #: Released blocks waiting for their label, at most, in cache sizes.
 PENDING_CAPACITIES = 8
+#: Sessions and request ids remembered, the most recently seen: a server
+#: that runs for days holds this many, not every session it ever saw (a
+#: session quiet for longer starts again as a new conversation).
+KEPT_SESSIONS = 65536
 #: Smoothing of LRU's eviction age (the weight of each new victim's age).
 AGE_WEIGHT = 1 / 64
 #: The conversation of a block that two conversations used.
@@ -130,19 +134,28 @@ class RevisitEviction:
         self._anonymous = 0  # conversations without a session so far
         self._last_release: dict[int, float] = {}  # conversation -> its latest release's time
         self._hit_now: set[int] = set()  # hit since its last release
-        #: session (numbered) -> requests of it released so far
-        self._session_turns: dict[int, int] = {}
+        #: session id -> [its number, its requests released so far], the
+        #: KEPT_SESSIONS most recently seen
+        self._sessions: OrderedDict[str, list[int]] = OrderedDict()
         self._seen_requests: dict[str, None] = {}  # (bounded) requests already counted
         # strings hash differently in each process: numbered, so that the
         # tables' collisions are the same from run to run
-        self._names: dict[object, int] = {}
+        self._names: dict[object, int] = {}  # tenants and namespaces (few)
+        self._numbered = 0
         #: Labels trained: [live, dead].
         self.trained = [0, 0]
         #: Released blocks predicted [dead, live].
         self.predicted = [0, 0]
 
     def _number(self, name: object) -> int:
-        return self._names.setdefault(name, len(self._names))
+        number = self._names.get(name)
+        if number is None:
+            number = self._names[name] = self._new_number()
+        return number
+
+    def _new_number(self) -> int:
+        self._numbered += 1
+        return self._numbered - 1
 
     # ------------------------------------------------------------ labels --
 
@@ -204,13 +217,20 @@ class RevisitEviction:
         chain's first (its previous turn cached it) and one turn more, or a
         new conversation."""
         if request is not None and request.session_id is not None:
-            turns, session = self._session_turns, self._number(("session", request.session_id))
+            sessions = self._sessions
+            session = sessions.get(request.session_id)
+            if session is None:
+                session = sessions[request.session_id] = [self._new_number(), 0]
+                if len(sessions) > KEPT_SESSIONS:
+                    sessions.popitem(last=False)
+            else:
+                sessions.move_to_end(request.session_id)
             if request.request_id not in self._seen_requests:
                 self._seen_requests[request.request_id] = None
-                if len(self._seen_requests) > 65536:
+                if len(self._seen_requests) > KEPT_SESSIONS:
                     self._seen_requests.pop(next(iter(self._seen_requests)))
-                turns[session] = turns.get(session, 0) + 1
-            return session, turns.get(session, 1)
+                session[1] += 1
+            return session[0], max(session[1], 1)
         hit_now, owner = self._hit_now, self._owner
         for block in reversed(blocks):
             if block.depth == 0:

@@ -6,6 +6,7 @@ import random
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
+from sagellm_plugin_eviction import revisit
 from sagellm_plugin_eviction.adaptive import AdaptiveEviction, AdaptiveSettings, ShadowCache, _Expert
 from sagellm_plugin_eviction.revisit import RevisitEviction, RevisitSettings
 
@@ -98,6 +99,20 @@ def test_the_turn_count_tells_a_session_that_has_ended():
         released[turn] = [block.block_id in policy._dead for block in chat]
     assert not any(released[1])
     assert all(released[6])
+
+
+def test_it_remembers_the_most_recent_sessions_not_every_one(monkeypatch):
+    monkeypatch.setattr(revisit, "KEPT_SESSIONS", 50)
+    policy = RevisitEviction(RevisitSettings(), context())
+    replay(policy, sessions_trace(seed=2, sessions=200))  # 200 chat sessions, hundreds of one-shot ones
+    assert len(policy._sessions) == len(policy._seen_requests) == 50
+    kept = next(reversed(policy._sessions))  # the latest session: its turns still counted
+    number, turns = policy._sessions[kept]
+    assert policy.conversation((), request("one-more", kept, "chat", 4)) == (number, turns + 1)
+    first = request("again", "chat0", "chat", 4)  # long forgotten: a new conversation, its first turn
+    conversation, turn = policy.conversation((), first)
+    assert turn == 1 and conversation not in {n for n, _ in policy._sessions.values() if n != conversation}
+    assert len(policy._sessions) == 50
 
 
 def test_a_guessed_conversation_is_demoted_less_than_a_known_session():
