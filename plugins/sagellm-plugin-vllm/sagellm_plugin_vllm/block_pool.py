@@ -62,9 +62,15 @@ class PoolObserver(BlockObserver):
         #: down its own hashes, no second ``get_computed_blocks``.
         self.by_hash: dict[bytes, CachedBlock] = {}
         self._hash_of: dict[int, bytes] = {}
-        #: Whether a cached block was forgotten while its cached children
-        #: stayed (vLLM evicting one block itself): chains may have gaps.
-        self.gapped = False
+        #: Cached blocks whose parent was forgotten before them (vLLM
+        #: evicting one block of a chain itself): while there are any,
+        #: chains have gaps (``gapped``). A block is cached only under a
+        #: cached parent, so these are the only ones.
+        self._orphans: set[int] = set()
+
+    @property
+    def gapped(self) -> bool:
+        return bool(self._orphans)
 
     def match(self, block_hashes: Sequence[bytes], max_blocks: int) -> PrefixMatch:
         """The cached prefix of a request whose block hashes are
@@ -103,8 +109,10 @@ class PoolObserver(BlockObserver):
         return low
 
     def forget(self, block_id: int) -> CachedBlock | None:
-        if self.children.get(block_id):
-            self.gapped = True  # its cached children stay: their chains have a gap now
+        children = self.children.get(block_id)
+        if children:
+            self._orphans.update(children)  # they stay: their chains have a gap now
+        self._orphans.discard(block_id)
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             self.by_hash.pop(block_hash, None)
@@ -197,6 +205,8 @@ class PoolObserver(BlockObserver):
         children = self.children
         removed = list(map(self.cached.pop, block_ids))
         self.evictable.difference_update(block_ids)
+        if self._orphans:  # (victims come with their descendants: no new orphan)
+            self._orphans.difference_update(block_ids)
         _consume(map(children.pop, block_ids, repeat(None)))
         _consume(map(self.by_hash.pop, map(self._hash_of.pop, block_ids, repeat(None)), repeat(None)))
         # The parents still cached (a chain's root's parent) lose children.

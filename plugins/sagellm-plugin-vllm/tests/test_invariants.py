@@ -165,3 +165,7 @@ def test_the_arrival_hint_stops_at_a_gap_vllm_evicted():
     second = request("second")
     arrive(scheduler, second)  # the hint is vLLM's own hit: 1 block
     assert second.sagellm_state.cached_tokens_hint == rt.block_size
+    # vLLM evicts the rest of the chain below the gap: no gap is left, and
+    # length-only matches are the binary search again.
+    pool.evict_blocks(set(chain[2:5]))
+    assert not pool.sagellm.gapped and chain[0] in pool.sagellm.cached
