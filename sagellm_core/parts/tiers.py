@@ -58,7 +58,7 @@ class HostTierIndex:
 
 #: While the host tier is bypassed, one eviction round in this many is
 #: still offloaded: the probe that notices when blocks start to return.
-PROBE_EVERY = 16
+PROBE_EVERY = 64
 
 
 class HostTier:

@@ -47,10 +47,6 @@ class HookStats:
         # (``answer != []`` costs an attrs answer's __ne__ and __eq__ calls.)
         if answer is not None and (type(answer) is not list or answer):
             self.answered += 1
-        self.add(seconds)
-
-    def add(self, seconds: float) -> None:
-        """One duration, of the call ``calls`` counts last."""
         self.total_s += seconds
         if self.calls <= RESERVOIR:
             self.durations_s.append(seconds)
