@@ -144,10 +144,17 @@ HIT_FIELDS = {"hit_blocks", "query_blocks", "block_hit_rate", "token_hit_rate", 
 
 def differences(a: dict[str, Any], b: dict[str, Any], skip: frozenset[str] = frozenset()) -> list[str]:
     """The fields both reports have whose values differ, but those in
-    ``skip`` (a field only one side's report has is a change of the report,
-    not of the results)."""
+    ``skip`` (a field or sub-field only one side's report has is a change of
+    the report, not of the results)."""
     a, b = comparable(a), comparable(b)
-    return [f"{k}: {a[k]!r} != {b[k]!r}" for k in sorted((set(a) & set(b)) - skip) if a[k] != b[k]]
+    out = []
+    for k in sorted((set(a) & set(b)) - skip):
+        x, y = a[k], b[k]
+        if isinstance(x, dict) and isinstance(y, dict):  # (a sub-field only one side has, likewise)
+            x, y = ({f: v for f, v in d.items() if f in x.keys() & y.keys()} for d in (x, y))
+        if x != y:
+            out.append(f"{k}: {x!r} != {y!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
