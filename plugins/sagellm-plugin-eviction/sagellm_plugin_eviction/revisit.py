@@ -48,7 +48,9 @@ policy keys its predictor on it.
 It reads no future (``future_requests`` is never touched): the requests it
 learns from are those that already released their blocks. Cost: per
 released block a few hashes and table reads; per cached or hit block a dict
-lookup; choosing k victims is O(k), a merge of two ordered queues.
+lookup; choosing k victims is O(k), a merge of two ordered queues. Memory:
+the tables, a few entries per cached or pending block, and the
+``KEPT_SESSIONS`` most recently seen sessions and request ids.
 """
 
 from __future__ import annotations
