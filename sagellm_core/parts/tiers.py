@@ -74,8 +74,9 @@ class HostTier:
     offloaded, and as the tier is then written more slowly those blocks
     stay longer to be found; any load back opens it to every round again.
     On a trace without reuse this saves every copy but the probes' (and
-    their content keys); where blocks return, they return before the tier
-    turns over, and it is never bypassed."""
+    their content keys). A block can only return within one turnover (then
+    it is overwritten), so a tier is bypassed only where returns are rarer
+    than one in two turnovers."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
