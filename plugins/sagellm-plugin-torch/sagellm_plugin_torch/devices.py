@@ -63,6 +63,10 @@ class AttentionBatch:
     #: The same, as tensors on the device (built once per step).
     seq_lens_tensor: torch.Tensor
     query_start: tuple[int, ...]
+    #: ``[num_seqs + 1]`` int32 on the device: where each sequence's queries start (the last is the total).
+    query_start_loc: torch.Tensor | None = None
+    #: The most queries one sequence has this step.
+    max_query_len: int = 1
 
 
 class TorchDevice:
@@ -70,6 +74,10 @@ class TorchDevice:
     Paged attention is :func:`paged_attention_reference`."""
 
     name = "cpu"
+    #: Whether the runner may capture decode steps as CUDA graphs: the
+    #: device's kernels never synchronise with the host nor branch on
+    #: tensor values.
+    graphs = False
 
     def __init__(self, index: int | None = None):
         self.torch_device = torch.device(self.name if index is None else f"{self.name}:{index}")

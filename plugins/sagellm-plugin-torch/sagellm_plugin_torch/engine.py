@@ -50,6 +50,10 @@ class TorchSettings:
     #: Replay only: generate each request's trace output length, past the
     #: model's end-of-sequence token (vLLM's ``ignore_eos`` for benchmarks).
     ignore_eos: bool = field(default=False, validator=validators.instance_of(bool))
+    #: The longest prompt plus output a request may have (0: the model's context).
+    max_model_len: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Decode steps replay CUDA graphs where the device supports them (``cuda``).
+    cuda_graphs: bool = field(default=True, validator=validators.instance_of(bool))
     #: torch CPU threads (0: torch's default).
     threads: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
     #: Times are wall-clock seconds: the report's latency figures apply.
@@ -120,11 +124,23 @@ class EngineCore:
         self.device.check(rt.block_size, dtype)
         model, self.tokenizer = models.load(settings.model, settings.dtype)
         check_kv_fits(self.device, model.config, settings, rt.block_size, rt.num_blocks)
-        self.runner = ModelRunner(model, self.device, rt.num_blocks, rt.block_size)
+        context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        #: The longest prompt plus output a request may have: the model's
+        #: context, or less where ``max_model_len`` says.
+        self.max_model_len = min(settings.max_model_len or context, context)
+        self.runner = ModelRunner(
+            model,
+            self.device,
+            rt.num_blocks,
+            rt.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=min(self.max_model_len, rt.num_blocks * rt.block_size),
+            graphs=settings.cuda_graphs,
+        )
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
-        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.waiting: list[SequenceState] = []
         self.running: list[SequenceState] = []
         self._seqs: dict[str, _Sequence] = {}
@@ -227,42 +243,37 @@ class EngineCore:
         return self._execute(plan.chunks)
 
     def _execute(self, chunks) -> list[StepOutput]:
-        bs = self.rt.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sampled: list[tuple[_Sequence, int]] = []  # (sequence, flat row)
-        advancing: list[tuple[_Sequence, int]] = []
-        for chunk in chunks:
-            seq = self._seqs[chunk.request_id]
-            start, n = chunk.num_context_tokens, chunk.num_new_tokens
-            blocks = seq.state.block_ids
-            token_ids.extend(seq.tokens[start : start + n])
-            span = range(start, start + n)
-            positions.extend(span)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(blocks[: -(-(start + n) // bs)])
-            advancing.append((seq, n))
-            if start + n >= len(seq.tokens):
-                sampled.append((seq, len(token_ids) - 1))
-        self.batched_tokens += len(token_ids)
-        logits = self.runner.forward(
-            token_ids, positions, slots, query_lens, seq_lens, tables, [row for _, row in sampled]
-        )
-        next_tokens = self._sample(logits, [seq for seq, _ in sampled])
+        runner = self.runner
+        inputs = runner.begin_step()
+        row_of = runner.tables.row
+        seqs = [self._seqs[chunk.request_id] for chunk in chunks]
+        if all(c.num_new_tokens == 1 and c.num_context_tokens == len(s.tokens) - 1 for c, s in zip(chunks, seqs)):
+            # Decodes only, as most steps are: the inputs written column by column.
+            positions = [c.num_context_tokens for c in chunks]
+            inputs.add_decodes(
+                [s.tokens[-1] for s in seqs], positions, [row_of(s.state.request_id, s.state.block_ids) for s in seqs]
+            )
+            sampled, advancing = seqs, [(s, 1) for s in seqs]
+        else:
+            sampled, advancing = [], []
+            for chunk, seq in zip(chunks, seqs):
+                start, n = chunk.num_context_tokens, chunk.num_new_tokens
+                sample = start + n >= len(seq.tokens)
+                inputs.add(seq.tokens, start, n, row_of(chunk.request_id, seq.state.block_ids), sample)
+                advancing.append((seq, n))
+                if sample:
+                    sampled.append(seq)
+        self.batched_tokens += inputs.num_tokens
+        logits, greedy = runner.execute()
+        if all(seq.sampling.temperature <= 0 for seq in sampled):
+            next_tokens = greedy.tolist()  # the step's one synchronisation
+        else:
+            next_tokens = self._sample(logits, sampled)
         now = self.clock()
         self.rt.set_time(now)
         for seq, n in advancing:
             seq.state.num_computed_tokens += n
-        outputs = []
-        for (seq, _), token in zip(sampled, next_tokens):
-            outputs.append(self._append(seq, token, now))
-        return outputs
+        return [self._append(seq, token, now) for seq, token in zip(sampled, next_tokens)]
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
         greedy = logits.argmax(dim=-1).tolist()

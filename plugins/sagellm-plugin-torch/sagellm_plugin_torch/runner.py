@@ -10,6 +10,16 @@ then calls :func:`paged_attention_forward`, which writes K and V into the
 step's slots and attends over each sequence's blocks through the device
 seam. So the weights and numerics are the model's own, and the only KV state
 is the block table the runtime decided.
+
+A step's inputs are shaped for an accelerator (:class:`StepInputs`): the
+engine writes each scheduled chunk into preallocated host arrays (pinned on
+a GPU), which reach the device in one copy; block tables live in a
+persistent per-request table (:class:`BlockTables`) of which only the rows
+that changed are copied; slot mappings are computed on the device from it.
+Nothing is allocated per step on the device. On a device that supports them
+(``TorchDevice.graphs``), steps in which every sequence decodes one token
+replay a CUDA graph captured for the next larger batch size
+(:class:`DecodeGraphs`): one launch for the whole model.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from .devices import BLOCK_DIM, AttentionBatch, TorchDevice
@@ -94,10 +105,244 @@ class KVShape:
         )
 
 
+def _host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+
+class BlockTables:
+    """Every scheduled request's block ids as a row of one table on the
+    device. A request keeps its row while it is scheduled step after step;
+    only the entries that changed since the last step (a new block at the
+    end as a sequence grows, a block replaced by a cached copy, a new list
+    after preemption) travel to the device, as (row, column, block) triples
+    in one copy and one scatter. The table is as wide as the longest
+    sequence the engine admits (``max_model_len``)."""
+
+    #: Changed entries staged per step; a step that changes more copies whole rows.
+    STAGE = 1 << 16
+
+    def __init__(self, num_rows: int, width: int, device: torch.device, pin: bool):
+        self.width = width
+        self.on_host = device.type == "cpu"
+        self.device = torch.zeros((num_rows, width), dtype=torch.int32, device=device)
+        self._host_rows = None if self.on_host else _host_tensor((num_rows, width), torch.int32, pin)
+        self._stage = None if self.on_host else _host_tensor((self.STAGE, 3), torch.int32, pin)
+        self._stage_device = None if self.on_host else torch.zeros((self.STAGE, 3), dtype=torch.int32, device=device)
+        self._table = (self.device if self.on_host else self._host_rows).numpy()
+        self._row_of: dict[str, int] = {}
+        #: Per row: the request it holds, the block ids written, the step it was last used.
+        self._owner: list[str | None] = [None] * num_rows
+        self._written: list[list[int]] = [[] for _ in range(num_rows)]
+        self._used: list[int] = [-1] * num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+        #: (row, first column) of the entries written since the last sync.
+        self._changed: list[tuple[int, int, int]] = []
+        self._step = 0
+
+    def begin_step(self) -> None:
+        self._step += 1
+
+    def row(self, request_id: str, block_ids: list[int]) -> int:
+        """The row holding ``request_id``'s ``block_ids``, written where they changed."""
+        r = self._row_of.get(request_id)
+        if r is None:
+            r = self._take()
+            self._row_of[request_id] = r
+            self._owner[r] = request_id
+            self._written[r] = []
+        self._used[r] = self._step
+        written = self._written[r]
+        n, k = len(block_ids), len(written)
+        if n == k and block_ids == written:
+            return r  # as most steps find it: nothing new
+        if n > self.width:
+            raise RuntimeError(f"request {request_id} holds {n} blocks; the block table has room for {self.width}")
+        first = k if n > k and block_ids[:k] == written else 0  # grown at the end, or rewritten
+        self._table[r, first:n] = block_ids[first:]
+        self._written[r] = list(block_ids)
+        self._changed.append((r, first, n))
+        return r
+
+    def release(self, request_id: str) -> None:
+        r = self._row_of.pop(request_id, None)
+        if r is not None:
+            self._owner[r] = None
+            self._written[r] = []
+            self._free.append(r)
+
+    def _take(self) -> int:
+        if not self._free:
+            # Rows of requests that left without being released (preempted
+            # and waiting, say) go back once they were not used this step.
+            for r, owner in enumerate(self._owner):
+                if owner is not None and self._used[r] < self._step:
+                    self.release(owner)
+        if not self._free:
+            raise RuntimeError("more requests scheduled in one step than the block table has rows")
+        return self._free.pop()
+
+    def sync(self) -> None:
+        """Bring the device table up to date with the rows written since the last sync."""
+        changed, self._changed = self._changed, []
+        if self.on_host or not changed:
+            return
+        count = sum(n - first for _, first, n in changed)
+        if count > self.STAGE:
+            lo, hi = min(r for r, _, _ in changed), max(r for r, _, _ in changed) + 1
+            self.device[lo:hi].copy_(self._host_rows[lo:hi], non_blocking=True)
+            return
+        stage, at = self._stage.numpy(), 0
+        for r, first, n in changed:
+            stage[at : at + n - first, 0] = r
+            stage[at : at + n - first, 1] = np.arange(first, n, dtype=np.int32)
+            stage[at : at + n - first, 2] = self._table[r, first:n]
+            at += n - first
+        staged = self._stage_device[:at]
+        staged.copy_(self._stage[:at], non_blocking=True)
+        self.device.index_put_((staged[:, 0].long(), staged[:, 1].long()), staged[:, 2])
+
+
+class StepInputs:
+    """One step's inputs, written by the engine chunk by chunk into host
+    arrays that reach the device in one copy. int32 throughout (token ids,
+    positions and slots fit); slots are computed on the device."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device, pin: bool):
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        # One packed buffer: per token its id, position and sequence; per
+        # sequence its block-table row, length, query start (one more) and
+        # the flat index of the row it samples.
+        lengths = (max_tokens, max_tokens, max_tokens, max_seqs, max_seqs, max_seqs + 1, max_seqs)
+        self.host = _host_tensor((sum(lengths),), torch.int32, pin)
+        self.device_buffer = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        host, dev = ([], [])
+        at = 0
+        for length in lengths:
+            host.append(self.host[at : at + length].numpy())
+            dev.append(self.device_buffer[at : at + length])
+            at += length
+        (
+            self._tokens,
+            self._positions,
+            self._seq_of_token,
+            self._rows,
+            self._seq_lens,
+            self._query_start,
+            self._sample_rows,
+        ) = host
+        (
+            self.token_ids,
+            self.positions,
+            self.seq_of_token,
+            self.rows,
+            self.seq_lens,
+            self.query_start,
+            self.sample_rows,
+        ) = dev
+        self._arange = np.arange(max(max_tokens, max_seqs + 1), dtype=np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_tokens = 0
+        self.num_seqs = 0
+        self.num_samples = 0
+        self.max_query_len = 0
+        self.padded = False
+        #: The same, as host lists: for devices whose kernels take them (the reference, Ascend's).
+        self.query_lens: list[int] = []
+        self.seq_len_list: list[int] = []
+        self.query_start_list: list[int] = []
+        self._query_start[0] = 0
+
+    def add(self, tokens: list[int], start: int, n: int, row: int, sample: bool) -> None:
+        """Sequence ``tokens[start : start + n]`` is scheduled (its KV up to
+        ``start`` is cached or computed), its blocks in table row ``row``;
+        ``sample``: its next token is sampled after this step."""
+        t, i = self.num_tokens, self.num_seqs
+        if t + n > self.max_tokens or i >= self.max_seqs:
+            raise RuntimeError(
+                f"a step of more than {self.max_tokens} tokens or {self.max_seqs} sequences"
+                " (max_num_batched_tokens / max_num_seqs)"
+            )
+        if n == 1:
+            self._tokens[t] = tokens[start]
+            self._positions[t] = start
+            self._seq_of_token[t] = i
+        else:
+            self._tokens[t : t + n] = tokens[start : start + n]
+            self._positions[t : t + n] = np.arange(start, start + n, dtype=np.int32)
+            self._seq_of_token[t : t + n] = i
+        self._rows[i] = row
+        self._seq_lens[i] = start + n
+        self.num_tokens = t + n
+        self._query_start[i + 1] = t + n
+        self.num_seqs = i + 1
+        self.query_start_list.append(t)
+        self.query_lens.append(n)
+        self.seq_len_list.append(start + n)
+        if n > self.max_query_len:
+            self.max_query_len = n
+        if sample:
+            self._sample_rows[self.num_samples] = t + n - 1
+            self.num_samples += 1
+
+    def add_decodes(self, token_ids: list[int], positions: list[int], rows: list[int]) -> None:
+        """A step of decodes only, written at once: sequence i reads its
+        token ``token_ids[i]`` at ``positions[i]`` (its context before it),
+        its blocks in table row ``rows[i]``, and samples its next token."""
+        n = len(token_ids)
+        if n > self.max_seqs or self.num_seqs:
+            raise RuntimeError(f"{n} decodes in a step of at most {self.max_seqs} sequences, or after other chunks")
+        self._tokens[:n] = token_ids
+        self._positions[:n] = positions
+        self._seq_lens[:n] = self._positions[:n] + 1
+        self._seq_of_token[:n] = self._arange[:n]
+        self._rows[:n] = rows
+        self._query_start[: n + 1] = self._arange[: n + 1]
+        self._sample_rows[:n] = self._arange[:n]
+        self.num_tokens = self.num_seqs = self.num_samples = n
+        self.max_query_len = 1
+        self.query_lens = [1] * n
+        self.seq_len_list = [p + 1 for p in positions]
+        self.query_start_list = list(range(n))
+
+    def pad_to(self, num_seqs: int) -> None:
+        """Decode padding for a captured graph: sequences of no context,
+        whose KV writes are dropped and whose attention reads nothing."""
+        for i in range(self.num_seqs, num_seqs):
+            t = self.num_tokens
+            self._tokens[t] = 0
+            self._positions[t] = 0
+            self._seq_of_token[t] = i
+            self._rows[i] = 0
+            self._seq_lens[i] = 0
+            self._query_start[i + 1] = t + 1
+            self._sample_rows[self.num_samples] = t
+            self.num_tokens += 1
+            self.num_samples += 1
+            self.padded = True
+        self.num_seqs = max(self.num_seqs, num_seqs)
+
+    def sync(self) -> None:
+        if self.device_buffer is not self.host:
+            self.device_buffer.copy_(self.host, non_blocking=True)
+
+
 class ModelRunner:
     """One model on one device, with the KV tensor the pool's blocks index."""
 
-    def __init__(self, model, device: TorchDevice, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model,
+        device: TorchDevice,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 32,
+        max_model_len: int | None = None,
+        graphs: bool = True,
+    ):
         register_attention()
         self.model = model.to(device.torch_device)
         # The configs the attention modules read their implementation from
@@ -115,60 +360,167 @@ class ModelRunner:
             self.shape.num_layers, num_blocks, block_size, self.shape.kv_heads, self.shape.head_dim, self.dtype
         )
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        dev = device.torch_device
+        pin = dev.type == "cuda"
+        max_len = max_model_len or num_blocks * block_size
+        self.max_seqs = max_num_seqs
+        # A step holds every running sequence's decode token, or the token
+        # budget of prefill chunks; graphs pad decodes up to a bucket.
+        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, dev, pin)
+        self.tables = BlockTables(2 * max_num_seqs, -(-max_len // block_size), dev, pin)
+        self.graphs = DecodeGraphs(self) if graphs and device.graphs else None
 
     @property
     def block_dim(self) -> int:
         return BLOCK_DIM
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        sample_rows: list[int],
-    ) -> torch.Tensor:
-        """Run one step; return the logits (float32) at ``sample_rows``, the
-        flat token indices whose next token is sampled."""
-        dev = self.device.torch_device
-        width = max(len(t) for t in block_tables)
-        tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
-        for i, row in enumerate(block_tables):
-            tables[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        starts = [0]
-        for n in query_lens[:-1]:
-            starts.append(starts[-1] + n)
-        batch = AttentionBatch(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_lens=tuple(query_lens),
-            seq_lens=tuple(seq_lens),
-            block_tables=tables.to(dev),
-            block_size=self.block_size,
-            all_decode=all(n == 1 for n in query_lens),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start=tuple(starts),
+    def begin_step(self) -> StepInputs:
+        self.inputs.reset()
+        self.tables.begin_step()
+        return self.inputs
+
+    def release(self, request_id: str) -> None:
+        """``request_id`` left the engine: its block-table row is free."""
+        self.tables.release(request_id)
+
+    def _batch(self, inputs: StepInputs, num_tokens: int, num_seqs: int, all_decode: bool) -> AttentionBatch:
+        """The step's attention layout on the device, from the synced buffers."""
+        bs = self.block_size
+        rows = inputs.rows[:num_seqs]
+        # As wide as this step's longest sequence needs; a captured graph's
+        # as wide as the table (its sequences' lengths change each replay).
+        width = self.tables.width if inputs.padded else -(-max(inputs.seq_len_list) // bs)
+        tables = self.tables.device[:, :width].index_select(0, rows)
+        seq_of_token = inputs.seq_of_token[:num_tokens]
+        positions = inputs.positions[:num_tokens]
+        seq_lens = inputs.seq_lens[:num_seqs]
+        block = tables[seq_of_token.long(), (positions // bs).long()]
+        slots = block.long() * bs + (positions % bs).long()
+        if inputs.padded:  # padding sequences (no context) write nowhere
+            slots = torch.where(seq_lens[seq_of_token.long()] > 0, slots, -1)
+        return AttentionBatch(
+            slot_mapping=slots,
+            query_lens=tuple(inputs.query_lens),
+            seq_lens=tuple(inputs.seq_len_list),
+            block_tables=tables,
+            block_size=bs,
+            all_decode=all_decode,
+            seq_lens_tensor=seq_lens,
+            query_start=tuple(inputs.query_start_list) if not inputs.padded else tuple(range(num_seqs)),
+            query_start_loc=inputs.query_start[: num_seqs + 1],
+            max_query_len=inputs.max_query_len if not all_decode else 1,
         )
-        step = StepContext(self.device, self.kv, batch)
+
+    def _hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
         inner = self.model.model
-        ids = torch.tensor(token_ids, dtype=torch.long, device=dev)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
-        saved = [config._attn_implementation for config in self._attention_configs]
-        for config in self._attention_configs:
-            config._attn_implementation = ATTENTION_NAME
-        try:
-            hidden = inner.embed_tokens(ids)
-            rotary = inner.rotary_emb(hidden, pos)
-            for layer in inner.layers:
-                hidden = layer(
-                    hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step
-                )
-                if isinstance(hidden, tuple):
-                    hidden = hidden[0]
-        finally:
-            for config, name in zip(self._attention_configs, saved):
-                config._attn_implementation = name
-        rows = hidden[0, torch.tensor(sample_rows, dtype=torch.long, device=dev)]
-        return self.model.lm_head(inner.norm(rows)).float()
+        ids = token_ids.long()[None]
+        pos = positions.long()[None]
+        hidden = inner.embed_tokens(ids)
+        rotary = inner.rotary_emb(hidden, pos)
+        for layer in inner.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=pos, position_embeddings=rotary, sagellm_step=step)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        return hidden[0]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden)).float()
+
+    def _paged(self):
+        runner = self
+
+        class _Switch:
+            def __enter__(self):
+                self.saved = [config._attn_implementation for config in runner._attention_configs]
+                for config in runner._attention_configs:
+                    config._attn_implementation = ATTENTION_NAME
+
+            def __exit__(self, *exc):
+                for config, name in zip(runner._attention_configs, self.saved):
+                    config._attn_implementation = name
+
+        return _Switch()
+
+    @torch.inference_mode()
+    def execute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step the engine wrote into :meth:`begin_step`'s inputs;
+        return ``(logits, greedy)``: the float32 logits of the sampled rows
+        (in the order they were added) and their argmax, both on the device."""
+        inputs = self.inputs
+        num_seqs, num_samples = inputs.num_seqs, inputs.num_samples
+        all_decode = inputs.max_query_len == 1
+        if self.graphs is not None and all_decode and num_samples == num_seqs:
+            graph = self.graphs.for_batch(num_seqs)
+            if graph is not None:
+                return graph.replay(inputs, num_samples)
+        self.tables.sync()
+        inputs.sync()
+        batch = self._batch(inputs, inputs.num_tokens, num_seqs, all_decode)
+        step = StepContext(self.device, self.kv, batch)
+        with self._paged():
+            hidden = self._hidden(inputs.token_ids[: inputs.num_tokens], inputs.positions[: inputs.num_tokens], step)
+        logits = self._logits(hidden[inputs.sample_rows[:num_samples].long()])
+        return logits, logits.argmax(dim=-1)
+
+
+class _CapturedDecode:
+    """One CUDA graph: a decode step of ``size`` sequences, reading the
+    runner's static input buffers, writing static logits and argmax."""
+
+    def __init__(self, runner: ModelRunner, size: int, pool: Any):
+        self.runner = runner
+        self.size = size
+        inputs = runner.inputs
+        # Capture reads the buffers as they are: a valid decode layout of
+        # ``size`` padding sequences.
+        runner.begin_step()
+        inputs.pad_to(size)
+        inputs.sync()
+        runner.tables.sync()
+        stream = torch.cuda.Stream(runner.device.torch_device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: kernels compiled and autotuned outside the capture
+                self._body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.greedy = self._body()
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        runner, inputs, size = self.runner, self.runner.inputs, self.size
+        batch = runner._batch(inputs, size, size, True)
+        step = StepContext(runner.device, runner.kv, batch)
+        with runner._paged():
+            hidden = runner._hidden(inputs.token_ids[:size], inputs.positions[:size], step)
+        logits = runner._logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def replay(self, inputs: StepInputs, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs.pad_to(self.size)
+        self.runner.tables.sync()
+        inputs.sync()
+        self.graph.replay()
+        return self.logits[:num_real], self.greedy[:num_real]
+
+
+class DecodeGraphs:
+    """CUDA graphs of decode steps, one per batch-size bucket (vLLM's
+    ``cudagraph_capture_sizes``: 1, 2, 4, 8, then steps of 8 to 256, then of
+    16), captured largest first into one memory pool at start."""
+
+    def __init__(self, runner: ModelRunner):
+        sizes = [s for s in (1, 2, 4) if s < runner.max_seqs]
+        sizes += list(range(8, min(runner.max_seqs, 256) + 1, 8)) + list(range(272, runner.max_seqs + 1, 16))
+        if runner.max_seqs not in sizes:
+            sizes.append(runner.max_seqs)
+        self.sizes = sorted(set(sizes))
+        pool = torch.cuda.graph_pool_handle()
+        self._graphs = {size: _CapturedDecode(runner, size, pool) for size in sorted(self.sizes, reverse=True)}
+        runner.begin_step()
+
+    def for_batch(self, num_seqs: int) -> _CapturedDecode | None:
+        for size in self.sizes:
+            if size >= num_seqs:
+                return self._graphs[size]
+        return None

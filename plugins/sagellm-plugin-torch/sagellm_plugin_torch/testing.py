@@ -119,7 +119,7 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[i
     stopping at end-of-sequence as the engine does."""
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         result = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -137,7 +137,12 @@ def save_tiny_llama(folder: Path, hidden_size: int = 32, num_heads: int = 4, num
 
 
 def save_tiny_model(
-    folder: Path, model_type: str = "llama", hidden_size: int = 32, num_heads: int = 4, num_kv_heads: int = 2
+    folder: Path,
+    model_type: str = "llama",
+    hidden_size: int = 32,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_layers: int = 2,
 ) -> Path:
     """Save a tiny random-weight model of ``model_type`` (llama, mistral,
     qwen2, qwen3; seeded) with a word-level tokenizer (``w0`` .. ``w127``)
@@ -155,7 +160,7 @@ def save_tiny_model(
         vocab_size=128,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
