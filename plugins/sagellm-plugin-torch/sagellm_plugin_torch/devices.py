@@ -209,9 +209,10 @@ class CpuDevice(TorchDevice):
     name = "cpu"
 
 
-class CudaDevice(TorchDevice):
-    """CUDA: the same kernels (SDPA picks its flash / memory-efficient
-    kernels there), copies on a side stream, memory from the CUDA driver."""
+class CudaTorchDevice(TorchDevice):
+    """CUDA with the plain-torch kernels (``cuda-torch``): the reference
+    path on a GPU, SDPA picking its flash / memory-efficient kernels; copies
+    on a side stream, memory from the CUDA driver."""
 
     name = "cuda"
 
@@ -232,6 +233,84 @@ class CudaDevice(TorchDevice):
 
     def event(self) -> Any:
         return torch.cuda.Event()
+
+
+class CudaDevice(CudaTorchDevice):
+    """CUDA (``cuda``): Triton kernels (:mod:`.triton_kernels`) that write a
+    step's K and V in one launch per layer and attend straight through the
+    block table, flash-decoding split along the context for decodes. None
+    synchronises with the host, so the runner captures decode steps as CUDA
+    graphs (:attr:`graphs`)."""
+
+    graphs = True
+
+    def __init__(self, index: int | None = None):
+        super().__init__(index)
+        from . import triton_kernels
+
+        self.kernels = triton_kernels
+        self._num_sms = torch.cuda.get_device_properties(self.torch_device).multi_processor_count
+        #: Decode workspaces by split count, grown to the largest batch seen.
+        #: Every one ever made stays referenced (``_kept``): a captured graph
+        #: replays with the address it was captured with.
+        self._workspaces: dict[int, torch.Tensor] = {}
+        self._kept: list[torch.Tensor] = []
+
+    def check(self, block_size: int, dtype: torch.dtype) -> None:
+        super().check(block_size, dtype)
+        try:
+            self.kernels.check_supported(block_size, 64, dtype)
+        except ValueError as exc:
+            raise ConfigError(f"device 'cuda': {exc}") from None
+
+    def write_kv(
+        self, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, batch: AttentionBatch
+    ) -> None:
+        self.kernels.write_kv(key, value, kv[layer, 0], kv[layer, 1], batch.slot_mapping)
+
+    def paged_attention(
+        self, query: torch.Tensor, kv: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        k_cache, v_cache = kv[layer, 0], kv[layer, 1]
+        if batch.all_decode:
+            num_seqs, heads, head_dim = query.shape
+            longest = batch.block_tables.shape[1] * batch.block_size
+            splits = self.kernels.decode_num_splits(num_seqs, k_cache.shape[2], longest, self._num_sms)
+            workspace = self._workspace(num_seqs, heads, head_dim, splits, query.device)
+            return self.kernels.paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens_tensor,
+                scale,
+                out,
+                num_splits=splits,
+                workspace=workspace,
+            )
+        return self.kernels.paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.query_start_loc,
+            batch.seq_lens_tensor,
+            scale,
+            out,
+            max_query_len=batch.max_query_len,
+        )
+
+    def _workspace(self, num_seqs: int, heads: int, head_dim: int, splits: int, device) -> torch.Tensor | None:
+        needed = self.kernels.decode_workspace_numel(num_seqs, heads, head_dim, splits)
+        if not needed:
+            return None
+        workspace = self._workspaces.get(splits)
+        if workspace is None or workspace.numel() < needed:
+            workspace = self.kernels.decode_workspace(num_seqs, heads, head_dim, splits, device)
+            self._workspaces[splits] = workspace
+            self._kept.append(workspace)
+        return workspace
 
 
 def load_device(spec: str) -> TorchDevice:

@@ -18,8 +18,9 @@ persistent per-request table (:class:`BlockTables`) of which only the rows
 that changed are copied; slot mappings are computed on the device from it.
 Nothing is allocated per step on the device. On a device that supports them
 (``TorchDevice.graphs``), steps in which every sequence decodes one token
-replay a CUDA graph captured for the next larger batch size
-(:class:`DecodeGraphs`): one launch for the whole model.
+replay a CUDA graph captured for the next larger batch size, as do short
+steps of a few sequences (:class:`StepGraphs`): one launch for the whole
+model.
 """
 
 from __future__ import annotations
@@ -306,22 +307,24 @@ class StepInputs:
         self.seq_len_list = [p + 1 for p in positions]
         self.query_start_list = list(range(n))
 
-    def pad_to(self, num_seqs: int) -> None:
-        """Decode padding for a captured graph: sequences of no context,
-        whose KV writes are dropped and whose attention reads nothing."""
-        for i in range(self.num_seqs, num_seqs):
-            t = self.num_tokens
-            self._tokens[t] = 0
-            self._positions[t] = 0
-            self._seq_of_token[t] = i
-            self._rows[i] = 0
-            self._seq_lens[i] = 0
-            self._query_start[i + 1] = t + 1
-            self._sample_rows[self.num_samples] = t
-            self.num_tokens += 1
-            self.num_samples += 1
-            self.padded = True
-        self.num_seqs = max(self.num_seqs, num_seqs)
+    def pad_to(self, num_tokens: int, num_seqs: int) -> None:
+        """Padding for a captured graph of ``num_tokens`` tokens and
+        ``num_seqs`` sequences: padding tokens have position -1 (their KV
+        is written nowhere) and belong to no sequence's queries; padding
+        sequences have no context and no queries (attention reads nothing
+        for them) and sample a padding row."""
+        t, i = self.num_tokens, self.num_seqs
+        if t < num_tokens:
+            self._tokens[t:num_tokens] = 0
+            self._positions[t:num_tokens] = -1
+            self._seq_of_token[t:num_tokens] = 0
+        if i < num_seqs:
+            self._rows[i:num_seqs] = 0
+            self._seq_lens[i:num_seqs] = 0
+            self._query_start[i + 1 : num_seqs + 1] = t
+        if self.num_samples < num_seqs:
+            self._sample_rows[self.num_samples : num_seqs] = max(t - 1, 0)
+        self.padded = True
 
     def sync(self) -> None:
         if self.device_buffer is not self.host:
@@ -368,7 +371,7 @@ class ModelRunner:
         # budget of prefill chunks; graphs pad decodes up to a bucket.
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, dev, pin)
         self.tables = BlockTables(2 * max_num_seqs, -(-max_len // block_size), dev, pin)
-        self.graphs = DecodeGraphs(self) if graphs and device.graphs else None
+        self.graphs = StepGraphs(self) if graphs and device.graphs else None
 
     @property
     def block_dim(self) -> int:
@@ -383,7 +386,9 @@ class ModelRunner:
         """``request_id`` left the engine: its block-table row is free."""
         self.tables.release(request_id)
 
-    def _batch(self, inputs: StepInputs, num_tokens: int, num_seqs: int, all_decode: bool) -> AttentionBatch:
+    def _batch(
+        self, inputs: StepInputs, num_tokens: int, num_seqs: int, all_decode: bool, max_query_len: int
+    ) -> AttentionBatch:
         """The step's attention layout on the device, from the synced buffers."""
         bs = self.block_size
         rows = inputs.rows[:num_seqs]
@@ -391,13 +396,12 @@ class ModelRunner:
         # as wide as the table (its sequences' lengths change each replay).
         width = self.tables.width if inputs.padded else -(-max(inputs.seq_len_list) // bs)
         tables = self.tables.device[:, :width].index_select(0, rows)
-        seq_of_token = inputs.seq_of_token[:num_tokens]
+        seq_of_token = inputs.seq_of_token[:num_tokens].long()
         positions = inputs.positions[:num_tokens]
-        seq_lens = inputs.seq_lens[:num_seqs]
-        block = tables[seq_of_token.long(), (positions // bs).long()]
+        block = tables[seq_of_token, (positions // bs).long()]
         slots = block.long() * bs + (positions % bs).long()
-        if inputs.padded:  # padding sequences (no context) write nowhere
-            slots = torch.where(seq_lens[seq_of_token.long()] > 0, slots, -1)
+        if inputs.padded:  # padding tokens write nowhere
+            slots = torch.where(positions >= 0, slots, -1)
         return AttentionBatch(
             slot_mapping=slots,
             query_lens=tuple(inputs.query_lens),
@@ -405,10 +409,10 @@ class ModelRunner:
             block_tables=tables,
             block_size=bs,
             all_decode=all_decode,
-            seq_lens_tensor=seq_lens,
-            query_start=tuple(inputs.query_start_list) if not inputs.padded else tuple(range(num_seqs)),
+            seq_lens_tensor=inputs.seq_lens[:num_seqs],
+            query_start=tuple(inputs.query_start_list),
             query_start_loc=inputs.query_start[: num_seqs + 1],
-            max_query_len=inputs.max_query_len if not all_decode else 1,
+            max_query_len=max_query_len,
         )
 
     def _hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepContext) -> torch.Tensor:
@@ -447,40 +451,42 @@ class ModelRunner:
         return ``(logits, greedy)``: the float32 logits of the sampled rows
         (in the order they were added) and their argmax, both on the device."""
         inputs = self.inputs
-        num_seqs, num_samples = inputs.num_seqs, inputs.num_samples
-        all_decode = inputs.max_query_len == 1
-        if self.graphs is not None and all_decode and num_samples == num_seqs:
-            graph = self.graphs.for_batch(num_seqs)
+        if self.graphs is not None:
+            graph = self.graphs.for_step(inputs)
             if graph is not None:
-                return graph.replay(inputs, num_samples)
+                return graph.replay(inputs)
         self.tables.sync()
         inputs.sync()
-        batch = self._batch(inputs, inputs.num_tokens, num_seqs, all_decode)
-        step = StepContext(self.device, self.kv, batch)
-        with self._paged():
-            hidden = self._hidden(inputs.token_ids[: inputs.num_tokens], inputs.positions[: inputs.num_tokens], step)
-        logits = self._logits(hidden[inputs.sample_rows[:num_samples].long()])
+        num_tokens, num_seqs = inputs.num_tokens, inputs.num_seqs
+        all_decode = inputs.max_query_len == 1
+        batch = self._batch(inputs, num_tokens, num_seqs, all_decode, inputs.max_query_len)
+        hidden = self._forward(inputs, num_tokens, batch)
+        logits = self._logits(hidden[inputs.sample_rows[: inputs.num_samples].long()])
         return logits, logits.argmax(dim=-1)
 
+    def _forward(self, inputs: StepInputs, num_tokens: int, batch: AttentionBatch) -> torch.Tensor:
+        step = StepContext(self.device, self.kv, batch)
+        with self._paged():
+            return self._hidden(inputs.token_ids[:num_tokens], inputs.positions[:num_tokens], step)
 
-class _CapturedDecode:
-    """One CUDA graph: a decode step of ``size`` sequences, reading the
-    runner's static input buffers, writing static logits and argmax."""
 
-    def __init__(self, runner: ModelRunner, size: int, pool: Any):
+class _CapturedStep:
+    """One CUDA graph: a step of ``num_tokens`` tokens of ``num_seqs``
+    sequences (decodes only when ``all_decode``), reading the runner's static
+    input buffers, writing static logits and argmax for ``num_seqs`` rows.
+    Captured on first use, from that step's own inputs: the warm-up runs
+    write the same K and V the replay writes after it."""
+
+    def __init__(self, runner: ModelRunner, num_tokens: int, num_seqs: int, all_decode: bool, pool: Any):
         self.runner = runner
-        self.size = size
-        inputs = runner.inputs
-        # Capture reads the buffers as they are: a valid decode layout of
-        # ``size`` padding sequences.
-        runner.begin_step()
-        inputs.pad_to(size)
-        inputs.sync()
+        self.num_tokens, self.num_seqs, self.all_decode = num_tokens, num_seqs, all_decode
+        runner.inputs.pad_to(num_tokens, num_seqs)
+        runner.inputs.sync()
         runner.tables.sync()
         stream = torch.cuda.Stream(runner.device.torch_device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: kernels compiled and autotuned outside the capture
+            for _ in range(2):  # kernels compiled and tuned outside the capture
                 self._body()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
@@ -488,39 +494,61 @@ class _CapturedDecode:
             self.logits, self.greedy = self._body()
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
-        runner, inputs, size = self.runner, self.runner.inputs, self.size
-        batch = runner._batch(inputs, size, size, True)
-        step = StepContext(runner.device, runner.kv, batch)
-        with runner._paged():
-            hidden = runner._hidden(inputs.token_ids[:size], inputs.positions[:size], step)
-        logits = runner._logits(hidden)
+        runner, inputs = self.runner, self.runner.inputs
+        # A varlen graph's queries are bounded by its tokens: the kernel reads each one's count.
+        batch = runner._batch(
+            inputs, self.num_tokens, self.num_seqs, self.all_decode, 1 if self.all_decode else self.num_tokens
+        )
+        hidden = runner._forward(inputs, self.num_tokens, batch)
+        logits = runner._logits(hidden[inputs.sample_rows[: self.num_seqs].long()])
         return logits, logits.argmax(dim=-1)
 
-    def replay(self, inputs: StepInputs, num_real: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs.pad_to(self.size)
+    def replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs.pad_to(self.num_tokens, self.num_seqs)
         self.runner.tables.sync()
         inputs.sync()
         self.graph.replay()
-        return self.logits[:num_real], self.greedy[:num_real]
+        return self.logits[: inputs.num_samples], self.greedy[: inputs.num_samples]
 
 
-class DecodeGraphs:
-    """CUDA graphs of decode steps, one per batch-size bucket (vLLM's
-    ``cudagraph_capture_sizes``: 1, 2, 4, 8, then steps of 8 to 256, then of
-    16), captured largest first into one memory pool at start."""
+class StepGraphs:
+    """CUDA graphs of the runner's steps, captured on first use into one
+    memory pool: decodes of up to ``max_num_seqs`` sequences padded to a
+    bucket (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, 8, then steps of 8
+    to 256, then of 16), and short steps of a few sequences with prefill
+    chunks (up to :attr:`VARLEN_TOKENS` tokens of :attr:`VARLEN_SEQS`
+    sequences, padded to powers of two): a prefill over a cached prefix is
+    such a step, and costs a launch per kernel without a graph."""
+
+    VARLEN_TOKENS = 256
+    VARLEN_SEQS = 8
 
     def __init__(self, runner: ModelRunner):
+        self.runner = runner
         sizes = [s for s in (1, 2, 4) if s < runner.max_seqs]
         sizes += list(range(8, min(runner.max_seqs, 256) + 1, 8)) + list(range(272, runner.max_seqs + 1, 16))
         if runner.max_seqs not in sizes:
             sizes.append(runner.max_seqs)
-        self.sizes = sorted(set(sizes))
-        pool = torch.cuda.graph_pool_handle()
-        self._graphs = {size: _CapturedDecode(runner, size, pool) for size in sorted(self.sizes, reverse=True)}
-        runner.begin_step()
+        self.decode_sizes = sorted(set(sizes))
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int, bool], _CapturedStep] = {}
 
-    def for_batch(self, num_seqs: int) -> _CapturedDecode | None:
-        for size in self.sizes:
-            if size >= num_seqs:
-                return self._graphs[size]
-        return None
+    def for_step(self, inputs: StepInputs) -> _CapturedStep | None:
+        """The graph for this step's layout, captured now if it is the first
+        of its bucket; ``None`` where no bucket fits (it runs eagerly)."""
+        n, t = inputs.num_seqs, inputs.num_tokens
+        if inputs.max_query_len == 1 and inputs.num_samples == n:
+            size = next((s for s in self.decode_sizes if s >= n), None)
+            if size is None:
+                return None
+            key = (size, size, True)
+        elif t <= self.VARLEN_TOKENS and n <= self.VARLEN_SEQS:
+            key = (max(16, 1 << (t - 1).bit_length()), 1 << (n - 1).bit_length(), False)
+            if key[0] > self.runner.inputs.max_tokens:
+                return None
+        else:
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _CapturedStep(self.runner, *key, self._pool)
+        return graph

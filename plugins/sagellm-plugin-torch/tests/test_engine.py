@@ -67,7 +67,7 @@ def test_an_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_unknown_or_absent_devices_are_one_line():
-    with pytest.raises(ConfigError, match=r"device = 'xpu': no such device; installed: cpu, cuda"):
+    with pytest.raises(ConfigError, match=r"device = 'xpu': no such device; installed: cpu, cuda, cuda-torch"):
         load_device("xpu")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"device 'cuda': torch.cuda.is_available\(\) is false"):
