@@ -19,7 +19,7 @@ a folder the engine loads like any checkpoint. Every row asserts that it did
 what its label says (decode rows decoded, cached rows hit the cache).
 
     python plugins/sagellm-plugin-torch/benchmarks/gpu_engine.py [--shapes 1b,8b]
-        [--parts decode,throughput,ttft,bf16] [--batches 1,64,256] [--json out.json]
+        [--parts decode,throughput,ttft,bf16,profile] [--batches 1,64,256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -177,6 +177,35 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         gc.collect()
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 20) -> list[dict]:
+    """Where a decode step's GPU time goes: the kernels of ``steps`` decode
+    steps at ``batch`` (prompts of 512 tokens), by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sagellm_core.types import Request
+    from sagellm_plugin_torch.engine import SamplingParams
+
+    core = engine(folder, model_dir, "bfloat16", num_blocks=batch * 50 + 64, max_num_seqs=batch, cache=False)
+    for i, p in enumerate(random_prompts(batch, 512, core.runner.vocab_size, seed=3)):
+        core.add_request(Request(f"p{i}", p, steps + 16), SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+    for _ in range(12):
+        core.step()  # prefill, first tokens, graphs captured
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            rows.append({"name": event.key[:90], "calls": event.count, "cuda_ms": event.device_time_total / 1e3 / steps})
+    rows.sort(key=lambda r: -r["cuda_ms"])
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows[:25]
 
 
 def throughput(folder: Path, model_dir: Path, count: int = 256, prompt_len: int = 512, new_tokens: int = 128) -> dict:
@@ -351,6 +380,11 @@ def main() -> int:
                     f" {r['ratio_to_limit']:.2f}x the limit",
                     flush=True,
                 )
+        if "profile" in parts:
+            rows = profile_decode(root, model_dir)
+            shape_results["profile"] = rows
+            for r in rows:
+                print(f"[{name}] profile {r['cuda_ms']:8.3f} ms/step {r['calls']:6d} calls  {r['name']}", flush=True)
         if "throughput" in parts:
             row = throughput(root, model_dir)
             shape_results["throughput"] = row
