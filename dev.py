@@ -6,26 +6,53 @@
     python dev.py sagellm ARGS    # any sagellm command
     python dev.py tox [ARGS]      # tox (per-plugin environments)
 
-The first call makes `.venv` and installs the core, every plugin under
-plugins/ and the contrib packages (editable) with the test tools; later calls reuse it, and reinstall
-only when a pyproject.toml changed.
+The first call makes `.venv`. `replay` installs only what the replay runs:
+the core and the plugins its config names (the embedded default's, or those
+of each --config given). `test`, `sagellm` and `tox` install everything: the
+core, every plugin under plugins/ and the contrib packages (editable), the
+model stack (torch, CPU build), the test tools and tox. Later calls reuse the
+environment and install only what is missing or whose pyproject.toml changed.
+
+Installs go through uv (from PyPI, into .venv), whose one cache of wheels
+serves every later install, the tox environments' too; pip is the fallback
+where uv cannot be installed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import tomllib
 import venv
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / "python"
+#: What is installed: a project's folder (or "tools") -> its pyproject's
+#: digest and the extras installed with it.
 STAMP = VENV / ".sagellm-installed"
 TORCH = "2.13.0"
+#: Not projects of this repository: tox with its uv plugin, and torch pinned
+#: to the release whose CPU build the tox envs use too.
+TOOLS = ("tox>=4", "tox-uv>=1.20", f"torch=={TORCH}")
+#: Config sections and the entry point groups their string values name
+#: plugins in (a config's `[eviction] plugin = "lru"` is `sagellm.eviction: lru`).
+SECTION_GROUPS = {
+    "engine": ("sagellm.engines", "sagellm.torch_devices"),
+    "workload": ("sagellm.workloads",),
+    "prefix_cache": ("sagellm.prefix_cache",),
+    "kv_pool": ("sagellm.kv_pool",),
+    "eviction": ("sagellm.eviction",),
+    "lifetime": ("sagellm.lifetime",),
+    "scheduler": ("sagellm.scheduler_passes",),
+    "transport": ("sagellm.transport",),
+}
 
 
 def projects() -> list[Path]:
@@ -34,35 +61,196 @@ def projects() -> list[Path]:
     return [ROOT, *sorted(p.parent for p in found)]
 
 
-def fingerprint() -> str:
-    digest = hashlib.sha256()
+def pyproject(project: Path) -> dict:
+    return tomllib.loads((project / "pyproject.toml").read_text())
+
+
+def digest(project: Path) -> str:
+    return hashlib.sha256((project / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def key(project: Path) -> str:
+    return project.relative_to(ROOT).as_posix()
+
+
+def wanted_all() -> dict[str, set[str]]:
+    """Every project, each with its test extra where it declares one (the
+    server's tests need the openai client)."""
+    return {
+        key(p): {"test"} if "test" in pyproject(p)["project"].get("optional-dependencies", {}) else set()
+        for p in projects()
+    }
+
+
+def wanted_for_replay(args: list[str]) -> dict[str, set[str]]:
+    """The core and the distributions that provide the plugins the replay's
+    configs name: each --config given, else the embedded default."""
+    # Relative to the repository, where the command runs.
+    configs = [ROOT / value for flag, value in zip(args, args[1:]) if flag == "--config"]
+    configs += [ROOT / arg.split("=", 1)[1] for arg in args if arg.startswith("--config=")]
+    providers: dict[tuple[str, str], Path] = {}
+    for project in projects()[1:]:
+        for group, names in pyproject(project)["project"].get("entry-points", {}).items():
+            providers.update({(group, name): project for name in names})
+    wanted = {key(ROOT): set()}
+    for config in configs or [ROOT / "sagellm_core" / "default.toml"]:
+        try:
+            sections = tomllib.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue  # sagellm itself reports the unreadable config, in its own words
+        for section, groups in SECTION_GROUPS.items():
+            for value in sections.get(section, {}).values():
+                for name in value if isinstance(value, list) else [value]:
+                    for group in groups:
+                        if isinstance(name, str) and (group, name) in providers:
+                            wanted[key(providers[group, name])] = set()
+    return wanted
+
+
+def read_stamp() -> dict[str, dict]:
+    try:
+        stamp = json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def missing(wanted: dict[str, set[str]], tools: bool) -> dict[str, set[str]]:
+    """What of `wanted` (and the tools) the stamp does not show installed
+    with the same pyproject and at least the wanted extras."""
+    stamp = read_stamp()
+    result = {}
+    for name, extras in wanted.items():
+        entry = stamp.get(name, {})
+        if entry.get("digest") != digest(ROOT / name) or not extras <= set(entry.get("extras", [])):
+            result[name] = extras | set(entry.get("extras", []))
+    if tools and stamp.get("tools", {}).get("digest") != tools_digest():
+        result["tools"] = set()
+    return result
+
+
+def tools_digest() -> str:
+    return hashlib.sha256("\n".join(TOOLS).encode()).hexdigest()
+
+
+def needs_torch(names: dict[str, set[str]]) -> bool:
+    """Whether installing these projects pulls in torch (directly, through an
+    extra, or through another project of this repository that does)."""
+    requires = {}
     for project in projects():
-        digest.update((project / "pyproject.toml").read_bytes())
-    return digest.hexdigest()
+        table = pyproject(project)["project"]
+        requires[table["name"]] = (project, table.get("dependencies", []), table.get("optional-dependencies", {}))
+
+    def pulls(distribution: str, extras: set[str], seen: set[str]) -> bool:
+        if distribution == "torch":
+            return True
+        if distribution not in requires or distribution in seen:
+            return False
+        _, dependencies, optional = requires[distribution]
+        chosen = [*dependencies, *(r for extra in extras for r in optional.get(extra, []))]
+        return any(pulls(requirement_name(r), set(), seen | {distribution}) for r in chosen)
+
+    by_key = {key(project): name for name, (project, _, _) in requires.items()}
+    return any(name == "tools" or pulls(by_key[name], extras, set()) for name, extras in names.items())
 
 
-def ensure_env() -> None:
-    if STAMP.exists() and STAMP.read_text() == fingerprint():
-        return
-    if not (BIN / "python").exists():
+def requirement_name(requirement: str) -> str:
+    for stop in "[<>=!~;@ ":
+        requirement = requirement.split(stop, 1)[0]
+    return requirement.strip().lower().replace("_", "-")
+
+
+def torch_source() -> dict[str, str]:
+    """uv settings that make torch the CPU build, as pip finds it here.
+
+    pip may find a CPU wheel on this machine's disk (its find-links), which
+    uv does not look at: ask pip where it would take torch from, and if that
+    is a local file, show uv the file's folder (the CPU build's version,
+    2.13.0+cpu, sorts above PyPI's 2.13.0, which carries CUDA). Otherwise
+    uv takes torch from PyTorch's CPU index. Either way a constraint pins
+    the release, whatever range a package asks for.
+    """
+    constraint = VENV / "torch-constraint.txt"
+    constraint.write_text(f"torch=={TORCH}\n")
+    settings = {"UV_CONSTRAINT": str(constraint)}
+    report = subprocess.run(
+        [str(PYTHON), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet"]
+        + ["--disable-pip-version-check", "--report", "-", f"torch=={TORCH}"],
+        capture_output=True,
+        text=True,
+    )
+    try:
+        url = json.loads(report.stdout)["install"][0]["download_info"]["url"]
+    except (ValueError, KeyError, IndexError):
+        url = ""
+    if url.startswith("file:") and "+cpu" in unquote(url):
+        settings["UV_FIND_LINKS"] = str(Path(unquote(urlparse(url).path)).parent)
+    else:
+        settings["UV_TORCH_BACKEND"] = "cpu"
+    return settings
+
+
+def uv() -> Path | None:
+    """uv in .venv, installed from PyPI by the venv's pip on first use."""
+    found = BIN / ("uv.exe" if os.name == "nt" else "uv")
+    if not found.exists():
+        pip = [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "uv"]
+        if subprocess.run(pip).returncode:
+            print("dev.py: could not install uv; installing with pip instead", file=sys.stderr)
+            return None
+    return found
+
+
+def install(names: dict[str, set[str]]) -> None:
+    """Install these projects (and "tools") into .venv, in one resolution."""
+    editable = []
+    for name, extras in sorted(names.items()):
+        if name != "tools":
+            editable += ["-e", str(ROOT / name) + (f"[{','.join(sorted(extras))}]" if extras else "")]
+    tools = list(TOOLS) if "tools" in names else []
+    installer = uv()
+    env = dict(os.environ)
+    if needs_torch(names):
+        if installer is not None:
+            env.update(torch_source())
+        else:
+            # pip takes the pinned CPU build where its find-links hold it;
+            # the pin keeps it from fetching the newest build with CUDA.
+            tools = sorted({*tools, f"torch=={TORCH}"})
+    if installer is not None:
+        command = [str(installer), "pip", "install", "--python", str(PYTHON)]
+    else:
+        command = [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        tools = [tool for tool in tools if not tool.startswith("tox-uv")]  # it brings uv, which pip could not get
+    print(f"dev.py: installing {', '.join(sorted(names))} into .venv", file=sys.stderr)
+    if tools and installer is None:
+        # pip installs the pinned torch before the projects that ask for a range.
+        subprocess.run([*command, *tools], check=True, env=env)
+        tools = []
+    subprocess.run([*command, *tools, *editable], check=True, env=env)
+    stamp = read_stamp()
+    for name, extras in names.items():
+        stamp[name] = {"digest": tools_digest() if name == "tools" else digest(ROOT / name), "extras": sorted(extras)}
+    STAMP.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+
+
+def ensure_env(command: str, args: list[str]) -> None:
+    if not PYTHON.exists():
         print(f"dev.py: creating {VENV}", file=sys.stderr)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    editable = []
-    for project in projects():
-        # With its own test extra where it declares one (the server's tests
-        # need the openai client).
-        extras = (
-            tomllib.loads((project / "pyproject.toml").read_text()).get("project", {}).get("optional-dependencies", {})
-        )
-        editable += ["-e", str(project) + ("[test]" if "test" in extras else "")]
-    print("dev.py: installing sagellm-core and plugins into .venv", file=sys.stderr)
-    # The CPU build of torch first, pinned as the tox envs pin it: the torch
-    # engine plugin needs torch, and an unpinned install would fetch the
-    # newest build with several GB of CUDA libraries.
-    subprocess.run([*pip, "tox>=4", f"torch=={TORCH}"], check=True)
-    subprocess.run([*pip, *editable], check=True)
-    STAMP.write_text(fingerprint())
+    wanted = wanted_for_replay(args) if command == "replay" else wanted_all()
+    todo = missing(wanted, tools=command != "replay")
+    if todo:
+        install(todo)
+
+
+def tox_environment() -> dict[str, str]:
+    """The environment tox runs in: uv's torch settings (tox-uv hands UV_*
+    variables to uv), so the envs that need torch get the CPU build."""
+    env = dict(os.environ)
+    if (BIN / "uv").exists():
+        env.update(torch_source())
+    return env
 
 
 def hygiene() -> list[list[str]]:
@@ -81,8 +269,9 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("replay", "test", "sagellm", "tox"):
         print(__doc__, file=sys.stderr)
         return 2
-    ensure_env()
     command, rest = argv[0], argv[1:]
+    ensure_env(command, rest)
+    env = None
     if command == "replay":
         args = [str(BIN / "sagellm"), "replay", *rest]
     elif command == "sagellm":
@@ -95,8 +284,8 @@ def main(argv: list[str]) -> int:
                 return code
         args = [str(BIN / "python"), "-m", "pytest", *rest]
     else:
-        args = [str(BIN / "tox"), *rest]
-    return subprocess.run(args, cwd=ROOT).returncode
+        args, env = [str(BIN / "tox"), *rest], tox_environment()
+    return subprocess.run(args, cwd=ROOT, env=env).returncode
 
 
 if __name__ == "__main__":
