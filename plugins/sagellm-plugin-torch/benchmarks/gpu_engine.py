@@ -138,31 +138,36 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
     rows = []
     for batch in batches:
         prompt_len, steps = 512, 256
-        blocks = batch * -(-(prompt_len + steps + 2) // 16) + 64
+        blocks = batch * -(-(prompt_len + 2 * steps + 2) // 16) + 64
         core = engine(folder, model_dir, "bfloat16", num_blocks=blocks, max_num_seqs=max(batch, 1), cache=False)
         kv_per_token = core.runner.shape.bytes_per_block(1, core.runner.dtype)
         weights = weight_bytes(core.runner.model)
         prompts = random_prompts(batch, prompt_len, core.runner.vocab_size, seed=batch)
+        # Room to decode past the timed steps: no sequence finishes inside them.
+        max_tokens = 2 * steps
         for i, p in enumerate(prompts):
-            core.add_request(Request(f"d{i}", p, steps + 8), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+            core.add_request(Request(f"d{i}", p, max_tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         while any(s.num_output_tokens == 0 for s in [*core.waiting, *core.running]):
             core.step()  # prefill (and each sequence's first token)
         for _ in range(8):
             core.step()  # warm: graphs replayed, allocator settled
         torch.cuda.synchronize()
         contexts = []
+        timed = steps - 16
         start = time.perf_counter()
         before = core.batched_tokens
-        for _ in range(steps - 16):
+        for _ in range(timed):
             contexts.append(sum(s.num_computed_tokens + 1 for s in core.running))
-            core.step()
-        wall = (time.perf_counter() - start) / (steps - 16)
+            produced = core.step()
+            assert len(produced) == batch, f"batch {batch}: a timed step sampled {len(produced)} sequences"
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / timed
         decoded = core.batched_tokens - before
-        assert decoded == batch * (steps - 16), f"batch {batch}: the timed steps were meant to decode only"
+        assert decoded == batch * timed, f"batch {batch}: the timed steps were meant to decode only ({decoded} tokens)"
         kv_read = statistics.mean(contexts) * kv_per_token
         limit = (weights + kv_read) / bandwidth
         rows.append(
-            {
+            r := {
                 "batch": batch,
                 "mean_context": statistics.mean(contexts) / batch,
                 "step_ms": wall * 1e3,
@@ -173,6 +178,12 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
                 "graphs": core.runner.graphs is not None,
             }
         )
+        print(
+            f"decode batch {r['batch']:>3} (context ~{r['mean_context']:.0f}): {r['step_ms']:.2f} ms"
+            f" a step, limit {r['limit_ms']:.2f} ms ({r['weights_gb']:.2f} GB weights + {r['kv_gb']:.2f} GB KV):"
+            f" {r['ratio_to_limit']:.2f}x the limit",
+            flush=True,
+        )
         del core
         gc.collect()
         torch.cuda.empty_cache()
@@ -182,10 +193,10 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
 def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 20) -> list[dict]:
     """Where a decode step's GPU time goes: the kernels of ``steps`` decode
     steps at ``batch`` (prompts of 512 tokens), by total CUDA time."""
+    from sagellm_plugin_torch.engine import SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
     from sagellm_core.types import Request
-    from sagellm_plugin_torch.engine import SamplingParams
 
     core = engine(folder, model_dir, "bfloat16", num_blocks=batch * 50 + 64, max_num_seqs=batch, cache=False)
     for i, p in enumerate(random_prompts(batch, 512, core.runner.vocab_size, seed=3)):
@@ -200,7 +211,8 @@ def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 
     rows = []
     for event in prof.key_averages():
         if event.device_time_total > 0:
-            rows.append({"name": event.key[:90], "calls": event.count, "cuda_ms": event.device_time_total / 1e3 / steps})
+            ms = event.device_time_total / 1e3 / steps
+            rows.append({"name": event.key[:90], "calls": event.count, "cuda_ms": ms})
     rows.sort(key=lambda r: -r["cuda_ms"])
     del core
     gc.collect()
@@ -372,14 +384,6 @@ def main() -> int:
         if "decode" in parts:
             rows = decode_rows(root, model_dir, bandwidth, [int(b) for b in args.batches.split(",")])
             shape_results["decode"] = rows
-            for r in rows:
-                print(
-                    f"[{name}] decode batch {r['batch']:>3} (context ~{r['mean_context']:.0f}): {r['step_ms']:.2f} ms"
-                    f" a step, limit {r['limit_ms']:.2f} ms ({r['weights_gb']:.2f} GB weights"
-                    f" + {r['kv_gb']:.2f} GB KV):"
-                    f" {r['ratio_to_limit']:.2f}x the limit",
-                    flush=True,
-                )
         if "profile" in parts:
             rows = profile_decode(root, model_dir)
             shape_results["profile"] = rows

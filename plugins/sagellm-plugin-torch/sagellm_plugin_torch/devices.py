@@ -18,6 +18,12 @@ NPU, and a device plugin implements them and nothing else:
 * ``stream`` / ``event`` / ``synchronize``: where copies run, and waiting
   for them.
 
+A device whose ``fused_layers`` is set also serves the runner's own decoder
+forward (:mod:`.decoder`) with four ops around the layer's products:
+``rms_norm`` (with the residual add), ``silu_and_mul``, and
+``rotary_write_kv`` (rotary embedding and the KV write in one). Their
+plain-torch versions here are transformers' own arithmetic, op for op.
+
 Devices are found through the ``sagellm.torch_devices`` entry point group:
 ``cpu`` and ``cuda`` come with this plugin, ``npu`` with
 ``sagellm-plugin-torch-npu``.
@@ -78,6 +84,10 @@ class TorchDevice:
     #: device's kernels never synchronise with the host nor branch on
     #: tensor values.
     graphs = False
+    #: Whether the runner runs its own decoder forward (:mod:`.decoder`,
+    #: fused ops from this device) for the model families it knows, instead
+    #: of the model's modules.
+    fused_layers = False
 
     def __init__(self, index: int | None = None):
         self.torch_device = torch.device(self.name if index is None else f"{self.name}:{index}")
@@ -131,6 +141,46 @@ class TorchDevice:
         ``batch`` order; returns the attention output in the same shape. Each
         query attends to its sequence's KV up to its own position."""
         return paged_attention_reference(query, kv[layer, 0], kv[layer, 1], batch, scale)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """transformers' RMSNorm of the rows of ``x``; with ``residual``,
+        ``residual += x`` first (in place) and the sum is normalised."""
+        if residual is not None:
+            x = residual.add_(x)
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for the rows ``[gate | up]`` of ``x``."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """Rotary embedding of ``query`` / ``key`` (``[tokens, heads,
+        head_dim]``) by ``cos`` / ``sin`` (``[tokens, head_dim]``), the keys
+        and ``value`` written to ``kv[layer]`` at the batch's slots; returns
+        the rotated queries."""
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            half = x.shape[-1] // 2
+            return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+        self.write_kv(kv, layer, rotate(key), value, batch)
+        return rotate(query)
 
     def copy_blocks(self, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
         """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of
@@ -243,6 +293,7 @@ class CudaDevice(CudaTorchDevice):
     graphs (:attr:`graphs`)."""
 
     graphs = True
+    fused_layers = True
 
     def __init__(self, index: int | None = None):
         super().__init__(index)
@@ -267,6 +318,27 @@ class CudaDevice(CudaTorchDevice):
         self, kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, batch: AttentionBatch
     ) -> None:
         self.kernels.write_kv(key, value, kv[layer, 0], kv[layer, 1], batch.slot_mapping)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_and_mul(x)
+
+    def rotary_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        layer: int,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        return self.kernels.rotary_write_kv(query, key, value, cos, sin, kv[layer, 0], kv[layer, 1], batch.slot_mapping)
 
     def paged_attention(
         self, query: torch.Tensor, kv: torch.Tensor, layer: int, batch: AttentionBatch, scale: float

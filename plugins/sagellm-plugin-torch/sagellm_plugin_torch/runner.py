@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 import torch
 
+from .decoder import FusedDecoder
 from .devices import BLOCK_DIM, AttentionBatch, TorchDevice
 
 ATTENTION_NAME = "sagellm_paged"
@@ -371,7 +372,31 @@ class ModelRunner:
         # budget of prefill chunks; graphs pad decodes up to a bucket.
         self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, dev, pin)
         self.tables = BlockTables(2 * max_num_seqs, -(-max_len // block_size), dev, pin)
+        #: The runner's own decoder forward, where the device has fused ops
+        #: and the model is of a family it knows; else the model's modules.
+        self.decoder = FusedDecoder.of(self.model) if device.fused_layers else None
         self.graphs = StepGraphs(self) if graphs and device.graphs else None
+        if self.graphs is not None:
+            self._compile_attention()
+            self.graphs.capture_all()
+
+    def _compile_attention(self) -> None:
+        """Launch the paged attention of a step of padding rows (no KV read
+        or written) for every query-tile size a step can use, on the
+        runner's own buffers: a device that compiles its kernels at their
+        first launch (Triton: hundreds of milliseconds each) does it now, not
+        on a request's time."""
+        heads = self.model.config.get_text_config().num_attention_heads
+        tokens = 1
+        while tokens <= min(self.inputs.max_tokens, 512):
+            inputs = self.begin_step()
+            inputs.pad_to(tokens, 1)
+            inputs.sync()
+            batch = self._batch(inputs, tokens, 1, False, tokens)
+            query = torch.zeros((tokens, heads, self.shape.head_dim), dtype=self.dtype, device=self.kv.device)
+            self.device.paged_attention(query, self.kv, 0, batch, 1.0)
+            tokens *= 2
+        self.begin_step()
 
     @property
     def block_dim(self) -> int:
@@ -427,8 +452,15 @@ class ModelRunner:
                 hidden = hidden[0]
         return hidden[0]
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden)).float()
+    def _logits(self, state: tuple[torch.Tensor, torch.Tensor | None], rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the token rows ``rows`` of a forward's output."""
+        hidden, residual = state
+        if residual is None:
+            normed = self.model.model.norm(hidden[rows])
+        else:
+            assert self.decoder is not None
+            normed = self.decoder.final_norm(self.device, hidden[rows], residual[rows])
+        return self.model.lm_head(normed).float()
 
     def _paged(self):
         runner = self
@@ -460,22 +492,30 @@ class ModelRunner:
         num_tokens, num_seqs = inputs.num_tokens, inputs.num_seqs
         all_decode = inputs.max_query_len == 1
         batch = self._batch(inputs, num_tokens, num_seqs, all_decode, inputs.max_query_len)
-        hidden = self._forward(inputs, num_tokens, batch)
-        logits = self._logits(hidden[inputs.sample_rows[: inputs.num_samples].long()])
+        state = self._forward(inputs, num_tokens, batch)
+        logits = self._logits(state, inputs.sample_rows[: inputs.num_samples].long())
         return logits, logits.argmax(dim=-1)
 
-    def _forward(self, inputs: StepInputs, num_tokens: int, batch: AttentionBatch) -> torch.Tensor:
+    def _forward(
+        self, inputs: StepInputs, num_tokens: int, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden, residual)`` of the step's tokens: the fused decoder's
+        last MLP output and residual stream, or the model's modules' hidden
+        states before the final norm and ``None``."""
         step = StepContext(self.device, self.kv, batch)
+        token_ids, positions = inputs.token_ids[:num_tokens], inputs.positions[:num_tokens]
+        if self.decoder is not None:
+            return self.decoder.hidden(token_ids, positions, step)
         with self._paged():
-            return self._hidden(inputs.token_ids[:num_tokens], inputs.positions[:num_tokens], step)
+            return self._hidden(token_ids, positions, step), None
 
 
 class _CapturedStep:
     """One CUDA graph: a step of ``num_tokens`` tokens of ``num_seqs``
     sequences (decodes only when ``all_decode``), reading the runner's static
     input buffers, writing static logits and argmax for ``num_seqs`` rows.
-    Captured on first use, from that step's own inputs: the warm-up runs
-    write the same K and V the replay writes after it."""
+    Captured from padding rows (:meth:`StepGraphs.capture_all`): the
+    warm-up runs and the capture write no KV."""
 
     def __init__(self, runner: ModelRunner, num_tokens: int, num_seqs: int, all_decode: bool, pool: Any):
         self.runner = runner
@@ -499,8 +539,8 @@ class _CapturedStep:
         batch = runner._batch(
             inputs, self.num_tokens, self.num_seqs, self.all_decode, 1 if self.all_decode else self.num_tokens
         )
-        hidden = runner._forward(inputs, self.num_tokens, batch)
-        logits = runner._logits(hidden[inputs.sample_rows[: self.num_seqs].long()])
+        state = runner._forward(inputs, self.num_tokens, batch)
+        logits = runner._logits(state, inputs.sample_rows[: self.num_seqs].long())
         return logits, logits.argmax(dim=-1)
 
     def replay(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -512,8 +552,8 @@ class _CapturedStep:
 
 
 class StepGraphs:
-    """CUDA graphs of the runner's steps, captured on first use into one
-    memory pool: decodes of up to ``max_num_seqs`` sequences padded to a
+    """CUDA graphs of the runner's steps, all captured when the runner is
+    built, into one memory pool: decodes of up to ``max_num_seqs`` sequences padded to a
     bucket (vLLM's ``cudagraph_capture_sizes``: 1, 2, 4, 8, then steps of 8
     to 256, then of 16), and short steps of a few sequences with prefill
     chunks (up to :attr:`VARLEN_TOKENS` tokens of :attr:`VARLEN_SEQS`
@@ -533,9 +573,31 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int, bool], _CapturedStep] = {}
 
+    def buckets(self) -> list[tuple[int, int, bool]]:
+        """Every graph's (tokens, sequences, decodes only), largest first."""
+        keys = [(size, size, True) for size in self.decode_sizes]
+        tokens = 16
+        while tokens <= min(self.VARLEN_TOKENS, self.runner.inputs.max_tokens):
+            seqs = 1
+            while seqs <= min(self.VARLEN_SEQS, self.runner.max_seqs):
+                keys.append((tokens, seqs, False))
+                seqs *= 2
+            tokens *= 2
+        return sorted(keys, key=lambda key: (-key[0], -key[1]))
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, from padding rows (which write no KV and
+        read none), the largest first so the smaller reuse its memory: at its
+        first use mid-serving a capture, and the compilation of its kernels,
+        would cost that step's requests hundreds of milliseconds."""
+        for key in self.buckets():
+            self.runner.begin_step()
+            self._graphs[key] = _CapturedStep(self.runner, *key, self._pool)
+        self.runner.begin_step()
+
     def for_step(self, inputs: StepInputs) -> _CapturedStep | None:
-        """The graph for this step's layout, captured now if it is the first
-        of its bucket; ``None`` where no bucket fits (it runs eagerly)."""
+        """The graph for this step's layout; ``None`` where no bucket fits
+        (the step runs eagerly)."""
         n, t = inputs.num_seqs, inputs.num_tokens
         if inputs.max_query_len == 1 and inputs.num_samples == n:
             size = next((s for s in self.decode_sizes if s >= n), None)
@@ -544,11 +606,6 @@ class StepGraphs:
             key = (size, size, True)
         elif t <= self.VARLEN_TOKENS and n <= self.VARLEN_SEQS:
             key = (max(16, 1 << (t - 1).bit_length()), 1 << (n - 1).bit_length(), False)
-            if key[0] > self.runner.inputs.max_tokens:
-                return None
         else:
             return None
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = _CapturedStep(self.runner, *key, self._pool)
-        return graph
+        return self._graphs.get(key)

@@ -209,7 +209,8 @@ def write_kv(
 # ------------------------------------------------------------------- decode --
 
 
-@triton.jit
+# The table's row stride varies from step to step: no specialisation on it (one compiled kernel).
+@triton.jit(do_not_specialize=["stride_bt_s"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -489,7 +490,7 @@ def paged_decode_attention(
 # ------------------------------------------------------------------ prefill --
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt_s"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -683,6 +684,8 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"caches: k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)}"
             f" {v_cache.dtype} must both be [num_blocks, block_size, kv_heads, head_dim] of one dtype"
         )
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("caches: k_cache and v_cache need unit stride along head_dim")
     check_supported(k_cache.shape[1], k_cache.shape[3], k_cache.dtype)
 
 
@@ -710,3 +713,263 @@ def _check_devices(name: str, first: torch.Tensor, **tensors: torch.Tensor) -> N
     for what, tensor in tensors.items():
         if tensor.device != first.device:
             raise ValueError(f"{name}: {what} is on {tensor.device}, the other inputs on {first.device}")
+
+
+# ------------------------------------------------ the decoder layer's glue --
+#
+# The elementwise work around a decoder layer's products, one launch each
+# where transformers' modules take five to ten: RMSNorm (with the residual
+# add before it), SiLU-and-multiply, and rotary embedding fused with the KV
+# write. Each rounds where transformers' own modules round (to the input
+# dtype after each op it runs as a separate kernel), so 16-bit results match
+# theirs but for the order of a row's sum of squares. ``enable_fp_fusion``
+# is off: no multiply-add is contracted into a fused multiply-add that the
+# separate kernels would round twice.
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_out,
+    n_cols,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # transformers adds in the input dtype: the sum rounded, then normalised.
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
+            x.dtype
+        )
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, 0) / n_cols
+    normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` per row of ``x`` (``[rows,
+    cols]``, rows may be strided), as transformers' ``LlamaRMSNorm``: in
+    float32, normalised rows rounded to ``x``'s dtype before the weight.
+    With ``residual`` (same shape and dtype): ``residual += x`` first, in
+    place, and the sum is normalised (vLLM's fused add-norm). Returns a new
+    tensor."""
+    if x.dim() != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+        raise ValueError(
+            f"rms_norm: x {tuple(x.shape)} {x.dtype} must be [rows, cols] with unit column stride, weight"
+            f" {tuple(weight.shape)} {weight.dtype} [cols] of its dtype"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must be x's")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x,
+            x if residual is None else residual,
+            weight,
+            out,
+            x.stride(0),
+            x.stride(0) if residual is None else residual.stride(0),
+            out.stride(0),
+            x.shape[1],
+            float(eps),
+            ADD_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(x.shape[1]),
+            num_warps=4 if x.shape[1] <= 4096 else 8,
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` (``[rows, 2 * cols]``),
+    each op rounded to the dtype as transformers' MLP rounds it."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(f"silu_and_mul: x {tuple(x.shape)} must be [rows, 2 * cols] with unit column stride")
+    cols = x.shape[1] // 2
+    out = torch.empty((x.shape[0], cols), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(cols))
+    if x.shape[0]:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(cols, block))](
+            x, out, x.stride(0), out.stride(0), cols, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        )
+    return out
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_cos_t,
+    stride_sin_t,
+    stride_qo_t,
+    stride_qo_h,
+    stride_kc_b,
+    stride_kc_t,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_t,
+    stride_vc_h,
+    num_slots,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_HEADS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    # rotate_half(x)[d] = -x[d + half] for d < half, x[d - half] after.
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + token * stride_cos_t + offs_d).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_sin_t + offs_d).to(tl.float32)
+
+    offs_h = tl.arange(0, HEADS_P2)
+    q_mask = (offs_h < HEADS)[:, None]
+    q_row = q_ptr + token * stride_q_t + offs_h[:, None] * stride_q_h
+    q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+    q_rot = tl.load(q_row + partner[None, :], mask=q_mask, other=0.0)
+    # As transformers: q * cos and rotate_half(q) * sin each rounded, then their sum.
+    q_out = (q.to(tl.float32) * cos[None, :]).to(q.dtype).to(tl.float32) + (
+        (q_rot.to(tl.float32) * sign[None, :]) * sin[None, :]
+    ).to(q.dtype).to(tl.float32)
+    tl.store(
+        q_out_ptr + token * stride_qo_t + offs_h[:, None] * stride_qo_h + offs_d[None, :],
+        q_out.to(q.dtype),
+        mask=q_mask,
+    )
+
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    inside = (slot >= 0) & (slot < num_slots)  # negative slots are padding rows
+    offs_kh = tl.arange(0, KV_HEADS_P2)
+    kv_mask = inside & (offs_kh < KV_HEADS)[:, None]
+    k_row = k_ptr + token * stride_k_t + offs_kh[:, None] * stride_k_h
+    k = tl.load(k_row + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_rot = tl.load(k_row + partner[None, :], mask=kv_mask, other=0.0)
+    k_out = (k.to(tl.float32) * cos[None, :]).to(k.dtype).to(tl.float32) + (
+        (k_rot.to(tl.float32) * sign[None, :]) * sin[None, :]
+    ).to(k.dtype).to(tl.float32)
+    v = tl.load(v_ptr + token * stride_v_t + offs_kh[:, None] * stride_v_h + offs_d[None, :], mask=kv_mask, other=0.0)
+    block = slot // BLOCK_SIZE
+    within = slot % BLOCK_SIZE
+    k_dst = k_cache_ptr + block * stride_kc_b + within * stride_kc_t + offs_kh[:, None] * stride_kc_h
+    v_dst = v_cache_ptr + block * stride_vc_b + within * stride_vc_t + offs_kh[:, None] * stride_vc_h
+    tl.store(k_dst + offs_d[None, :], k_out.to(k.dtype), mask=kv_mask)
+    tl.store(v_dst + offs_d[None, :], v, mask=kv_mask)
+
+
+def rotary_write_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of ``query`` and ``key`` (``[tokens, heads, head_dim]``
+    and ``[tokens, kv_heads, head_dim]``, rows of any stride, unit stride
+    along head_dim) by ``cos`` / ``sin`` (``[tokens, head_dim]``, the model's
+    rotary module's output: ``x * cos + rotate_half(x) * sin``), the rotated
+    keys and ``value`` written into the caches at ``slot_mapping`` (negative
+    slots skipped), in one launch. Returns the rotated queries, a new
+    contiguous tensor."""
+    _check_caches(k_cache, v_cache)
+    tokens, heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    if key.shape != (tokens, kv_heads, head_dim) or value.shape != key.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"rotary_write_kv: query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            f" must be [tokens, heads, {k_cache.shape[3]}] and [tokens, {kv_heads}, {k_cache.shape[3]}]"
+        )
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"rotary_write_kv: head_dim {head_dim}: an even power of two")
+    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape:
+        raise ValueError(
+            f"rotary_write_kv: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{tokens}, {head_dim}]"
+        )
+    if any(t.stride(-1) != 1 for t in (query, key, value, cos, sin)):
+        raise ValueError("rotary_write_kv: query, key, value, cos and sin need unit stride along head_dim")
+    if {query.dtype, key.dtype, value.dtype} != {k_cache.dtype}:
+        raise ValueError(f"rotary_write_kv: query, key and value must be the caches' {k_cache.dtype}")
+    if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rotary_write_kv: slot_mapping {tuple(slot_mapping.shape)} must be [{tokens}] int32 or int64")
+    out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
+    if tokens:
+        _rotary_write_kv_kernel[(tokens,)](
+            query,
+            key,
+            value,
+            cos,
+            sin,
+            out,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            k_cache.shape[0] * k_cache.shape[1],
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HEADS_P2=triton.next_power_of_2(heads),
+            KV_HEADS_P2=triton.next_power_of_2(kv_heads),
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=k_cache.shape[1],
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return out

@@ -58,7 +58,8 @@ def test_prefix_cache_on(tmp_path, model_dir, prompts, reference):
 
 
 def test_evictions_and_host_tier_reloads(tmp_path, model_dir, prompts, reference):
-    outputs, counters = run(tmp_path, model_dir, prompts, num_blocks=24, max_num_seqs=4, offload=True)
+    # 8-token blocks: the prompts' shared 37-token prefixes span four of them, which come back from the host.
+    outputs, counters = run(tmp_path, model_dir, prompts, num_blocks=24, max_num_seqs=4, offload=True, block_size=8)
     assert counters.evicted_blocks > 0 and counters.host_hit_blocks > 0
     assert counters.transfer_failures == 0
     assert outputs == reference

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -388,6 +389,89 @@ def test_decode_num_splits_is_a_bounded_power_of_two(num_seqs, kv_heads, max_seq
     # Once the sequences alone fill the device twice, splitting only adds a merge.
     if num_seqs * kv_heads >= 2 * num_sms:
         assert splits == 1
+
+
+# --------------------------------------------------- the layer's glue ops --
+#
+# Against the plain-torch device's versions, which are transformers' own
+# arithmetic op for op: equal but for the order of RMSNorm's sum of squares.
+
+GLUE_TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("cols", [64, 200, 2048])
+def test_rms_norm_matches_transformers_arithmetic(device, cols, with_residual):
+    from sagellm_plugin_torch.devices import TorchDevice
+
+    g = torch.Generator().manual_seed(cols)
+    for dtype in dtypes_on(device):
+        # Rows of a wider tensor: the kernel reads them through their stride.
+        wide = (3 * torch.randn(7, cols + 16, generator=g)).to(dtype).to(device)
+        x = wide[:, :cols]
+        weight = torch.randn(cols, generator=g).to(dtype).to(device)
+        residual = torch.randn(7, cols, generator=g).to(dtype).to(device) if with_residual else None
+        expected_residual = None if residual is None else residual.clone()
+        expected = TorchDevice().rms_norm(x.clone(), weight, 1e-5, expected_residual)
+        out = triton_kernels.rms_norm(x, weight, 1e-5, residual)
+        assert relative_error(out, expected) < GLUE_TOLERANCE[dtype]
+        if with_residual:
+            assert torch.equal(residual, expected_residual), "the residual stream is the rounded sum"
+
+
+def test_silu_and_mul_matches_transformers_arithmetic(device):
+    from sagellm_plugin_torch.devices import TorchDevice
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in dtypes_on(device):
+        x = (4 * torch.randn(5, 2 * 1500, generator=g)).to(dtype).to(device)
+        out = triton_kernels.silu_and_mul(x)
+        assert relative_error(out, TorchDevice().silu_and_mul(x)) < GLUE_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 64, 16), (6, 3, 128, 8), (4, 4, 32, 5)]
+)
+def test_rotary_write_kv_matches_transformers_arithmetic(device, heads, kv_heads, head_dim, block_size):
+    from sagellm_plugin_torch.devices import AttentionBatch, TorchDevice
+
+    g = torch.Generator().manual_seed(heads * head_dim)
+    tokens, num_blocks = 11, 6
+    for dtype in dtypes_on(device):
+        # Q, K and V as the fused decoder has them: views into one projection's output.
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+        q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        angles = torch.rand(tokens, head_dim // 2, generator=g) * 40
+        cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype).to(device)
+        sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype).to(device)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+        slots[[2, 7]] = -1  # padding rows write nowhere
+        kv = torch.randn(1, 2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype).to(device)
+        expected_kv = kv.clone()
+        batch = AttentionBatch(
+            slot_mapping=slots.to(device),
+            query_lens=(),
+            seq_lens=(),
+            block_tables=torch.zeros(0, 0, dtype=torch.int32),
+            block_size=block_size,
+            all_decode=False,
+            seq_lens_tensor=torch.zeros(0, dtype=torch.int32),
+            query_start=(),
+        )
+        written = slots >= 0
+        reference = TorchDevice()
+        # The reference has no padding rule: it writes the non-padding rows only, and rotates every query.
+        only_written = attrs.evolve(batch, slot_mapping=slots[written].to(device))
+        rows = written.to(device)
+        reference.rotary_write_kv(q[rows], k[rows], v[rows], cos[rows], sin[rows], expected_kv, 0, only_written)
+        expected_q = reference.rotary_write_kv(
+            q, k, v, cos, sin, kv.clone(), 0, attrs.evolve(batch, slot_mapping=slots.clamp(min=0).to(device))
+        )
+        q_out = triton_kernels.rotary_write_kv(q, k, v, cos, sin, kv[0, 0], kv[0, 1], slots.to(device))
+        assert torch.equal(q_out, expected_q)
+        assert torch.equal(kv, expected_kv)
 
 
 # ------------------------------------------------------------------- errors --
