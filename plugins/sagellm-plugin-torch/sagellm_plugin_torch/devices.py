@@ -284,6 +284,37 @@ class CudaTorchDevice(TorchDevice):
     def event(self) -> Any:
         return torch.cuda.Event()
 
+    def copy_blocks(self, src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+        """On the copy stream, after the compute stream's writes so far. A
+        copy onto the GPU (a reload, a copy inside the KV tensor) returns at
+        once: the compute stream waits on its event, so the next step reads
+        the blocks only once they are there, and the host does not wait. A
+        copy to host memory (an offload) waits for the rows to arrive in
+        pinned memory before the host scatters them into the host tensor."""
+        compute = torch.cuda.current_stream(self.torch_device)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_stream(compute)
+            rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
+            if dst.device.type == "cpu":
+                rows = rows.to("cpu", non_blocking=True)
+            else:
+                if rows.device.type == "cpu":
+                    # From pinned memory the copy is asynchronous; torch's pinned
+                    # allocator keeps the rows until the copy has read them.
+                    rows = rows.pin_memory()
+                dst.index_copy_(
+                    BLOCK_DIM,
+                    torch.tensor(dst_ids, dtype=torch.long, device=dst.device),
+                    rows.to(dst.device, non_blocking=True),
+                )
+            done.record(self._stream)
+        if dst.device.type == "cpu":
+            done.synchronize()
+            dst.index_copy_(BLOCK_DIM, torch.tensor(dst_ids, dtype=torch.long), rows)
+        else:
+            compute.wait_event(done)
+
 
 class CudaDevice(CudaTorchDevice):
     """CUDA (``cuda``): Triton kernels (:mod:`.triton_kernels`) that write a
