@@ -6,7 +6,7 @@ Replays each setting (a workload of the suite in
 ``sagellm_plugin_eviction/suite.toml`` and a pool size) cache-only with
 ``adaptive`` and prints its block hit rate, how many times the lead changed
 and the first changes, the leader at the end, and each expert's decayed
-shadow hits at the end. Defaults: the settings ``docs/benchmarks.md``
+shadow hits at the end. Defaults: the settings ``docs/benchmarks/policy-suite.md``
 quotes (Mooncake at 2,754 blocks, the agents at 335, the tenant mix at 311
 and 480, RAG at 761).
 """

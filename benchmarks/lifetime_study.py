@@ -1,5 +1,5 @@
 """What limits the ``text`` lifetime predictor on ShareGPT: a study for
-issue 6's goal (MAE of 100 tokens or less), read on the **dev** part of the
+the goal of an MAE of 100 tokens or less, read on the **dev** part of the
 conversation split only (:mod:`sagellm_plugin_lifetime.split`): the test
 part is dropped before anything is computed (``study_requests``), so no
 choice made from this study has seen a test conversation.

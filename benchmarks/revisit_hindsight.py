@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/revisit_hindsight.py --split all
 
-Issue 20 asks a robust policy to close a quarter of the gap between LRU and
-Belady over the policy suite; ``revisit`` (request-aware dead-block
-prediction) closes 6% to 9% online. Is the shortfall its online learning
+The policy suite asks a robust policy to close a quarter of the gap between
+LRU and Belady; ``revisit`` (request-aware dead-block prediction) closes 6%
+to 9% online. Is the shortfall its online learning
 (labels arrive late, the weights start at zero), or what its features and
 its order can express at all? This runs every setting of the suite's part
 twice under ``revisit``: once as shipped (online, from zero), then again

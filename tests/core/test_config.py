@@ -206,7 +206,7 @@ def test_generator_counts_must_be_positive(key):
         )
 
 
-# Issue 16, classes 5 and 6: values that divided by zero, overflowed to
+# Hardening classes 5 and 6: values that divided by zero, overflowed to
 # infinity or allocated gigabytes are one-line errors at load.
 
 

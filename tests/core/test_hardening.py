@@ -1,5 +1,6 @@
-"""Issue 16's examples, one test each, named for the class they belong to
-(the fuzzing suite in tests/fuzz covers each class more broadly)."""
+"""The hardening examples, one test each, named for the class they belong to
+(docs/benchmarks/hardening.md lists the classes; the fuzzing suite in
+tests/fuzz covers each class more broadly)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Class 1 (issue 16): plugin selection cannot be subverted. The block-list
-covers every group (commands and workloads too), a blocked command is not
-even imported, a name two distributions register is refused naming both,
-and ``config check`` and the report name the distribution that provides
+"""Class 1 of the hardening suite: plugin selection cannot be subverted. The
+block-list covers every group (commands and workloads too), a blocked command
+is not even imported, a name two distributions register is refused naming
+both, and ``config check`` and the report name the distribution that provides
 each plugin."""
 
 from __future__ import annotations

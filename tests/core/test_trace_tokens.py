@@ -1,6 +1,6 @@
 """The trace loaders build token ids in bulk (numpy) and read Azure
 timestamps with ``fromisoformat`` where ``strptime`` would read them the
-same (issue 15: building ids an int at a time was a third of a cache-only
+same (building ids an int at a time was a third of a cache-only
 replay, parsing timestamps a tenth of a timed Azure replay's load). These
 tests hold the results to the definitions."""
 

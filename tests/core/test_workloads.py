@@ -223,7 +223,7 @@ def test_ttft_slo_gives_every_request_a_deadline_after_its_scaled_arrival():
     assert [r.deadline_s for r in timed] == pytest.approx([r.arrival_s + 1.5 for r in timed])
 
 
-# Issue 16, classes 2, 5 and 6: every trace value that would lose requests,
+# Hardening classes 2, 5 and 6: every trace value that would lose requests,
 # exhaust memory or raise a traceback is one line naming the line, checked
 # before anything is allocated.
 

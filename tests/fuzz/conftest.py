@@ -1,4 +1,4 @@
-"""The hardening suite (issue 16): hostile inputs and faulty plugins.
+"""The hardening suite: hostile inputs and faulty plugins.
 
 Short by default (a minute or two); longer with environment variables:
 

@@ -17,7 +17,7 @@ when it ends one of two ways:
 
 Anything else -- a traceback, another status, a second line, a hang, a
 child killed for memory, requests lost -- fails the case. Every outcome is
-tallied per issue-16 class for the table ``conftest.py`` prints.
+tallied per class for the table ``conftest.py`` prints.
 """
 
 from __future__ import annotations

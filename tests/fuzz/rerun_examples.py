@@ -1,7 +1,7 @@
-"""Rerun every example of issue 16 against the real ``sagellm`` command, each
-in its own process, and print a Markdown table: what was run, the exit
-status, and the one stderr line (or the report's counts for a run that
-must succeed).
+"""Rerun every hardening example (docs/benchmarks/hardening.md) against the real
+``sagellm`` command, each in its own process, and print a Markdown table: what
+was run, the exit status, and the one stderr line (or the report's counts for
+a run that must succeed).
 
     .venv/bin/python tests/fuzz/rerun_examples.py > examples.md
 """

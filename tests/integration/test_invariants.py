@@ -164,7 +164,7 @@ def test_runtime_block_accounting(policy, cache):
 
 
 def test_a_refused_admission_tells_the_policy_what_its_match_pinned(bad_plugins):
-    """Issue 16, class 4: with ``pin_after_hits``, a prefix matched by an
+    """Hardening class 4: with ``pin_after_hits``, a prefix matched by an
     admission that memory then refuses was pinned and the policy never
     told; a policy that follows the protocol without filtering candidates
     (the template's way) then named a pinned block and the run died."""

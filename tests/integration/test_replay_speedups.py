@@ -1,5 +1,5 @@
-"""The cache-only replay's hot path asks less of its plugins (issue 15) and
-gets the same answers: the evictable blocks are asked for only when an
+"""The cache-only replay's hot path asks less of its plugins and gets the
+same answers: the evictable blocks are asked for only when an
 admission is short of free blocks (and that answer serves the first eviction
 round), a prompt goes to the prefix cache without a copy when only a partial
 last block is cut off, and the radix cache follows the path a request holds

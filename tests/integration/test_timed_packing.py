@@ -1,6 +1,6 @@
 """The timed replay's step packing (``drivers.stepping.pack``) computes in
 line what ``SequenceState``'s properties, ``Runtime.grow`` and the cost model
-compute (issue 15: the step loop was most of a timed replay's time). These
+compute (the step loop was most of a timed replay's time). These
 tests hold the in-line figures against the originals at every step of real
 replays, with preemptions, and the cost model's totals against its formula."""
 

@@ -5,9 +5,9 @@ set dueling of CPU caches, Qureshi et al., ISCA'07).
 
 No one policy wins everywhere: the continuation-aware policy leads on
 conversation traces and falls below LRU on others, frequency wins where a
-corpus recurs and loses where recency rules (``docs/benchmarks.md``, the
-policy suite). This policy runs several experts (``experts``, LRU first)
-side by side in two ways:
+corpus recurs and loses where recency rules
+(``docs/benchmarks/policy-suite.md``). This policy runs several experts
+(``experts``, LRU first) side by side in two ways:
 
 * **On the real cache**, each expert observes every block event, so each
   always holds a valid order of the real evictable blocks; the *leader*'s

@@ -17,7 +17,7 @@ distinct block of it.
 will be used again, not when, and evicts the blocks never used again first,
 then the others, each in LRU's order. It bounds what a perfect predictor of
 which conversations return can add to LRU's order (what the policy suite's
-gap to Belady is made of: docs/benchmarks.md).
+gap to Belady is made of: docs/benchmarks/the-gap-to-belady.md).
 """
 
 from __future__ import annotations

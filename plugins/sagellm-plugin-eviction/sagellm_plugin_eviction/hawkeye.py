@@ -6,7 +6,8 @@ evict the blocks predicted dead first.
 Most of the gap between LRU and Belady on the policy suite is blocks kept
 that are never used again: an oracle that knows only *whether* a block comes
 back, and is LRU otherwise (``belady:knows=whether``), closes three quarters
-of it (``docs/benchmarks.md``). This policy answers that question online.
+of it (``docs/benchmarks/policy-suite.md``). This policy answers that
+question online.
 
 * **OPTgen** (the paper's): Belady's decisions on the past are computable
   from the past alone. A block's use is a hit under Belady at capacity C iff

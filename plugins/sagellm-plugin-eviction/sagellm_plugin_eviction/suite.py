@@ -33,11 +33,11 @@ from sagellm_core.replay import session, workloads
 from .adaptive import expert_spec
 
 REFERENCES = ("lru", "belady")
-#: The suite's parts: tuned on, held out (judged once, at issue 20's first
-#: stop, then looked at), fresh (new seeds and another ShareGPT slice, judged
-#: once, at the end of issue 20's second stop, then looked at), final (seed
-#: 303 and a third ShareGPT slice, added before the request-aware policy was
-#: built, judged once at the end of that work); "all" is every workload.
+#: The suite's parts: tuned on, held out (judged once, then looked at),
+#: fresh (new seeds and another ShareGPT slice, judged once, then looked at),
+#: final (seed 303 and a third ShareGPT slice, added before the request-aware
+#: policy was built, judged once at the end of that work); "all" is every
+#: workload.
 SPLITS = ("tune", "held-out", "fresh", "final", "all")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 #: Below this gap between LRU and Belady (absolute hit rate) there is nothing
