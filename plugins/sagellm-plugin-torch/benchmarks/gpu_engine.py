@@ -182,10 +182,10 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
 def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 20) -> list[dict]:
     """Where a decode step's GPU time goes: the kernels of ``steps`` decode
     steps at ``batch`` (prompts of 512 tokens), by total CUDA time."""
+    from sagellm_plugin_torch.engine import SamplingParams
     from torch.profiler import ProfilerActivity, profile
 
     from sagellm_core.types import Request
-    from sagellm_plugin_torch.engine import SamplingParams
 
     core = engine(folder, model_dir, "bfloat16", num_blocks=batch * 50 + 64, max_num_seqs=batch, cache=False)
     for i, p in enumerate(random_prompts(batch, 512, core.runner.vocab_size, seed=3)):
@@ -200,7 +200,9 @@ def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 
     rows = []
     for event in prof.key_averages():
         if event.device_time_total > 0:
-            rows.append({"name": event.key[:90], "calls": event.count, "cuda_ms": event.device_time_total / 1e3 / steps})
+            rows.append(
+                {"name": event.key[:90], "calls": event.count, "cuda_ms": event.device_time_total / 1e3 / steps}
+            )
     rows.sort(key=lambda r: -r["cuda_ms"])
     del core
     gc.collect()
