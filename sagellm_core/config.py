@@ -19,19 +19,26 @@ from attrs import frozen
 
 from sagellm_core import registry
 from sagellm_core.errors import ConfigError
-from sagellm_core.parts.sections import LimitsSettings, ServerSettings
+from sagellm_core.parts.sections import LimitsSettings
 
-SECTIONS = tuple(
-    "engine prefix_cache kv_pool eviction lifetime scheduler transport workload report server limits".split()
+#: The sections the kernel reads. Any other names a section an installed
+#: distribution declares (``sagellm.sections``: its name, and the attrs
+#: class its keys fill, checked by the type of each field's default).
+SECTIONS = (
+    *("engine", "prefix_cache", "kv_pool", "eviction", "lifetime", "scheduler", "admission", "transport"),
+    *("workload", "report", "instance", "limits"),
 )
+SECTION_GROUP = "sagellm.sections"
 #: Bounds checked before anything is allocated (issue 16, class 5): a prompt
 #: or reply longer, or a pool larger, is a typo, not a workload (a 4M-token
 #: prompt's ids are 32 MB; a 16M-block pool's free list alone is 130 MB).
 MAX_TOKENS = 1 << 22
 MAX_NUM_BLOCKS = 1 << 24
-#: Workload sources built into the core; others come from installed
-#: packages through this entry point group (an object ``load(settings)``
-#: yielding requests in arrival order).
+#: Workload sources: the trace files the core reads (``path``), the
+#: generator, and others from installed packages through this entry point
+#: group (an object ``load(settings)`` yielding requests in arrival order,
+#: with the attrs class of the ``[workload]`` keys it reads as ``Settings``:
+#: the generator's is one).
 WORKLOAD_SOURCES = ("generator", "mooncake", "azure")
 WORKLOAD_GROUP = "sagellm.workloads"
 
@@ -66,21 +73,9 @@ class WorkloadSettings:
     #: seconds after its (scaled) arrival: a TTFT SLO.
     ttft_slo_s: float | None = None
     seed: int = 0
-    # The built-in generator: multi-tenant chat sessions.
-    tenants: int = 4
-    sessions_per_tenant: int = 12
-    #: 0: every tenant has the same number of sessions; s > 0: a session
-    #: belongs to tenant k with probability proportional to 1 / (k + 1)^s
-    #: (Zipf), so a few tenants bring most of the load.
-    tenant_skew: float = 0.0
-    turns: int = 4
-    system_prompt_tokens: int = 1024
-    user_tokens: int = 256
-    output_tokens: int = 192
-    #: Mean new sessions per second (Poisson arrivals).
-    session_rate: float = 2.0
-    #: Mean think time between a reply and the next turn, seconds.
-    think_time_s: float = 5.0
+    #: The source's own settings (``Settings`` of its entry point, filled
+    #: from the other ``[workload]`` keys); ``None`` for a trace file.
+    options: Any = None
 
     def __attrs_post_init__(self) -> None:
         # A ValueError names the key; the parser adds the file and section.
@@ -95,21 +90,12 @@ class WorkloadSettings:
                     f"source = {self.source!r}: accepted: {', '.join([*WORKLOAD_SOURCES, *installed])}"
                     f" (others through {WORKLOAD_GROUP} entry points)"
                 )
-        for key in ("tenants", "sessions_per_tenant", "turns", "trace_block_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} = {getattr(self, key)!r}: a positive integer")
-        for key in ("trace_block_tokens", "system_prompt_tokens", "user_tokens", "output_tokens"):
-            if getattr(self, key) > MAX_TOKENS:
-                raise ValueError(f"{key} = {getattr(self, key)!r}: at most {MAX_TOKENS:,} tokens")
-        requests = self.tenants * self.sessions_per_tenant * self.turns  # and system prompts: bounded (class 5)
+        if self.trace_block_tokens < 1:
+            raise ValueError(f"trace_block_tokens = {self.trace_block_tokens!r}: a positive integer")
+        if self.trace_block_tokens > MAX_TOKENS:
+            raise ValueError(f"trace_block_tokens = {self.trace_block_tokens!r}: at most {MAX_TOKENS:,} tokens")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale = {self.time_scale!r}: a positive number")
-        if max(requests, self.tenants * self.system_prompt_tokens) > MAX_TOKENS:
-            raise ValueError(
-                f"tenants x sessions_per_tenant x turns, tenants x system_prompt_tokens: at most {MAX_TOKENS:,}"
-            )
-        if self.tenant_skew > 8:
-            raise ValueError(f"tenant_skew = {self.tenant_skew!r}: at most 8")
         if not 0 <= self.session_from < self.session_to <= 1:
             raise ValueError(
                 f"session_from = {self.session_from!r}, session_to = {self.session_to!r}:"
@@ -117,11 +103,44 @@ class WorkloadSettings:
             )
         if self.source in ("mooncake", "azure") and self.path is None:
             raise ValueError(f"source = {self.source!r} needs path = FILE")
+        if self.options is None and (options := source_options(self.source)) is not None:
+            object.__setattr__(self, "options", options())  # the source's defaults
+
+
+def source_options(source: str) -> type | None:
+    """The attrs class of the ``[workload]`` keys ``source`` reads (``None``
+    for a trace file, or a source that reads none)."""
+    if source in ("mooncake", "azure"):
+        return None
+    where = f"source = {source!r}"
+    entry = registry.find(WORKLOAD_GROUP, source, where)
+    return None if entry is None else getattr(_load(entry, where), "Settings", None)
+
+
+def _load(entry: metadata.EntryPoint, where: str) -> Any:
+    try:
+        return entry.load()
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(f"{where} ({entry.value}) failed to import: {type(exc).__name__}: {exc}") from exc
 
 
 @frozen
 class ReportSettings:
     hook_timing: bool = True
+
+
+@frozen
+class InstanceSettings:
+    """Which runtime of a cluster this config runs (``PluginContext``)."""
+
+    id: str = "0"
+    role: str = "colocated"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("id = '': a name for this instance")
+        if self.role not in registry.ROLES:
+            raise ValueError(f"role = {self.role!r}: accepted: {', '.join(registry.ROLES)}")
 
 
 @frozen
@@ -135,19 +154,38 @@ class Settings:
     #: Answers, with its default settings, when ``lifetime`` fails.
     lifetime_fallback: Selection | None
     passes: tuple[Selection, ...]
+    admission: Selection | None
     transport: Selection | None
     block_size: int
     num_blocks: int
     offload_evicted: bool
     workload: WorkloadSettings
     report: ReportSettings
-    server: ServerSettings = ServerSettings()
     limits: LimitsSettings = LimitsSettings()
+    instance: InstanceSettings = InstanceSettings()
+    #: The declared sections the file has, by name: their settings.
+    sections: dict[str, Any] = attrs.field(factory=dict)
 
     def decisions(self) -> list[Selection]:
         """The single-plugin decisions picked (scheduler passes aside)."""
-        single = [self.prefix_cache, self.kv_pool, self.eviction, self.lifetime, self.transport]
+        single = [self.prefix_cache, self.kv_pool, self.eviction, self.lifetime, self.admission, self.transport]
         return [s for s in single if s is not None]
+
+    def section(self, name: str) -> Any:
+        """The settings of the declared section ``[name]``: the file's, or
+        its defaults where the file has none."""
+        if name in self.sections:
+            return self.sections[name]
+        cls = _declared(name, f"{self.path}: [{name}]")
+        if cls is None:
+            raise ConfigError(f"{self.path}: no installed distribution declares a section [{name}]")
+        return cls()
+
+
+def _declared(section: str, where: str) -> type | None:
+    """The settings class an installed distribution declares for ``[section]``."""
+    entry = registry.find(SECTION_GROUP, section, where)
+    return None if entry is None else _load(entry, where)
 
 
 def _positive_int(value: Any) -> bool:
@@ -231,9 +269,15 @@ def load(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None) 
 def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
     """Typed settings from a parsed TOML document: one small parser per
     section, each taking its keys and refusing leftovers."""
+    declared: dict[str, type] = {}
     for section in raw:
         if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}]; accepted: {', '.join(SECTIONS)}")
+            cls = _declared(section, f"{path}: [{section}]")
+            if cls is None:
+                installed = sorted(ep.name for ep in metadata.entry_points(group=SECTION_GROUP))
+                accepted = ", ".join([*SECTIONS, *installed])
+                raise ConfigError(f"{path}: unknown section [{section}]; accepted: {accepted}")
+            declared[section] = cls
     tables = {section: _Table(path, section, data) for section, data in raw.items()}
     num_blocks, kv_pool = _kv_pool(path, tables.get("kv_pool"))
     block_size, prefix_cache = _prefix_cache(tables.get("prefix_cache"))
@@ -251,15 +295,31 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         lifetime=lifetime,
         lifetime_fallback=lifetime_fallback,
         passes=_passes(path, tables.get("scheduler")),
+        admission=_single(tables.get("admission")),
         transport=transport,
         block_size=block_size,
         num_blocks=num_blocks,
         offload_evicted=offload_evicted,
-        workload=_typed(tables.get("workload"), WorkloadSettings),
+        workload=_workload(tables.get("workload")),
         report=_typed(tables.get("report"), ReportSettings),
-        server=_typed(tables.get("server"), ServerSettings),
         limits=_typed(tables.get("limits"), LimitsSettings),
+        instance=_typed(tables.get("instance"), InstanceSettings),
+        sections={section: _typed(tables[section], cls) for section, cls in declared.items()},
     )
+
+
+def _workload(t: _Table | None) -> WorkloadSettings:
+    """The kernel's keys, then the source's own (its ``options``)."""
+    if t is None:
+        return WorkloadSettings()
+    own = {f.name for f in attrs.fields(WorkloadSettings)} - {"options"}
+    theirs = _Table(t.path, t.section, {k: v for k, v in t.data.items() if k not in own})
+    t.data = {k: v for k, v in t.data.items() if k in own}
+    settings: WorkloadSettings = _typed(t, WorkloadSettings)  # the source checked first
+    if settings.options is None:
+        theirs.no_leftovers()
+        return settings
+    return attrs.evolve(settings, options=_typed(theirs, type(settings.options)))
 
 
 def _engine(t: _Table) -> Selection:
@@ -351,6 +411,8 @@ _OPTIONAL_NUMBERS: dict[str, Check] = {
     "max_requests": (_positive_int, "a positive integer"),
     "ttft_slo_s": (_positive_number, "a positive number of seconds"),
 }
+#: Other types of default: the settings class checks the value itself.
+_ANY: Check = (lambda v: True, "")
 #: The check of a field by the type of its default (bool before int: a bool is an int).
 _BY_DEFAULT: dict[type, Check] = {
     str: (lambda v: isinstance(v, str), "a string"),
@@ -374,15 +436,19 @@ def _typed(t: _Table | None, cls: type) -> Any:
         if default is None:
             ok, accepted = _OPTIONAL_NUMBERS.get(field.name, _BY_DEFAULT[str])
         else:
-            ok, accepted = _BY_DEFAULT[bool if isinstance(default, bool) else type(default)]
+            ok, accepted = _BY_DEFAULT.get(bool if isinstance(default, bool) else type(default), _ANY)
         if field.name in t.data:
             values[field.name] = t.take(field.name, default, ok, accepted)
     t.no_leftovers()
     try:
         return cls(**values)
-    except ValueError as exc:  # a settings class's own check: one line, naming the file
+    except (TypeError, ValueError) as exc:  # a settings class's own check: one line, naming the file
         raise ConfigError(f"{t.where} {exc}") from None
 
 
 def with_workload(settings: Settings, **changes: Any) -> Settings:
+    """``settings`` with ``changes`` to its workload (another ``source``
+    reads its own options: its defaults, unless ``changes`` gives them)."""
+    if changes.get("source", settings.workload.source) != settings.workload.source:
+        changes.setdefault("options", None)
     return attrs.evolve(settings, workload=attrs.evolve(settings.workload, **changes))

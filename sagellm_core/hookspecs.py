@@ -1,4 +1,4 @@
-"""Hook specifications: the six decisions of KV-cache management, and the
+"""Hook specifications: the decisions of KV-cache management, and the
 observations every plugin receives.
 
 Conventions (after pytest and simonw/llm):
@@ -27,6 +27,7 @@ from collections.abc import Collection, Sequence
 import pluggy
 
 from sagellm_core.types import (
+    AdmissionDecision,
     BlockAllocation,
     CachedBlock,
     EvictionCandidates,
@@ -41,6 +42,7 @@ from sagellm_core.types import (
     RequestOutcome,
     ScheduleIR,
     SequenceState,
+    TenantLedger,
     TransferPlan,
     TransferResult,
 )
@@ -183,8 +185,8 @@ def sagellm_predict_lifetime(request: Request) -> LifetimePrediction | None:
 
 
 # --------------------------------------------------------------------------
-# 5. Scheduling passes: the pipeline from waiting+running to a step's batch.
-#    Each `sagellm.scheduler_passes` plugin is one pass.
+# 5. Scheduling: the pipeline from waiting+running to a step's batch (each
+#    `sagellm.scheduler_passes` plugin is one pass), and admission.
 # --------------------------------------------------------------------------
 
 
@@ -192,7 +194,23 @@ def sagellm_predict_lifetime(request: Request) -> LifetimePrediction | None:
 def sagellm_schedule_pass(ir: ScheduleIR) -> None:
     """Refine ``ir`` in place: reorder ``ir.waiting`` / ``ir.running`` or lower
     the budgets. Passes run in the order the config lists them; the engine then
-    packs the result into a :class:`~sagellm_core.drivers.stepping.StepPlan`."""
+    packs the result into a :class:`~sagellm_core.drivers.step_scheduler.StepPlan`."""
+
+
+@hookspec(firstresult=True)
+def sagellm_admit_request(state: SequenceState, ledger: TenantLedger, now_s: float) -> AdmissionDecision | None:
+    """Decide whether the waiting request ``state`` may start in this step,
+    before any block is taken for it: ``ADMIT`` (the step scheduler takes its
+    blocks if memory allows, and admits no further request if not),
+    ``DEFER`` (it keeps its place in the queue and the scheduler asks the
+    next one: a tenant over its quota holds no other tenant back) or
+    ``REJECT`` (it ends, rejected, counted under the decision's reason).
+    ``None`` admits. ``ledger`` says what each tenant's admitted requests
+    hold now. Asked in each step for every waiting request the scheduler
+    reaches, in the passes' order; served by a ``sagellm.admission`` plugin.
+    A deferral waits for running requests to end: in a step where nothing
+    runs, a deferred request is rejected (``deferred with nothing running``).
+    """
 
 
 # --------------------------------------------------------------------------

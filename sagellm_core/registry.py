@@ -47,6 +47,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "eviction": ("sagellm.eviction", "sagellm-plugin-eviction"),
     "lifetime": ("sagellm.lifetime", "sagellm-plugin-lifetime"),
     "scheduler": ("sagellm.scheduler_passes", "sagellm-plugin-scheduler-ir"),
+    "admission": ("sagellm.admission", "sagellm-plugin-scheduler-ir"),
     "transport": ("sagellm.transport", "sagellm-plugin-kv-transport"),
 }
 
@@ -66,6 +67,15 @@ class PluginContext:
     #: The folder of the config file that picked the plugin (relative paths
     #: among its parameters are resolved from it); ``None`` without a file.
     config_dir: str | None = None
+    #: Which runtime of a cluster the plugin serves (``[instance]``): its id,
+    #: and its role, one of :data:`ROLES`.
+    instance_id: str = "0"
+    role: str = "colocated"
+
+
+#: An instance serves whole requests (``colocated``), or the prefill or the
+#: decode half of disaggregated serving.
+ROLES = ("colocated", "prefill", "decode")
 
 
 @attrs.frozen
@@ -84,7 +94,13 @@ class PluginInfo:
 
 #: The groups a block-list item may name: the decisions', and those that
 #: add workloads, commands and the torch engine's devices.
-BLOCKABLE = (*(g for g, _ in GROUPS.values()), "sagellm.workloads", "sagellm.commands", "sagellm.torch_devices")
+BLOCKABLE = (
+    *(g for g, _ in GROUPS.values()),
+    "sagellm.workloads",
+    "sagellm.commands",
+    "sagellm.sections",
+    "sagellm.torch_devices",
+)
 
 
 def blocked_names() -> set[str]:

@@ -1,5 +1,5 @@
 """The request-lifecycle runtime: engine-agnostic, it owns the loop's block
-accounting and asks plugins (through :mod:`sagellm_core.hooks`'s checked
+accounting and asks plugins (through :mod:`sagellm_core.plugin_host`'s checked
 calls) for every decision. Engine drivers use only the API below; none
 writes counters or names a hook.
 
@@ -7,6 +7,7 @@ A driver whose blocks the runtime owns (the replay and torch engines)::
 
     rt.set_time(now_s)                      # the clock: simulated or real
     state = rt.arrive(request)              # predict lifetime, match, observe
+    rt.decide_admission(state)              # admit, defer or reject (a plugin's rule)
     n = rt.admit(state, token_budget)       # lock the prefix, allocate, count
     rt.grow(state, n)                       # more blocks as the sequence grows
     rt.cache(state)                         # insert full blocks into the cache
@@ -14,7 +15,7 @@ A driver whose blocks the runtime owns (the replay and torch engines)::
     rt.reject(state, reason)                # a request that can never run
 
 A driver whose engine keeps its own blocks (vLLM's pool, LMDeploy's trie)
-reports what the engine did instead: ``admitted`` (hits, host hits),
+reports what the engine did instead: ``count_admission`` (hits, host hits),
 ``blocks_cached`` / ``_touched`` / ``_released`` / ``_evicted``, and
 ``conclude`` when a request is done.
 
@@ -24,15 +25,18 @@ Which :class:`SequenceState` fields each side writes, its docstring says.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError, PluginError, RequestError
-from sagellm_core.hooks import CheckedHooks
-from sagellm_core.parts import invariants
+from sagellm_core.parts import answers, invariants
 from sagellm_core.parts.counters import Counters as Counters
 from sagellm_core.parts.tiers import HostTier
+from sagellm_core.plugin_host import PluginHost
 from sagellm_core.types import (
+    Admission,
+    AdmissionDecision,
     CachedBlock,
     EvictionCandidates,
     KVCaches,
@@ -42,23 +46,26 @@ from sagellm_core.types import (
     RequestOutcome,
     RequestStatus,
     SequenceState,
+    TenantLedger,
     TransferPlan,
     TransferResult,
     as_token_array,
 )
+
+ADMITTED = AdmissionDecision(Admission.ADMIT)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class Runtime(CheckedHooks):
-    """The lifecycle over :class:`CheckedHooks`. ``engine_owns`` names the
+class Runtime(PluginHost):
+    """The lifecycle over :class:`PluginHost`. ``engine_owns`` names the
     sections an engine serves itself; the block lifecycle below is then the
     engine's, reported through the observation methods."""
 
     def __init__(self, settings: Settings, **kwargs: Any):
-        # The keywords are CheckedHooks': hook_timing, engine_owns, future_requests.
+        # The keywords are PluginHost's: hook_timing, engine_owns, future_requests.
         if settings.kv_pool is None and "kv_pool" not in kwargs.get("engine_owns", ()):
             raise ConfigError(
                 f"{settings.path}: [kv_pool]: missing key 'plugin'"
@@ -67,6 +74,12 @@ class Runtime(CheckedHooks):
         super().__init__(settings, **kwargs)
         self._now_s = 0.0
         self._active: dict[str, SequenceState] = {}
+        self._tenant_blocks: dict[str, int] = {}
+        self._tenant_requests: dict[str, int] = {}
+        #: What each tenant's admitted requests hold, for admission plugins.
+        self.tenant_ledger = TenantLedger(
+            MappingProxyType(self._tenant_blocks), MappingProxyType(self._tenant_requests)
+        )
         self._host = HostTier(self) if settings.offload_evicted else None
         if "kv_pool" in self.engine_owns:
             return
@@ -200,6 +213,25 @@ class Runtime(CheckedHooks):
         self._observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
         return state
 
+    @property
+    def decides_admission(self) -> bool:
+        """Whether an admission plugin decides (else every request is admitted)."""
+        return "admission" in self.plugins
+
+    def decide_admission(self, state: SequenceState) -> AdmissionDecision:
+        """The admission plugin's decision for the waiting ``state``, checked
+        and counted (``None`` admits)."""
+        hook = "sagellm_admit_request"
+        decision = self._call("admission", hook, state=state, ledger=self.tenant_ledger, now_s=self._now_s)
+        if decision is None:
+            return ADMITTED
+        self._checked("admission", hook, decision, answers.admission(decision))
+        if decision.verdict is Admission.DEFER:
+            self.counters.admission_deferrals += 1
+        elif decision.verdict is Admission.REJECT:
+            self.counters.admission_rejections += 1
+        return decision  # type: ignore[no-any-return]
+
     def admit(self, state: SequenceState, token_budget: int, reserve_tokens: int = 0) -> int:
         """Match and lock ``state``'s prefix and allocate blocks for up to
         ``token_budget`` new tokens, and ``reserve_tokens`` more (room for
@@ -256,14 +288,19 @@ class Runtime(CheckedHooks):
         state.num_computed_tokens = cached + len(host_keys) * self.block_size
         state.status = RequestStatus.RUNNING
         self._active[request.request_id] = state
-        self.admitted(state, match.num_blocks, len(host_keys))
+        tenant = request.tenant
+        self._tenant_blocks[tenant] = self._tenant_blocks.get(tenant, 0) + len(state.block_ids)
+        self._tenant_requests[tenant] = self._tenant_requests.get(tenant, 0) + 1
+        self.count_admission(state, match.num_blocks, len(host_keys))
         return num_new
 
-    def admitted(self, state: SequenceState, hit_blocks: int, host_blocks: int = 0) -> None:
+    def count_admission(self, state: SequenceState, hit_blocks: int, host_blocks: int = 0) -> None:
         """Count a request admitted with ``hit_blocks`` of its prefix cached
         and the next ``host_blocks`` loaded from the host tier: its first
-        admission in the hit rates, a later one (after preemption) as
-        re-prefill."""
+        admission in the hit rates (and in its ``num_cached_tokens``), a
+        later one (after preemption) as re-prefill."""
+        if state.num_preemptions == 0:
+            state.num_cached_tokens = (hit_blocks + host_blocks) * self.block_size
         self.counters.count_admission(state, hit_blocks, host_blocks, self.block_size)
 
     def _unlock_after_touch(self, request: Request) -> None:
@@ -279,6 +316,7 @@ class Runtime(CheckedHooks):
         ids = self.allocate_blocks(need, state.request)
         state.block_ids.extend(ids)
         state.private_block_ids.update(ids)
+        self._tenant_blocks[state.request.tenant] += need
         return True
 
     def cache(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> None:
@@ -317,9 +355,12 @@ class Runtime(CheckedHooks):
         held = state.block_ids
         shared = held[: len(held) - len(private)]  # the cached blocks come first
         self._returned.update(shared if private.isdisjoint(shared) else [b for b in held if b not in private])
+        if self._active.pop(state.request_id, None) is not None:
+            tenant = state.request.tenant
+            self._tenant_blocks[tenant] -= len(held)
+            self._tenant_requests[tenant] -= 1
         state.block_ids = []
         state.private_block_ids = set()
-        self._active.pop(state.request_id, None)
         self.blocks_released(released, state.request)
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
@@ -360,7 +401,7 @@ class Runtime(CheckedHooks):
         outcome = RequestOutcome(
             request=state.request,
             num_output_tokens=state.num_output_tokens,
-            num_cached_tokens=state.cached_tokens_hint,
+            num_cached_tokens=state.num_cached_tokens,
             arrival_s=state.request.arrival_s,
             first_token_s=state.first_token_s if state.first_token_s is not None else self.now_s,
             finish_s=state.finish_s if state.finish_s is not None else self.now_s,

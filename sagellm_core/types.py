@@ -12,7 +12,7 @@ import enum
 import hashlib
 import struct
 from array import array
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from attrs import define, field, frozen
@@ -89,8 +89,9 @@ class RequestStatus(enum.Enum):
 @define(eq=False)
 class SequenceState:
     """A request in flight. The runtime writes ``prediction``, ``status``,
-    the block lists, ``cached_tokens_hint`` and ``num_preemptions``, and sets
-    ``num_computed_tokens`` at admission and preemption; the engine advances
+    the block lists, ``cached_tokens_hint``, ``num_cached_tokens`` and
+    ``num_preemptions``, and sets ``num_computed_tokens`` at admission and
+    preemption; the engine advances
     ``num_computed_tokens`` and ``num_output_tokens`` as it computes and
     stamps ``first_token_s`` and ``finish_s``. An engine that keeps its own
     blocks and queues (vLLM, LMDeploy) mirrors ``status``,
@@ -110,6 +111,9 @@ class SequenceState:
     #: Cached tokens found by the lookup at arrival (or at the last requeue);
     #: a hint for scheduling passes, the admission match is authoritative.
     cached_tokens_hint: int = 0
+    #: Prompt tokens found in KV at its first admission (the device cache,
+    #: then the host tier): the admission's count, not the hint.
+    num_cached_tokens: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
     num_preemptions: int = 0
@@ -273,6 +277,35 @@ class ScheduleIR:
     max_num_seqs: int
 
 
+class Admission(enum.Enum):
+    ADMIT = "admit"
+    #: Not now: it keeps its place in the queue, the next one is asked.
+    DEFER = "defer"
+    #: Never: it ends rejected, counted under the decision's reason.
+    REJECT = "reject"
+
+
+@frozen
+class AdmissionDecision:
+    """What ``sagellm_admit_request`` decided for a waiting request."""
+
+    verdict: Admission
+    #: Why, in a few words: a rejection is counted under it in the report.
+    reason: str = "rejected at admission"
+
+
+@frozen(eq=False)
+class TenantLedger:
+    """Per tenant, what its admitted requests hold now, kept by the runtime
+    (of the blocks it owns) and read by plugins: live read-only views."""
+
+    #: Tenant -> blocks in its admitted requests' block tables (a cached
+    #: block counts once for each request that holds it).
+    blocks: Mapping[str, int]
+    #: Tenant -> its admitted requests (running: not finished or preempted).
+    requests: Mapping[str, int]
+
+
 @frozen
 class TransferPlan:
     """Move the KV of some blocks between tiers (``device``, ``host``, a
@@ -332,6 +365,7 @@ class RequestOutcome:
 
     request: Request
     num_output_tokens: int
+    #: Prompt tokens found in KV at its first admission (device cache and host tier).
     num_cached_tokens: int
     arrival_s: float
     first_token_s: float

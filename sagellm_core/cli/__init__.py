@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import __version__, hookspecs, registry
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import ConfigError, SagellmError
 from sagellm_core.replay import report, session
 
@@ -162,7 +163,7 @@ def _section(group: str) -> str:
 
 def cmd_config_check(args) -> int:
     settings = session.load_settings(args.file)
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = session.build_runtime(settings, engine, hook_timing=False)
     picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.plugins.items() for p in ps)
     print(f"{args.file}: ok (engine {settings.engine.name}; {picked})")

@@ -1,24 +1,86 @@
-"""What every engine adapter needs from the core: a check of the engine's
-installed version against the range the adapter was tested with, and the
-runtime a live engine runs (the config a user names, sized to the engine's
-own pool)."""
+"""What the engine plugins share: the contract of an ``[engine]`` plugin
+(:class:`EnginePlugin`, and :class:`LiveEngine` for one that serves live
+requests), building the one a config picks (:func:`build_engine`), the
+check of an adapted engine's installed version, and the runtime a live
+engine adapter runs (the config a user names, sized to the engine's own
+pool)."""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from importlib import metadata
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
-from sagellm_core.errors import ConfigError
+from sagellm_core.drivers.recorder import Recorder
+from sagellm_core.drivers.step_engine import Engine
+from sagellm_core.errors import ConfigError, SagellmError
+from sagellm_core.registry import PluginContext, build_settings, load_class
 from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request
 
 #: The environment variable naming the sagellm config of a live engine.
 CONFIG_ENV = "SAGELLM_CONFIG"
+
+
+@runtime_checkable
+class EnginePlugin(Protocol):
+    """What the class of a ``sagellm.engines`` entry point builds, from its
+    ``Settings`` and a :class:`~sagellm_core.registry.PluginContext`."""
+
+    #: The config sections the engine serves with its own machinery (vLLM's
+    #: prefix cache and block pool): the runtime loads no plugin for them.
+    owns: Collection[str]
+    #: The sections it serves itself only where the config names no plugin
+    #: (LMDeploy's trie and allocator).
+    owns_unless_configured: Collection[str]
+
+    def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None]) -> Recorder:
+        """Replay ``requests`` (in arrival order) on ``rt``; call
+        ``on_request`` as each one ends, finished or rejected."""
+        ...
+
+
+@runtime_checkable
+class LiveEngine(Protocol):
+    """An engine plugin that also serves live requests (``sagellm serve``,
+    ``sagellm generate``): the torch engine."""
+
+    def start(self, rt: Runtime) -> Engine:
+        """An :class:`~sagellm_core.drivers.step_engine.Engine` on ``rt``,
+        on the wall clock, ready for requests."""
+        ...
+
+
+def build_engine(settings: Settings) -> tuple[EnginePlugin, Any]:
+    """The engine plugin ``settings`` picks, built, and its settings; a
+    one-line ConfigError if it cannot start or is not an engine plugin."""
+    sel = settings.engine
+    cls, _ = load_class("engine", sel.name, sel.where)
+    engine_settings = build_settings(cls, sel.params, f"{sel.where} engine {sel.name!r}")
+    try:
+        instance = settings.instance
+        context = PluginContext(
+            sel.name, settings.block_size, settings.num_blocks, instance_id=instance.id, role=instance.role
+        )
+        engine = cls(engine_settings, context)
+    except SagellmError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise ConfigError(f"{sel.where}: engine {sel.name!r} failed to start: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(engine, EnginePlugin):
+        missing = [name for name in ("run", "owns", "owns_unless_configured") if not hasattr(engine, name)]
+        raise ConfigError(
+            f"{sel.where}: engine {sel.name!r} is not an engine plugin (it lacks {', '.join(missing)};"
+            " sagellm_core.drivers.engines.EnginePlugin)"
+        )
+    return engine, engine_settings
+
 
 Version = tuple[int, ...]
 

@@ -11,13 +11,10 @@ it is :func:`serve_serially`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import PoolUsage, Request, RequestOutcome, SequenceState
-
-if TYPE_CHECKING:
-    from sagellm_core.replay.engine import Recorder
 
 
 def _nothing() -> None:

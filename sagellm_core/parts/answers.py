@@ -4,7 +4,7 @@ problem, or ``None`` for a sound answer, and costs O(answer), so the hot
 decisions (victims, allocations) pay for what they return, never for the
 size of the cache. An answer of the right type with bad contents (``None``
 inside, a generator, a string budget) is a problem here, not a traceback
-from inside the runtime; :mod:`sagellm_core.hooks` names the plugin."""
+from inside the runtime; :mod:`sagellm_core.plugin_host` names the plugin."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from operator import attrgetter
 from typing import Any
 
 from sagellm_core.types import (
+    Admission,
+    AdmissionDecision,
     BlockAllocation,
     CachedBlock,
     EvictionDecision,
@@ -143,6 +145,15 @@ def victims(answer: Any, num_blocks: int, candidates: Any) -> str | None:
     except TypeError:
         stray = [v for v in chosen if not isinstance(v, int)]
     return f"returned victims that are not evictable candidates: {stray[:8]}" if stray else None
+
+
+def admission(answer: Any) -> str | None:
+    if not isinstance(answer, AdmissionDecision) or not isinstance(answer.verdict, Admission):
+        return f"returned {answer!r}, not an AdmissionDecision with an Admission verdict"
+    reason = answer.reason
+    if not isinstance(reason, str) or not reason or "\n" in reason or len(reason) > 200:
+        return f"returned the reason {reason!r}: a few words on one line"
+    return None
 
 
 def usage(answer: Any, pool_size: int) -> str | None:

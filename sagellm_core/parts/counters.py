@@ -51,6 +51,10 @@ class Counters:
     lifetime_failure: str | None = None
     #: reason -> requests rejected for it.
     rejections: dict[str, int] = attrs.field(factory=dict)
+    #: Admission decisions that deferred a waiting request (one a step it
+    #: was asked and deferred), and the rejections among ``rejections``.
+    admission_deferrals: int = 0
+    admission_rejections: int = 0
     #: tenant -> [query blocks, hit blocks], first admissions only.
     tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 

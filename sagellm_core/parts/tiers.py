@@ -7,12 +7,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Hashable, Sequence
 from itertools import takewhile
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from sagellm_core.types import CachedBlock, PrefixMatch, Request, TransferPlan
+from sagellm_core.types import CachedBlock, PrefixMatch, Request, TransferPlan, TransferResult
 
-if TYPE_CHECKING:
-    from sagellm_core.runtime import Runtime
+
+class TierRuntime(Protocol):
+    """What the host tier uses of the runtime: its block size, the checked
+    transfer and the prefix cache's content keys."""
+
+    block_size: int
+
+    def transfer(self, plan: TransferPlan) -> TransferResult | None: ...
+
+    def block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[Hashable, ...]: ...
 
 
 class HostTierIndex:
@@ -78,7 +86,7 @@ class HostTier:
     it is overwritten), so a tier is bypassed only where returns are rarer
     than one in two turnovers."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: TierRuntime):
         self.rt = rt
         self.index = HostTierIndex(sys.maxsize)
         #: Blocks offloaded since a load back; eviction rounds while bypassed.

@@ -1,6 +1,6 @@
 """The hook timer: every checked hook call timed and its outcome counted.
 
-The checked calls (:mod:`sagellm_core.hooks`) time the whole call, all
+The checked calls (:mod:`sagellm_core.plugin_host`) time the whole call, all
 implementations of the hook, and count its outcome (answered, passed with
 ``None``, raised). No timing code lives in plugins.
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from attrs import field, frozen
 
-from sagellm_core.drivers.stepping import ScheduledChunk
+from sagellm_core.drivers.step_scheduler import ScheduledChunk
 
 
 @frozen

@@ -14,22 +14,20 @@ workload in simulated time.
 from __future__ import annotations
 
 import gc
-import heapq
-import math
-from array import array
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import attrs
 from attrs import field, frozen, validators
 
+from sagellm_core.drivers.arrivals import serve_arrivals
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.serial import serve_serially
-from sagellm_core.drivers.stepping import pack
+from sagellm_core.drivers.step_engine import StepEngine
+from sagellm_core.drivers.step_scheduler import PackedStep
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import PoolUsage, Request, RequestOutcome, ScheduleIR, SequenceState
+from sagellm_core.types import PoolUsage, Request, SequenceState
 
 MODES = ("timed", "cache-only")
 
@@ -52,134 +50,6 @@ class ReplaySettings:
     #: that finish, as a user waits for the answer before writing again.
     #: Off, turns arrive when the workload says, answered or not.
     closed_loop: bool = field(default=False, validator=validators.instance_of(bool))
-
-
-@attrs.define
-class Recorder:
-    """What the replay observed, beyond the runtime's counters: per finished
-    request its latencies (numbers only: keeping the outcomes would keep every
-    prompt's tokens alive), and a timeline (at most ``max_samples`` points)."""
-
-    ttft_s: array = attrs.field(factory=lambda: array("d"))
-    tpot_s: array = attrs.field(factory=lambda: array("d"))
-    e2e_s: array = attrs.field(factory=lambda: array("d"))
-    finished: int = 0
-    #: Finished requests that had a deadline, and those whose first token
-    #: came by it.
-    deadlines: int = 0
-    deadlines_met: int = 0
-    output_tokens: int = 0
-    first_arrival_s: float = math.inf
-    #: (time s, cumulative block hit rate, used blocks, cached blocks)
-    timeline: list[tuple[float, float, int, int]] = attrs.field(factory=list)
-    steps: int = 0
-    batched_tokens: int = 0
-    used_block_sum: float = 0.0
-    used_block_samples: int = 0
-    used_block_peak: int = 0
-    fragmentation_sum: float = 0.0
-    simulated_s: float = 0.0
-    #: The engine's prefill cost: (FLOPs per token, FLOPs per causal token
-    #: pair), for the share of prefill compute that cache hits saved.
-    prefill_flops: tuple[float, float] | None = None
-    max_samples: int = 2000
-    _every: int = 1
-    _events: int = 0
-
-    def record(self, outcome: RequestOutcome) -> None:
-        self.finished += 1
-        self.output_tokens += outcome.num_output_tokens
-        self.first_arrival_s = min(self.first_arrival_s, outcome.arrival_s)
-        self.ttft_s.append(outcome.ttft_s)
-        deadline = outcome.request.deadline_s
-        if deadline is not None:
-            self.deadlines += 1
-            self.deadlines_met += outcome.first_token_s <= deadline
-        self.e2e_s.append(outcome.finish_s - outcome.arrival_s)
-        if outcome.tpot_s is not None:
-            self.tpot_s.append(outcome.tpot_s)
-
-    def sample(self, rt: Runtime, now_s: float, usage: PoolUsage) -> None:
-        used_blocks = usage.num_used_blocks
-        self.fragmentation_sum += usage.external_fragmentation
-        self.used_block_sum += used_blocks
-        self.used_block_samples += 1
-        self.used_block_peak = max(self.used_block_peak, used_blocks)
-        self._events += 1
-        if self._events % self._every:
-            return
-        c = rt.counters
-        rate = c.hit_blocks / c.query_blocks if c.query_blocks else 0.0
-        self.timeline.append((now_s, rate, used_blocks, rt.num_cached_blocks))
-        if len(self.timeline) >= self.max_samples:
-            self.timeline = self.timeline[::2]
-            self._every *= 2
-
-
-class Arrivals:
-    """The workload's requests in arrival order. In a closed loop, a turn of
-    a conversation whose previous turn is still in flight is held until that
-    turn is :meth:`done`, and then arrives at the later of its own arrival
-    time and that turn's finish."""
-
-    def __init__(self, requests: Iterator[Request], closed_loop: bool):
-        self._upcoming = iter(requests)
-        self._next = next(self._upcoming, None)
-        self._closed_loop = closed_loop
-        self._released: list[tuple[float, int, Request]] = []  # heap: turns let go by done()
-        self._serial = 0
-        self._in_flight: set[str] = set()  # sessions with a turn sent and not finished
-        self._held: dict[str, deque[Request]] = {}
-
-    def any_due(self, now_s: float) -> bool:
-        """Whether :meth:`due` has a request for ``now_s``: asked every
-        step, before a generator is made for the few steps that have one."""
-        upcoming, released = self._next, self._released
-        return (upcoming is not None and upcoming.arrival_s <= now_s) or bool(released and released[0][0] <= now_s)
-
-    def next_arrival_s(self) -> float | None:
-        """When the next request may arrive (a held one does not count)."""
-        upcoming = self._next.arrival_s if self._next is not None else math.inf
-        released = self._released[0][0] if self._released else math.inf
-        when = min(upcoming, released)
-        return None if when == math.inf else when
-
-    def due(self, now_s: float) -> Iterator[Request]:
-        """The requests arriving by ``now_s``, in arrival order."""
-        while True:
-            upcoming, released = self._next, self._released
-            if released and (upcoming is None or released[0][0] <= upcoming.arrival_s) and released[0][0] <= now_s:
-                yield heapq.heappop(released)[2]  # its session is still marked in flight
-                continue
-            if upcoming is None or upcoming.arrival_s > now_s:
-                return
-            self._next = next(self._upcoming, None)
-            session = upcoming.session_id
-            if self._closed_loop and session is not None:
-                if session in self._in_flight:
-                    self._held.setdefault(session, deque()).append(upcoming)
-                    continue
-                self._in_flight.add(session)
-            yield upcoming
-
-    def done(self, request: Request, now_s: float) -> None:
-        """``request`` finished (or was rejected) at ``now_s``."""
-        session = request.session_id
-        if not self._closed_loop or session is None:
-            return
-        held = self._held.get(session)
-        if not held:
-            self._in_flight.discard(session)
-            return
-        turn = held.popleft()
-        if not held:
-            del self._held[session]
-        self._serial += 1
-        arrival = max(turn.arrival_s, now_s)
-        # A deadline is an SLO from arrival: it moves with the arrival.
-        deadline = None if turn.deadline_s is None else turn.deadline_s + arrival - turn.arrival_s
-        sent = attrs.evolve(turn, arrival_s=arrival, deadline_s=deadline)
-        heapq.heappush(self._released, (arrival, self._serial, sent))
 
 
 @contextmanager
@@ -207,6 +77,8 @@ class ReplayEngine:
     """The embedded default engine."""
 
     Settings = ReplaySettings
+    owns: tuple[str, ...] = ()
+    owns_unless_configured: tuple[str, ...] = ()
 
     def __init__(self, settings: ReplaySettings, context: PluginContext):
         self.settings = settings
@@ -252,64 +124,30 @@ class ReplayEngine:
     # --------------------------------------------------------------- timed --
 
     def _timed(self, rt: Runtime, requests, recorder: Recorder, on_request) -> None:
-        s = self.settings
-        cost = self.cost
-        arrivals = Arrivals(requests, s.closed_loop)
-        waiting: list[SequenceState] = []
-        running: list[SequenceState] = []
-        now = 0.0
-        while True:
-            if arrivals.any_due(now):
-                for request in arrivals.due(now):
-                    rt.set_time(request.arrival_s)
-                    waiting.append(rt.arrive(request))
-            if not waiting and not running:
-                nxt = arrivals.next_arrival_s()
-                if nxt is None:
-                    break
-                now = nxt
-                continue
-            rt.set_time(now)
-            # The passes reorder these lists in place: pack returns new ones,
-            # so nothing else holds them.
-            ir = ScheduleIR(
-                now_s=now,
-                waiting=waiting,
-                running=running,
-                token_budget=s.max_num_batched_tokens,
-                max_num_seqs=s.max_num_seqs,
-            )
-            rt.schedule(ir)
-            step = pack(rt, ir)
-            running, waiting = step.running, step.waiting
-            if not step.states:
-                # Nothing runs and the head of the queue does not fit even an
-                # empty pool (its prompt and output need more blocks than
-                # there are): it can never be served.
-                head = waiting.pop(0)
-                rt.reject(head)
-                arrivals.done(head.request, now)
-                on_request()
-                continue
-            now += cost.step_time_of(step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
-            rt.set_time(now)
-            for state, n, prefill, completes in zip(step.states, step.num_new, step.prefill, step.completes):
-                state.num_computed_tokens += n
-                if not completes:
-                    continue  # a prefill chunk that is not the last
-                num_output = state.num_output_tokens + 1  # the step samples one token
-                state.num_output_tokens = num_output
-                if state.first_token_s is None:
-                    state.first_token_s = now
-                if prefill:
-                    rt.cache(state)
-                if num_output >= state.request.output_tokens:
-                    state.finish_s = now
-                    running.remove(state)
-                    recorder.record(rt.finish(state))
-                    arrivals.done(state.request, now)
-                    on_request()
-            recorder.steps += 1
-            recorder.batched_tokens += step.num_batched_tokens
-            recorder.sample(rt, now, rt.pool_usage())
-        recorder.simulated_s = now
+        engine = TimedReplay(rt, self.settings, self.cost)
+        serve_arrivals(rt, engine, requests, recorder, on_request, closed_loop=self.settings.closed_loop)
+
+
+class TimedReplay(StepEngine):
+    """Replay's timed mode as an engine: the step loop of every step engine,
+    its executor the cost model (a step takes the time the roofline gives
+    it) and its clock simulated (idle, it jumps to the next arrival)."""
+
+    def __init__(self, rt: Runtime, settings: ReplaySettings, cost: CostModel):
+        super().__init__(rt, settings.max_num_batched_tokens, settings.max_num_seqs)
+        self.cost = cost
+        self.simulated_s = 0.0
+
+    def add_request(self, request: Request) -> None:
+        """``request`` arrives at its ``arrival_s`` (due on this clock)."""
+        self.rt.set_time(request.arrival_s)
+        self.arrive(request)
+
+    def clock(self) -> float:
+        return self.simulated_s
+
+    def wait_until(self, when_s: float) -> None:
+        self.simulated_s = when_s
+
+    def execute(self, step: PackedStep) -> None:
+        self.simulated_s += self.cost.step_time_of(step.num_batched_tokens, step.attention_pairs, step.kv_tokens)

@@ -12,8 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.parts.timing import summarise
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime
 
 
@@ -68,6 +68,8 @@ def build(
         "requests": c.requests_finished,
         "rejected": c.requests_rejected,
         "rejections": dict(sorted(c.rejections.items())),
+        #: The admission decision's deferrals (a request each step it was deferred) and rejections.
+        "admission": {"deferrals": c.admission_deferrals, "rejections": c.admission_rejections},
         "block_hit_rate": round(c.hit_blocks / c.query_blocks, 6) if c.query_blocks else 0.0,
         "token_hit_rate": round(c.hit_tokens / c.query_tokens, 6) if c.query_tokens else 0.0,
         "hit_blocks": c.hit_blocks,

@@ -8,18 +8,16 @@ import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import attrs
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
-from sagellm_core.drivers.engines import engine_sections
-from sagellm_core.errors import ConfigError, PluginError, SagellmError
-from sagellm_core.registry import PluginContext, build_settings, load_class
+from sagellm_core.drivers.engines import EnginePlugin, build_engine, engine_sections
+from sagellm_core.drivers.recorder import Recorder
+from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.replay import workloads
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.replay.report import build
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
@@ -65,27 +63,12 @@ class RunResult:
         return attrs.evolve(self, runtime=None)
 
 
-def build_engine(settings: Settings):
-    sel = settings.engine
-    cls, _ = load_class("engine", sel.name, sel.where)
-    engine_settings = build_settings(cls, sel.params, f"{sel.where} engine {sel.name!r}")
-    try:
-        engine = cls(engine_settings, PluginContext(sel.name, settings.block_size, settings.num_blocks))
-    except SagellmError:
-        raise
-    except (Exception, SystemExit) as exc:
-        raise ConfigError(f"{sel.where}: engine {sel.name!r} failed to start: {type(exc).__name__}: {exc}") from exc
-    if not hasattr(engine, "run"):
-        raise ConfigError(f"{sel.where}: engine {sel.name!r} cannot replay a workload (no run method)")
-    return engine, engine_settings
-
-
-def build_runtime(settings: Settings, engine: Any, hook_timing: bool | None = None) -> Runtime:
+def build_runtime(settings: Settings, engine: EnginePlugin, hook_timing: bool | None = None) -> Runtime:
     """The runtime that replays ``settings``'s workload on ``engine``. An
     adapter around a real engine serves some sections with the engine's own
     machinery (``owns``, e.g. vLLM's prefix cache and block pool), some only
     where the config names no plugin (``owns_unless_configured``)."""
-    owns = engine_sections(settings, getattr(engine, "owns", ()), getattr(engine, "owns_unless_configured", ()))
+    owns = engine_sections(settings, engine.owns, engine.owns_unless_configured)
     return Runtime(
         settings, hook_timing=hook_timing, engine_owns=owns, future_requests=lambda: workloads.load(settings.workload)
     )

@@ -8,9 +8,12 @@
   the request (tenant-aware policies, the prefix cache's namespaces).
 * Azure CSV traces: lengths only; every prompt is distinct (no sharing).
 * The built-in generator: multi-tenant chat sessions with a shared system
-  prompt per tenant and multi-turn growth. Seeded; needs no files.
+  prompt per tenant and multi-turn growth. Seeded; needs no files. Its
+  ``[workload]`` keys are :class:`GeneratorSettings`.
 * Any other ``source`` names a ``sagellm.workloads`` entry point of an
-  installed package: an object ``load(settings)`` yielding requests.
+  installed package: an object ``load(settings)`` yielding requests, whose
+  ``Settings`` (if it has one) is the attrs class of the ``[workload]`` keys
+  it reads (``settings.options``).
 
 Every loader streams (a trace is never held whole) and checks that arrivals do
 not go backwards. A line that cannot be read is a :class:`TraceError` naming
@@ -83,7 +86,7 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
         requests = _readable(mooncake(settings.path, settings.trace_block_tokens), settings.path)
     elif settings.source == "azure":
         requests = _readable(azure(settings.path, seed=settings.seed), settings.path)
-    elif settings.source == "generator":
+    elif settings.source == "generator":  # built in here; its entry point declares its keys
         requests = generate(settings)
     else:
         requests = iter(_installed(settings.source)(settings))
@@ -308,13 +311,51 @@ def azure(path: str, seed: int = 0) -> Iterator[Request]:
             )
 
 
-def generate(s: WorkloadSettings) -> Iterator[Request]:
+@attrs.frozen
+class GeneratorSettings:
+    """The generator's ``[workload]`` keys (``source = "generator"``); the
+    ``sagellm-plugin-workloads`` sources read them too."""
+
+    tenants: int = 4
+    sessions_per_tenant: int = 12
+    #: 0: every tenant has the same number of sessions; s > 0: a session
+    #: belongs to tenant k with probability proportional to 1 / (k + 1)^s
+    #: (Zipf), so a few tenants bring most of the load.
+    tenant_skew: float = 0.0
+    turns: int = 4
+    system_prompt_tokens: int = 1024
+    user_tokens: int = 256
+    output_tokens: int = 192
+    #: Mean new sessions per second (Poisson arrivals).
+    session_rate: float = 2.0
+    #: Mean think time between a reply and the next turn, seconds.
+    think_time_s: float = 5.0
+
+    def __attrs_post_init__(self) -> None:
+        # A ValueError names the key; the config parser adds the file and section.
+        for key in ("tenants", "sessions_per_tenant", "turns"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: a positive integer")
+        for key in ("system_prompt_tokens", "user_tokens", "output_tokens"):
+            if getattr(self, key) > MAX_TOKENS:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: at most {MAX_TOKENS:,} tokens")
+        requests = self.tenants * self.sessions_per_tenant * self.turns  # and system prompts: bounded (class 5)
+        if max(requests, self.tenants * self.system_prompt_tokens) > MAX_TOKENS:
+            raise ValueError(
+                f"tenants x sessions_per_tenant x turns, tenants x system_prompt_tokens: at most {MAX_TOKENS:,}"
+            )
+        if self.tenant_skew > 8:
+            raise ValueError(f"tenant_skew = {self.tenant_skew!r}: at most 8")
+
+
+def generate(settings: WorkloadSettings) -> Iterator[Request]:
     """Multi-tenant chat sessions. Each tenant has a system prompt shared by
     all its sessions; turn k's prompt is the system prompt, every earlier user
     message and reply, and a new user message, so a session's prefix grows.
     Lengths are lognormal around the configured means; arrivals are a Poisson
     process of sessions plus exponential think times between turns."""
-    rng = random.Random(s.seed)
+    s: GeneratorSettings = settings.options
+    rng = random.Random(settings.seed)
     vocab = 32000
 
     def text(mean: int) -> array:
@@ -331,7 +372,7 @@ def generate(s: WorkloadSettings) -> Iterator[Request]:
     n_sessions = s.tenants * s.sessions_per_tenant
     if s.tenant_skew > 0:  # its own generator: the unskewed sequence stays as it was
         weights = [1.0 / (k + 1) ** s.tenant_skew for k in range(s.tenants)]
-        tenant_of = random.Random(s.seed + 1).choices(range(s.tenants), weights, k=n_sessions)
+        tenant_of = random.Random(settings.seed + 1).choices(range(s.tenants), weights, k=n_sessions)
     else:
         tenant_of = [i % s.tenants for i in range(n_sessions)]
     for i in range(n_sessions):
@@ -358,10 +399,15 @@ def generate(s: WorkloadSettings) -> Iterator[Request]:
             heapq.heappush(heap, (nxt, session + (turn + 1) * n_sessions, session, turn + 1, prompt + reply))
 
 
+#: The ``[workload]`` keys the generator reads (its ``sagellm.workloads`` entry point's ``Settings``).
+generate.Settings = GeneratorSettings  # type: ignore[attr-defined]
+
+
 def count(settings: WorkloadSettings) -> int | None:
     """How many requests ``load`` will yield, for the progress bar."""
     if settings.source == "generator":
-        total = settings.tenants * settings.sessions_per_tenant * settings.turns
+        s = settings.options
+        total = s.tenants * s.sessions_per_tenant * s.turns
     elif settings.source not in ("mooncake", "azure"):
         return settings.max_requests
     else:

@@ -42,6 +42,7 @@ class FixedLifetime:
 
     def __init__(self, settings, context):
         self.tokens = settings.tokens
+        self.context = context
 
     @hookimpl
     def sagellm_predict_lifetime(self, request):
@@ -62,3 +63,15 @@ class Misspelt:
     @hookimpl
     def sagellm_predict_lifetme(self, request):
         return None
+
+
+@frozen
+class GreetingSettings:
+    """A config section, ``[greeting]``, that a distribution declares."""
+
+    repeat: int = 1
+    text: str = "hello"
+
+    def __attrs_post_init__(self) -> None:
+        if self.repeat < 1:
+            raise ValueError(f"repeat = {self.repeat!r}: a positive integer")

@@ -1,12 +1,24 @@
 """Config errors: each one line naming the file, the key, the bad value and
 what is accepted."""
 
+from pathlib import Path
+
 import pytest
 
 from sagellm_core import config
 from sagellm_core.cli import parse_override
 from sagellm_core.errors import ConfigError
-from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.kit.testing import declare_plugins, settings_from_toml
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def sections(tmp_path, monkeypatch):
+    """``[greeting]``, declared by a synthetic distribution."""
+    monkeypatch.syspath_prepend(str(HERE))
+    declare_plugins(tmp_path, {"sagellm.sections": {"greeting": "sample_plugins:GreetingSettings"}})
+
 
 GOOD = """
 [engine]
@@ -41,7 +53,7 @@ def test_good_config_is_typed():
     assert [p.name for p in s.passes] == ["fcfs", "prefix-aware"]
     assert s.passes[1].params == {"max_queue": 8}
     assert s.transport.params == {"host_blocks": 10} and s.offload_evicted is True
-    assert s.workload.tenants == 2 and s.workload.turns == 4
+    assert s.workload.options.tenants == 2 and s.workload.options.turns == 4  # the generator's keys
 
 
 @pytest.mark.parametrize(
@@ -139,7 +151,7 @@ def test_overrides_apply_before_validation(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n')
     assert config.load(path, {("kv_pool", "num_blocks"): 64}).num_blocks == 64
-    assert config.load(path, {("workload", "tenants"): 2}).workload.tenants == 2
+    assert config.load(path, {("workload", "tenants"): 2}).workload.options.tenants == 2
     with pytest.raises(ConfigError, match=r"c.toml: \[kv_pool\] num_blocks = 0: a positive number of blocks"):
         config.load(path, {("kv_pool", "num_blocks"): 0})
 
@@ -174,18 +186,49 @@ def test_session_range_must_be_a_range_within_0_and_1():
 @pytest.mark.parametrize(
     "section, words",
     [
-        ("[server]\nmax_waiting = 0\n", r"\[server\] max_waiting = 0: a positive integer"),
-        ("[server]\nmax_waiting = -3\n", r"\[server\] max_waiting = -3: a non-negative integer"),
-        ('[server]\nmax_waiting = "many"\n', r"\[server\] max_waiting = 'many': a non-negative integer"),
-        ("[server]\nport = 8000\n", r"\[server\].*port"),
+        ("[greeting]\nrepeat = 0\n", r"^good.toml: \[greeting\] repeat = 0: a positive integer$"),
+        ("[greeting]\nrepeat = -3\n", r"^good.toml: \[greeting\] repeat = -3: a non-negative integer$"),
+        ('[greeting]\nrepeat = "many"\n', r"^good.toml: \[greeting\] repeat = 'many': a non-negative integer$"),
+        ("[greeting]\nport = 8000\n", r"^good.toml: \[greeting\]: unknown key 'port'$"),
+        ("[greting]\nrepeat = 1\n", r"^good.toml: unknown section \[greting\]; accepted: engine, .*, limits, greeting"),
     ],
 )
-def test_the_server_section_is_checked(section, words):
-    with pytest.raises(ConfigError, match=words) as err:
+def test_a_section_an_installed_distribution_declares_is_checked_as_the_kernel_s(sections, section, words):
+    with pytest.raises(ConfigError, match=words):
         settings_from_toml(GOOD + "\n" + section, "good.toml")
-    assert "\n" not in str(err.value)
-    good = settings_from_toml(GOOD + '\n[server]\nmax_waiting = 8\nmodel_name = "m"\n', "good.toml")
-    assert (good.server.max_waiting, good.server.model_name) == (8, "m")
+    good = settings_from_toml(GOOD + '\n[greeting]\nrepeat = 8\ntext = "hi"\n', "good.toml")
+    greeting = good.section("greeting")
+    assert type(greeting).__name__ == "GreetingSettings" and (greeting.repeat, greeting.text) == (8, "hi")
+    default = settings_from_toml(GOOD, "good.toml").section("greeting")  # not in the file: its defaults
+    assert (default.repeat, default.text) == (1, "hello")
+
+
+def test_a_section_no_distribution_declares_is_refused_when_read():
+    with pytest.raises(ConfigError, match=r"^good.toml: no installed distribution declares a section \[nothing\]$"):
+        settings_from_toml(GOOD, "good.toml").section("nothing")
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            '[instance]\nrole = "encode"\n',
+            r"^c.toml: \[instance\] role = 'encode': accepted: colocated, prefill, decode$",
+        ),
+        ('[instance]\nid = ""\n', r"^c.toml: \[instance\] id = '': a name for this instance$"),
+        ("[instance]\nid = 3\n", r"^c.toml: \[instance\] id = 3: a string$"),
+    ],
+)
+def test_an_instance_s_identity_is_checked(text, words):
+    with pytest.raises(ConfigError, match=words):
+        settings_from_toml("[kv_pool]\nnum_blocks = 8\n" + text, "c.toml")
+
+
+def test_the_generator_s_keys_are_its_own_and_a_trace_takes_none():
+    with pytest.raises(ConfigError, match=r"^good.toml: \[workload\]: unknown key 'tenants'$"):
+        settings_from_toml(GOOD.replace('source = "generator"', 'source = "azure"\npath = "a.csv"'), "good.toml")
+    moved = config.with_workload(settings_from_toml(GOOD, "good.toml"), source="azure", path="a.csv")
+    assert moved.workload.options is None  # the generator's keys do not follow it to a trace
 
 
 def test_a_byte_order_mark_is_accepted_and_binary_is_one_line(tmp_path):

@@ -1,6 +1,6 @@
 import pytest
 
-from sagellm_core.drivers.stepping import ScheduledChunk
+from sagellm_core.drivers.step_scheduler import ScheduledChunk
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
 
 

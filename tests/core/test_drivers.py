@@ -11,10 +11,10 @@ import pytest
 
 from sagellm_core import hookimpl, hookspecs
 from sagellm_core.drivers.blocks import BlockObserver
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.errors import RequestError
 from sagellm_core.kit.testing import declare_plugins, settings_from_toml
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import CachedBlock, PoolUsage, PrefixMatch, Request, SequenceState
 
@@ -153,7 +153,7 @@ def test_requests_are_served_one_at_a_time_in_arrival_order(rt):
         if state.request_id == "r1":
             return None  # never fits
         state.num_output_tokens = 2
-        rt.admitted(state, 1)
+        rt.count_admission(state, 1)
         return PoolUsage(64, 60)
 
     recorder = serve_serially(rt, requests(3), serve, Recorder(), lambda: done.append(rt.now_s))
@@ -224,7 +224,7 @@ def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
 
 #: The only modules that may write counters, call the private hook calls or
 #: set the clock's field: the runtime and its checked hook calls.
-OWNERS = {ROOT / "sagellm_core" / "runtime.py", ROOT / "sagellm_core" / "hooks.py"}
+OWNERS = {ROOT / "sagellm_core" / "runtime.py", ROOT / "sagellm_core" / "plugin_host.py"}
 #: The runtime's hooks (the CLI's own plugin manager calls sagellm_register_commands).
 RUNTIME_HOOKS = {name for name in dir(hookspecs) if name.startswith("sagellm_") and name != "sagellm_register_commands"}
 
@@ -342,7 +342,7 @@ def drive(rt, state, blocks, pm, sub):
     c = rt.counters
     rate = c.hit_blocks / c.query_blocks
     rt.set_time(rt.now_s + 1)
-    rt.admitted(state, 2, host_blocks=1)
+    rt.count_admission(state, 2, host_blocks=1)
     rt.blocks_evicted(blocks)
     histogram.observe(0.5)
     pm.hook.sagellm_register_commands(subparsers=sub)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sagellm_core.cli import main
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import TraceError
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import report, session, workloads
@@ -87,7 +88,7 @@ def test_class2_reports_are_strict_json():
 def test_class2_an_engine_that_loses_a_request_is_named(sample_plugins, trace_config, monkeypatch):
     config, _ = trace_config()
     settings = session.load_settings(config)
-    engine_class = type(session.build_engine(settings)[0])
+    engine_class = type(build_engine(settings)[0])
     real_run = engine_class.run
     # An engine that drops the first request it reads on the floor.
     monkeypatch.setattr(

@@ -1,5 +1,5 @@
 """The kernel stays one sitting's read: the top-level modules of
-sagellm_core, under 2,000 lines with docstrings, importing nothing from the
+sagellm_core, under 2,250 lines with docstrings, importing nothing from the
 packages built on it (replay, cli, drivers, kit)."""
 
 import ast
@@ -22,10 +22,10 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
-def test_the_kernel_is_under_2000_lines():
+def test_the_kernel_is_under_2250_lines():
     lines = {path.name: len(path.read_text().splitlines()) for path in KERNEL}
-    assert {"hookspecs.py", "types.py", "registry.py", "config.py", "hooks.py", "runtime.py"} <= set(lines)
-    assert sum(lines.values()) < 2000, lines
+    assert {"hookspecs.py", "types.py", "registry.py", "config.py", "plugin_host.py", "runtime.py"} <= set(lines)
+    assert sum(lines.values()) < 2250, lines
 
 
 def test_the_kernel_imports_nothing_built_on_it():

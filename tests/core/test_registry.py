@@ -104,6 +104,13 @@ def test_misspelt_hook_is_rejected(sample_plugins):
         runtime("misspelt")
 
 
+def test_every_plugin_is_told_its_instance_colocated_by_default(sample_plugins):
+    assert (runtime("fixed").plugins["lifetime"][0].instance.context.role) == "colocated"
+    text = BASE.format(name="fixed", params="") + '[instance]\nid = "decode-1"\nrole = "decode"\n'
+    context = Runtime(settings_from_toml(text, "cfg.toml")).plugins["lifetime"][0].instance.context
+    assert (context.instance_id, context.role) == ("decode-1", "decode")
+
+
 def test_runtime_state_is_clean_after_start(sample_plugins):
     rt = runtime("fixed")
     rt.check_invariants()
@@ -111,7 +118,7 @@ def test_runtime_state_is_clean_after_start(sample_plugins):
 
 
 def test_unknown_engine_names_its_adapter_distribution():
-    from sagellm_core.replay.session import build_engine
+    from sagellm_core.drivers.engines import build_engine
 
     settings = settings_from_toml(
         '[engine]\nname = "sglang"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n', "cfg.toml"

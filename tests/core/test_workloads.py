@@ -6,6 +6,7 @@ import pytest
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import TraceError
 from sagellm_core.replay import workloads
+from sagellm_core.replay.workloads import GeneratorSettings
 
 
 def write_mooncake(path, rows):
@@ -155,7 +156,9 @@ def test_broken_azure_line(tmp_path, content, message):
 
 
 def test_generator_sessions_share_system_prompts_and_grow():
-    s = WorkloadSettings(tenants=2, sessions_per_tenant=3, turns=3, system_prompt_tokens=64, seed=1)
+    s = WorkloadSettings(
+        seed=1, options=GeneratorSettings(tenants=2, sessions_per_tenant=3, turns=3, system_prompt_tokens=64)
+    )
     requests = list(workloads.generate(s))
     assert len(requests) == 2 * 3 * 3 == workloads.count(s)
     assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
@@ -175,24 +178,34 @@ def test_generator_sessions_share_system_prompts_and_grow():
 
 
 def test_generator_is_seeded():
-    s = WorkloadSettings(seed=3, sessions_per_tenant=2)
+    s = WorkloadSettings(seed=3, options=GeneratorSettings(sessions_per_tenant=2))
     a = [(r.request_id, r.arrival_s, r.prompt_token_ids.tobytes()) for r in workloads.generate(s)]
     b = [(r.request_id, r.arrival_s, r.prompt_token_ids.tobytes()) for r in workloads.generate(s)]
-    c = [(r.request_id, r.arrival_s) for r in workloads.generate(WorkloadSettings(seed=4, sessions_per_tenant=2))]
+    c = [
+        (r.request_id, r.arrival_s)
+        for r in workloads.generate(WorkloadSettings(seed=4, options=GeneratorSettings(sessions_per_tenant=2)))
+    ]
     assert a == b
     assert [x[:2] for x in a] != c
 
 
 def test_time_scale_stretches_arrivals():
-    base = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2))]
-    slow = [r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, sessions_per_tenant=2, time_scale=3.0))]
+    base = [
+        r.arrival_s for r in workloads.load(WorkloadSettings(seed=2, options=GeneratorSettings(sessions_per_tenant=2)))
+    ]
+    slow = [
+        r.arrival_s
+        for r in workloads.load(
+            WorkloadSettings(seed=2, time_scale=3.0, options=GeneratorSettings(sessions_per_tenant=2))
+        )
+    ]
     assert slow == pytest.approx([3.0 * a for a in base]) and max(base) > 0
 
 
 def test_session_range_keeps_whole_sessions_reproducibly():
     from sagellm_core.replay.workloads import session_draw
 
-    base = WorkloadSettings(source="generator", tenants=2, sessions_per_tenant=20, turns=3)
+    base = WorkloadSettings(source="generator", options=GeneratorSettings(tenants=2, sessions_per_tenant=20, turns=3))
     everything = list(workloads.load(base))
     low = list(workloads.load(attrs.evolve(base, session_to=0.5)))
     high = list(workloads.load(attrs.evolve(base, session_from=0.5)))
@@ -205,19 +218,22 @@ def test_session_range_keeps_whole_sessions_reproducibly():
 def test_tenant_skew_makes_a_few_tenants_bring_most_sessions():
     from collections import Counter
 
-    even = WorkloadSettings(source="generator", tenants=4, sessions_per_tenant=50, turns=1)
-    skewed = attrs.evolve(even, tenant_skew=1.5)
+    even = WorkloadSettings(source="generator", options=GeneratorSettings(tenants=4, sessions_per_tenant=50, turns=1))
+    skewed = attrs.evolve(even, options=attrs.evolve(even.options, tenant_skew=1.5))
     count = Counter(r.tenant for r in workloads.load(even))
     assert set(count.values()) == {50}
     skew = Counter(r.tenant for r in workloads.load(skewed))
     assert sum(skew.values()) == 200 and skew["tenant-0"] > 2 * skew["tenant-3"]
     # The unskewed workload is what it was: arrivals and prompts untouched.
     again = [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(even)]
-    assert again == [(r.arrival_s, r.num_prompt_tokens) for r in workloads.load(attrs.evolve(even, tenant_skew=0.0))]
+    assert again == [
+        (r.arrival_s, r.num_prompt_tokens)
+        for r in workloads.load(attrs.evolve(even, options=attrs.evolve(even.options, tenant_skew=0.0)))
+    ]
 
 
 def test_ttft_slo_gives_every_request_a_deadline_after_its_scaled_arrival():
-    base = WorkloadSettings(seed=2, sessions_per_tenant=2, time_scale=2.0)
+    base = WorkloadSettings(seed=2, time_scale=2.0, options=GeneratorSettings(sessions_per_tenant=2))
     assert all(r.deadline_s is None for r in workloads.load(base))
     timed = list(workloads.load(attrs.evolve(base, ttft_slo_s=1.5)))
     assert [r.deadline_s for r in timed] == pytest.approx([r.arrival_s + 1.5 for r in timed])

@@ -31,9 +31,11 @@ from sagellm_plugin_kv_transport.local import LocalSettings, LocalTransport
 from sagellm_plugin_lifetime.stat import StatLifetime, StatSettings
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from sagellm_plugin_scheduler_ir.passes import FCFSPass
+from sagellm_plugin_scheduler_ir.quota import QuotaSettings, TenantQuota
 
 from sagellm_core import hookimpl
 from sagellm_core.types import (
+    AdmissionDecision,
     BlockAllocation,
     EvictionDecision,
     LifetimePrediction,
@@ -86,6 +88,8 @@ def _bad_contents(hook: str, kwargs: dict, answer):
         return None
     if hook == "sagellm_transfer_blocks":
         return TransferResult(True, -1, -4096, math.inf)
+    if hook == "sagellm_admit_request":
+        return AdmissionDecision("admit", None)
     return answer  # observations: no answer to spoil
 
 
@@ -185,6 +189,14 @@ class FaultyFCFS(FCFSPass):
         install_fault(self, settings)
 
 
+class FaultyQuota(TenantQuota):
+    Settings = _fault_fields(QuotaSettings)
+
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
+        install_fault(self, settings)
+
+
 class FaultyLocal(LocalTransport):
     Settings = _fault_fields(LocalSettings)
 
@@ -252,5 +264,6 @@ FAULTY = {
         ("sagellm_predict_lifetime", "sagellm_request_arrived", "sagellm_request_finished"),
     ),
     "scheduler": ("faulty-fcfs", "FaultyFCFS", ("sagellm_schedule_pass",)),
+    "admission": ("faulty-quota", "FaultyQuota", ("sagellm_admit_request",)),
     "transport": ("faulty-local", "FaultyLocal", ("sagellm_transfer_blocks",)),
 }

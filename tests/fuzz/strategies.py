@@ -168,6 +168,7 @@ KEYS = {
     "eviction": ["plugin"],
     "lifetime": ["plugin", "fallback"],
     "scheduler": ["passes"],
+    "admission": ["plugin", "max_blocks", "tenants"],
     "transport": ["plugin", "offload_evicted", "host_blocks", "bytes_per_block"],
     "report": ["hook_timing"],
     "limits": ["hook_time_limit_s"],
@@ -175,7 +176,9 @@ KEYS = {
 }
 config_values = st.one_of(
     hostile_scalars,
-    st.sampled_from(["radix", "lru", "LRU", "paged", "../../etc/passwd", "events.jsonl", "/tmp/x", "generator"]),
+    st.sampled_from(
+        ["radix", "lru", "LRU", "paged", "tenant-quota", "../../etc/passwd", "events.jsonl", "/tmp/x", "generator"]
+    ),
     st.lists(st.sampled_from(["fcfs", "sjf", "nope", ""]), max_size=3),
 )
 

@@ -10,12 +10,14 @@ import pytest
 from faults import FAULTY
 from harness import judge, run_cli
 
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import PluginError, RequestError
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import session, workloads
 
 #: A timed replay small enough to take a fraction of a second and tight
 #: enough that every hook is called: evictions, preemptions, the host tier.
+#: The admission quota never binds (it is asked, and packs as without it).
 CONFIG = """
 [engine]
 name = "replay"
@@ -43,6 +45,9 @@ plugin = "{eviction}"
 plugin = "{lifetime}"
 [scheduler]
 passes = ["{scheduler}"]
+[admission]
+plugin = "{admission}"
+max_blocks = 100000
 [transport]
 plugin = "{transport}"
 offload_evicted = true
@@ -56,6 +61,7 @@ FIRST_PARTY = {
     "eviction": "lru",
     "lifetime": "stat",
     "scheduler": "fcfs",
+    "admission": "tenant-quota",
     "transport": "local",
 }
 #: Faults whose answer the runtime does not read (the pool's free, a
@@ -134,7 +140,7 @@ def test_class3_the_runtime_keeps_its_accounting_after_a_plugin_error(fault_plug
     names the plugin and hook, and the blocks are all accounted for (the
     runtime's records rolled back)."""
     settings = settings_from_toml(config(section, hook, fault, after=3))
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = session.build_runtime(settings, engine)
     with pytest.raises(PluginError) as err:
         engine.run(rt, workloads.load(settings.workload))
@@ -214,7 +220,7 @@ def test_class7_a_predictor_that_cannot_start_leaves_its_fallback_to_answer(faul
 
 def test_class7_a_duplicate_request_id_is_the_workload_s_fault(fault_plugins):
     settings = settings_from_toml(config("eviction", "", "raise"))
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = session.build_runtime(settings, engine)
     first = next(iter(workloads.load(settings.workload)))
     a, b = rt.arrive(first), rt.arrive(first)

@@ -1,5 +1,6 @@
 """The replay engine end to end, with the first-party plugins."""
 
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import session
 
@@ -224,7 +225,7 @@ def test_closed_loop_sends_a_turn_only_after_the_previous_one_finished():
         settings = settings_from_toml(
             text.replace('mode = "timed"', f'mode = "timed"\nclosed_loop = {str(closed_loop).lower()}'), "t.toml"
         )
-        engine, _ = session.build_engine(settings)
+        engine, _ = build_engine(settings)
         rt, outcomes = Runtime(settings), Outcomes()
         rt.pm.register(outcomes)
         engine.run(rt, workloads.load(settings.workload))
@@ -249,7 +250,7 @@ def test_closed_loop_sends_a_turn_only_after_the_previous_one_finished():
 
 
 def test_arrivals_hold_a_turn_until_its_predecessor_is_done():
-    from sagellm_core.replay.engine import Arrivals
+    from sagellm_core.drivers.arrivals import Arrivals
     from sagellm_core.types import Request
 
     turns = [

@@ -1,4 +1,4 @@
-"""The timed replay's step packing (``drivers.stepping.pack``) computes in
+"""The timed replay's step packing (``drivers.step_scheduler.pack``) computes in
 line what ``SequenceState``'s properties, ``Runtime.grow`` and the cost model
 compute (the step loop was most of a timed replay's time). These
 tests hold the in-line figures against the originals at every step of real
@@ -11,13 +11,13 @@ import random
 import pytest
 
 from sagellm_core import hookimpl
-from sagellm_core.drivers import stepping
-from sagellm_core.drivers.stepping import ScheduledChunk
+from sagellm_core.drivers import step_engine, step_scheduler
+from sagellm_core.drivers.arrivals import Arrivals
+from sagellm_core.drivers.engines import build_engine
+from sagellm_core.drivers.step_scheduler import ScheduledChunk
 from sagellm_core.kit.testing import settings_from_toml
-from sagellm_core.replay import engine as engine_mod
 from sagellm_core.replay import session, workloads
 from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
-from sagellm_core.replay.engine import Arrivals
 from sagellm_core.replay.report import build
 from sagellm_core.types import PreemptionDecision, Request
 
@@ -66,7 +66,7 @@ def checked_replay(
     properties and the cost model it stands in for; returns the report and
     counts of what the steps did."""
     seen = {"steps": 0, "decodes": 0, "prefills": 0, "grown": 0, "dropped": 0, "chunks_taken_back": 0}
-    real_pack, real_drop = stepping.pack, stepping.PackedStep._drop
+    real_pack, real_drop = step_scheduler.pack, step_scheduler.PackedStep._drop
 
     def drop(step, state):
         totals = (step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
@@ -114,10 +114,10 @@ def checked_replay(
         assert cost.step_time_of(*totals) == cost.step_time(plan.chunks) == reference_step_time(cost, plan.chunks)
         return step
 
-    monkeypatch.setattr(engine_mod, "pack", pack)
-    monkeypatch.setattr(stepping.PackedStep, "_drop", drop)
+    monkeypatch.setattr(step_engine, "pack", pack)
+    monkeypatch.setattr(step_scheduler.PackedStep, "_drop", drop)
     settings = settings_from_toml(TIGHT.format(blocks=blocks, budget=budget, seqs=seqs), "t.toml")
-    replay, _ = session.build_engine(settings)
+    replay, _ = build_engine(settings)
     rt = session.build_runtime(settings, replay)
     if preemption is not None:
         rt.pm.register(preemption, name="test:preemption")
@@ -167,19 +167,20 @@ def test_packing_agrees_with_the_states_with_chunked_prefill_and_few_seqs(monkey
     assert seen["prefills"] > 0 and seen["decodes"] > 0
 
 
-def test_pack_step_returns_the_packed_steps_chunks():
+def test_a_packed_steps_plan_is_its_chunks():
     text = TIGHT.format(blocks=2048, budget=512, seqs=8)
     settings = settings_from_toml(text, "t.toml")
-    eng, _ = session.build_engine(settings)
+    eng, _ = build_engine(settings)
     rt = session.build_runtime(settings, eng)
     from sagellm_core.types import ScheduleIR
 
     states = [rt.arrive(Request(f"r{i}", list(range(i * 1000, i * 1000 + 300)), 5)) for i in range(3)]
-    plan, running, waiting = stepping.pack_step(rt, ScheduleIR(0.0, list(states), [], 512, 8))
+    step = step_scheduler.pack(rt, ScheduleIR(0.0, list(states), [], 512, 8))
+    plan = step.plan()
     # 512 tokens of budget: the first prompt whole, the second's first 212 tokens.
     assert plan.chunks == (ScheduledChunk("r0", 300, 0, True), ScheduledChunk("r1", 212, 0, True))
     assert plan.num_batched_tokens == 512
-    assert running == states[:2] and waiting == states[2:]
+    assert step.running == states[:2] and step.waiting == states[2:]
 
 
 @pytest.mark.parametrize("seed", range(5))

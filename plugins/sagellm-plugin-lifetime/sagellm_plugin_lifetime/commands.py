@@ -23,7 +23,7 @@ def _check_fractions(args) -> None:
 
 def cmd_evaluate(args) -> int:
     names = args.predictor or evaluation.available()
-    workload = attrs.evolve(evaluation.DEFAULT_WORKLOAD, source=args.source, max_requests=args.max_requests)
+    workload = WorkloadSettings(source=args.source, max_requests=args.max_requests)
     _check_fractions(args)
     if args.decode_s_per_token <= 0:
         raise SagellmError(f"--decode-s-per-token {args.decode_s_per_token}: positive")

@@ -10,9 +10,10 @@ from sagellm_core import cli
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.kit.testing import declare_plugins
 from sagellm_core.replay import workloads
+from sagellm_core.replay.workloads import GeneratorSettings
 from sagellm_core.types import LifetimePrediction, RequestOutcome
 
-GENERATOR = WorkloadSettings(source="generator", tenants=2, sessions_per_tenant=40, turns=4)
+GENERATOR = WorkloadSettings(source="generator", options=GeneratorSettings(tenants=2, sessions_per_tenant=40, turns=4))
 
 
 class Crashing:

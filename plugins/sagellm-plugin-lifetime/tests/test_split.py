@@ -8,6 +8,7 @@ from sagellm_plugin_lifetime import split as split_mod
 from sagellm_plugin_lifetime.split import Split, arrival_order, conversation_id, held_out, make_split, study_requests
 
 from sagellm_core.config import WorkloadSettings
+from sagellm_core.replay.workloads import GeneratorSettings
 from sagellm_core.types import Request
 
 STUDY = Path(__file__).resolve().parents[3] / "benchmarks" / "lifetime_study.py"
@@ -84,7 +85,9 @@ def test_temporal_split_holds_out_the_last_conversations():
 
 
 def test_temporal_split_orders_the_whole_workload_whatever_max_requests():
-    workload = WorkloadSettings(source="generator", tenants=2, sessions_per_tenant=20, turns=3)
+    workload = WorkloadSettings(
+        source="generator", options=GeneratorSettings(tenants=2, sessions_per_tenant=20, turns=3)
+    )
     full = make_split("temporal", workload)
     cut = make_split("temporal", attrs.evolve(workload, max_requests=10))
     assert full.order == cut.order

@@ -89,7 +89,7 @@ class SagellmConnector(KVConnectorBase):
 
     def _runtime(self) -> Runtime:
         if self.runtime is None:
-            from sagellm_plugin_lmdeploy.install import load_runtime
+            from sagellm_plugin_lmdeploy.live import load_runtime
 
             self.runtime = load_runtime(self._num_device_blocks, self.block_size)
         return self.runtime

@@ -27,16 +27,14 @@ from collections.abc import Callable, Iterator
 
 from attrs import field, frozen, validators
 
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.registry import PluginContext
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
 from sagellm_core.types import PoolUsage, Request, SequenceState
+from sagellm_plugin_lmdeploy.live import OWNS_UNLESS_CONFIGURED
 
 SCHEDULERS = ("sagellm", "stock")
-#: LMDeploy's trie matches prefixes and its allocator picks physical blocks,
-#: unless the config names a prefix-cache / kv-pool plugin to decide them.
-OWNS_UNLESS_CONFIGURED = ("prefix_cache", "kv_pool")
 
 
 @frozen
@@ -90,6 +88,7 @@ class LmdeployEngine:
     """The engine entry point ``lmdeploy`` (``sagellm.engines``)."""
 
     Settings = LmdeployEngineSettings
+    owns = ()
     owns_unless_configured = OWNS_UNLESS_CONFIGURED
 
     def __init__(self, settings: LmdeployEngineSettings, context: PluginContext):
@@ -127,7 +126,7 @@ class LmdeployEngine:
             out = scheduler.schedule(is_prefill=True, prealloc_size=s.prealloc_tokens)
             if seq not in out.running:
                 raise RuntimeError(f"LMDeploy did not admit request {request.request_id} into an idle pool")
-            rt.admitted(state, seq.num_history_ids // rt.block_size)
+            rt.count_admission(state, seq.num_history_ids // rt.block_size)
             scheduler.activate_seqs(out.running)
             seq.update_token_ids(sampled, mode=lm.UpdateTokenMode.PREFILL)
             seq.finish()

@@ -16,29 +16,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from sagellm_core.drivers.engines import engine_sections, load_engine_runtime
 from sagellm_core.runtime import Runtime
 from sagellm_plugin_lmdeploy import compat, lifecycle, preemption
 from sagellm_plugin_lmdeploy.connector import NAME, SagellmConnector
-from sagellm_plugin_lmdeploy.engine import OWNS_UNLESS_CONFIGURED
 from sagellm_plugin_lmdeploy.reorder import SagellmPrefillReorderer
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
-
-
-def runtime_for(settings) -> Runtime:
-    """The runtime of a harness's ``settings``, with the sections LMDeploy serves."""
-    return Runtime(settings, engine_owns=engine_sections(settings, (), OWNS_UNLESS_CONFIGURED))
-
-
-def load_runtime(num_blocks: int, block_size: int, path: str | None = None) -> Runtime:
-    return load_engine_runtime(
-        num_blocks,
-        block_size,
-        engine_owns=(),
-        path=path,
-        where="sagellm-plugin-lmdeploy",
-        unless_configured=OWNS_UNLESS_CONFIGURED,
-    )
 
 
 def build_kv_connector(role, cache_config, **kwargs):

@@ -221,7 +221,7 @@ class SagellmBlockTrie(BlockTrie):
     def __init__(self, *, allocator, block_size: int, enabled: bool, checkpoint_state_manager=None, **kwargs):
         runtime = type(self).runtime
         if runtime is None:
-            from sagellm_plugin_lmdeploy.install import load_runtime
+            from sagellm_plugin_lmdeploy.live import load_runtime
 
             runtime = load_runtime(allocator._gpu_allocator.get_num_free_blocks(), block_size)
         #: The prefix-cache plugin deciding matches (None: LMDeploy's trie walk).

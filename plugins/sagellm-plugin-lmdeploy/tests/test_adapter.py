@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
-from sagellm_plugin_lmdeploy.install import installed, runtime_for
+from sagellm_plugin_lmdeploy.install import installed
+from sagellm_plugin_lmdeploy.live import runtime_for
 from sagellm_plugin_lmdeploy.trie import SagellmBlockTrie
 
 from sagellm_core import hookimpl
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.kit.testing import declare_plugins, settings_from_toml
 from sagellm_core.replay import session
@@ -74,7 +76,7 @@ def test_the_prefix_cache_plugin_decides_lmdeploys_matches(mooncake, plugin):
     trie with the same policy (both match exactly)."""
     text = mooncake_config(mooncake, "lmdeploy", "s3fifo", matching=plugin)
     settings = settings_from_toml(text)
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = runtime_for(settings)
     engine.run(rt, session.workloads.load(settings.workload))
     trie = engine.block_trie
@@ -104,7 +106,7 @@ def test_kv_events_from_inside_lmdeploy(tmp_path):
         '[kv_pool]\nnum_blocks = 400\n[eviction]\nplugin = "lru"\n[report]\nhook_timing = false\n'
     )
     settings = settings_from_toml(text)
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = runtime_for(settings)
     engine.run(rt, session.workloads.load(settings.workload))
     held: set[int] = set()
@@ -208,7 +210,7 @@ def test_policies_change_lmdeploys_hits():
 
 def test_hits_are_lmdeploys_own_stats(mooncake):
     settings = settings_from_toml(mooncake_config(mooncake, "lmdeploy", "lru", n=100))
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = runtime_for(settings)
     engine.run(rt, session.workloads.load(settings.workload))
     stats = engine.block_trie.stats

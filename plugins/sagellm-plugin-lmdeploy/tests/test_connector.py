@@ -9,7 +9,8 @@ import numpy as np
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.connector import SagellmConnector
 from sagellm_plugin_lmdeploy.engine import logical_clock
-from sagellm_plugin_lmdeploy.install import installed, runtime_for
+from sagellm_plugin_lmdeploy.install import installed
+from sagellm_plugin_lmdeploy.live import runtime_for
 
 from sagellm_core.kit.testing import settings_from_toml
 

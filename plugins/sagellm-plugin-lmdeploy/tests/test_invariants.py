@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sagellm_plugin_lmdeploy import compat as lm
 from sagellm_plugin_lmdeploy.engine import build_scheduler
-from sagellm_plugin_lmdeploy.install import installed, runtime_for
+from sagellm_plugin_lmdeploy.install import installed
+from sagellm_plugin_lmdeploy.live import runtime_for
 
 from sagellm_core.kit.testing import settings_from_toml
 

@@ -11,8 +11,7 @@ from sagellm_core.errors import ConfigError
 def build_server(config: str):
     """(app, engine thread) for a config whose engine is torch; the thread
     is not started."""
-    from sagellm_plugin_torch.engine import EngineCore, TorchEngine
-
+    from sagellm_core.drivers.engines import LiveEngine, build_engine
     from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
 
@@ -21,15 +20,16 @@ def build_server(config: str):
     from .metrics import ServerMetrics
 
     settings = session.load_settings(config)
-    engine, engine_settings = session.build_engine(settings)
-    if not isinstance(engine, TorchEngine):
+    engine, engine_settings = build_engine(settings)
+    if not isinstance(engine, LiveEngine):
         raise ConfigError(
             f"{settings.path}: [engine] name = {settings.engine.name!r}; `sagellm serve` serves the torch engine"
         )
-    core = EngineCore(Runtime(settings), engine_settings)
+    core = engine.start(Runtime(settings))
     metrics = ServerMetrics(settings.eviction.name if settings.eviction else "none")
-    thread = EngineThread(core, settings.server.max_waiting, metrics.observe)
-    name = settings.server.model_name or engine_settings.model
+    server = settings.section("server")
+    thread = EngineThread(core, server.max_waiting, metrics.observe)
+    name = server.model_name or engine_settings.model
     return build_app(thread, name, metrics), thread, name
 
 

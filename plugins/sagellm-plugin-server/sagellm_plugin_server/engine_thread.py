@@ -18,8 +18,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from sagellm_plugin_torch.engine import EngineCore, SamplingParams, StepOutput
+from sagellm_plugin_torch.engine import EngineCore, SamplingParams
 
+from sagellm_core.drivers.step_engine import StepOutput
 from sagellm_core.types import Request
 
 

@@ -17,7 +17,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
-from sagellm_plugin_torch.engine import EngineCore, StepOutput
+from sagellm_plugin_torch.engine import EngineCore
+
+from sagellm_core.drivers.step_engine import StepOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from functools import cache
 from typing import NamedTuple
 
+import attrs
+
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import TraceError
 from sagellm_core.replay import workloads
@@ -105,15 +107,25 @@ def turns(conversation: Conversation) -> list[Turn]:
     return out
 
 
+@attrs.frozen
+class ShareGPTSettings:
+    """The ``[workload]`` keys this source reads (and ``path``, ``seed``)."""
+
+    #: Mean new conversations per second (Poisson), without ``path``.
+    session_rate: float = 2.0
+    #: Mean think time between a turn's arrival and the next, seconds (plus one).
+    think_time_s: float = 5.0
+
+
 def _session_starts(settings: WorkloadSettings, rng: random.Random) -> Iterator[float]:
     if settings.path is not None:
         for request in workloads.azure(settings.path, seed=settings.seed):
             yield request.arrival_s
         return
-    t = 0.0
+    t, rate = 0.0, settings.options.session_rate
     while True:
         yield t
-        t += rng.expovariate(settings.session_rate) if settings.session_rate > 0 else 0.0
+        t += rng.expovariate(rate) if rate > 0 else 0.0
 
 
 def load(settings: WorkloadSettings) -> Iterator[Request]:
@@ -150,6 +162,10 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
             prompt_text=turn.user_text,
         )
         if index + 1 < len(conversation_turns):
-            think = rng.expovariate(1.0 / settings.think_time_s) if settings.think_time_s > 0 else 0.0
+            think_time_s = settings.options.think_time_s
+            think = rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
             heapq.heappush(heap, (arrival + think + 1.0, order, conversation_id, conversation_turns, index + 1))
             order += 1
+
+
+load.Settings = ShareGPTSettings  # type: ignore[attr-defined]

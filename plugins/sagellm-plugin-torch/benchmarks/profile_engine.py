@@ -24,10 +24,10 @@ PARTS = {
     "  paged attention (write + attend)": "runner.py:{paged_attention_forward}",
     "  of which attention math": "devices.py:{paged_attention_reference}",
     "  linear layers (torch)": "{<built-in method torch._C._nn.linear>}",
-    "scheduling: passes + step packing": "stepping.py:{pack_step}",
-    "runtime schedule() check": "runtime.py:{schedule}",
+    "scheduling: passes + step packing": "step_scheduler.py:{pack}",
+    "runtime schedule() check": "plugin_host.py:{schedule}",
     "sampling": "engine.py:{_sample}",
-    "step bookkeeping after the forward": "engine.py:{_append}",
+    "step bookkeeping after the forward": "step_engine.py:{apply_outputs}",
 }
 
 

@@ -21,18 +21,19 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    from sagellm_core.drivers.engines import build_engine
     from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
 
-    from .engine import EngineCore, SamplingParams, TorchEngine
+    from .engine import SamplingParams, TorchEngine
 
     settings = session.load_settings(args.config)
-    engine, engine_settings = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     if not isinstance(engine, TorchEngine):
         raise ConfigError(
             f"{settings.path}: [engine] name = {settings.engine.name!r}; `sagellm generate` runs the torch engine"
         )
-    core = EngineCore(Runtime(settings), engine_settings)
+    core = engine.start(Runtime(settings))
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -1,17 +1,16 @@
 """The torch engine (``[engine] name = "torch"``): continuous batching of a
 real model whose every KV decision goes through the sagellm runtime.
 
-Each step is the replay engine's timed step, executed for real:
+Each step is the replay engine's timed step, executed for real: the step
+loop is :class:`sagellm_core.drivers.step_engine.StepEngine`'s (the passes,
+the step scheduler admitting, growing and preempting through the runtime,
+the outputs applied), and this engine is its executor:
 
-* the scheduling passes order waiting and running requests
-  (``Runtime.schedule``), and :func:`sagellm_core.drivers.stepping.pack_step` packs
-  the step under the token budget, admitting (prefix match, allocation,
-  host-tier loads), growing and preempting through the runtime;
-* the engine turns the runtime's block ids into slot mappings and block
-  tables, and runs the model (:class:`~.runner.ModelRunner`) over the flat
-  run of scheduled tokens: prefill chunks and decodes in one batch;
-* a request whose scheduled tokens are all in KV samples its next token;
-  a finished one is cached (prompt and generated blocks) and released.
+* it turns the runtime's block ids into slot mappings and block tables, and
+  runs the model (:class:`~.runner.ModelRunner`) over the flat run of
+  scheduled tokens: prefill chunks and decodes in one batch;
+* a request whose scheduled tokens are all in KV samples its next token,
+  which ends it at an end-of-sequence or stop token.
 
 A block id is a row of the real KV tensor; evictions, host offload and
 reload (``[transport] offload_evicted``) move real K/V bytes.
@@ -26,12 +25,15 @@ import attrs
 import torch
 from attrs import field, frozen, validators
 
-from sagellm_core.drivers.stepping import pack_step
+from sagellm_core.drivers.arrivals import serve_arrivals
+from sagellm_core.drivers.recorder import Recorder
+from sagellm_core.drivers.step_engine import StepEngine
+from sagellm_core.drivers.step_engine import StepOutput as StepOutput  # what the server's app imports from here
+from sagellm_core.drivers.step_scheduler import PackedStep
 from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.registry import PluginContext
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
-from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+from sagellm_core.types import KVCaches, Request, SequenceState
 
 from . import models
 from .devices import TorchDevice, load_device
@@ -72,20 +74,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
 
-@frozen
-class StepOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    #: The token sampled this step (``None`` for a rejected request).
-    token_id: int | None
-    finished: bool
-    #: ``stop`` (end-of-sequence or a stop token), ``length``, ``abort``,
-    #: ``rejected``; ``None`` while running.
-    finish_reason: str | None = None
-    outcome: RequestOutcome | None = None
-
-
 @attrs.define(eq=False)
 class _Sequence:
     state: SequenceState
@@ -110,14 +98,14 @@ def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_si
         )
 
 
-class EngineCore:
+class EngineCore(StepEngine):
     """The step loop on one runtime and one model. Not thread-safe: one
     caller drives it (the replay loop, a test, the server's engine thread)."""
 
     def __init__(self, rt: Runtime, settings: TorchSettings, clock: Callable[[], float] | None = None):
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        self.rt = rt
+        super().__init__(rt, settings.max_num_batched_tokens, settings.max_num_seqs)
         self.settings = settings
         self.device = load_device(settings.device)
         dtype = models.DTYPES[settings.dtype]
@@ -141,14 +129,10 @@ class EngineCore:
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
-        self.waiting: list[SequenceState] = []
-        self.running: list[SequenceState] = []
         self._seqs: dict[str, _Sequence] = {}
-        self.step_index = 0
-        self.batched_tokens = 0
         self.generated_tokens = 0
         start = time.perf_counter()
-        self.clock = clock or (lambda: time.perf_counter() - start)
+        self._clock = clock or (lambda: time.perf_counter() - start)
 
     # ----------------------------------------------------------- requests --
 
@@ -164,8 +148,6 @@ class EngineCore:
         n = request.num_prompt_tokens
         if n == 0:
             raise RequestError(f"request {rid}: empty prompt")
-        if rid in self._seqs:
-            raise RequestError(f"request {rid}: a request with this id is in flight")
         if sampling.max_tokens < 1:
             raise RequestError(f"request {rid}: max_tokens {sampling.max_tokens}: at least 1")
         total = n + sampling.max_tokens
@@ -186,63 +168,29 @@ class EngineCore:
             generator = torch.Generator(device="cpu")
             generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
         self.rt.set_time(self.clock())
-        request = attrs.evolve(request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s)
-        state = self.rt.arrive(request)
+        # The request's output is its max_tokens: the step loop ends it there.
+        request = attrs.evolve(
+            request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s, output_tokens=sampling.max_tokens
+        )
+        state = self.arrive(request)
         self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
-        self.waiting.append(state)
-
-    def abort(self, request_id: str) -> StepOutput | None:
-        """Stop a request now (a client went away): a running one is finished
-        with what it generated, its blocks cached and freed at once."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return None
-        state = seq.state
-        self.rt.set_time(self.clock())
-        if state in self.waiting:
-            self.waiting.remove(state)
-        if state in self.running:
-            self.running.remove(state)
-        state.finish_s = self.rt.now_s
-        if state.status is RequestStatus.RUNNING:
-            outcome = self.rt.finish(state, seq.generated)
-        else:
-            outcome = self.rt.conclude(state)
-        del self._seqs[request_id]
-        return StepOutput(request_id, None, True, "abort", outcome)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # --------------------------------------------------------------- step --
 
-    def step(self) -> list[StepOutput]:
-        """Schedule and run one step; return what each request produced."""
-        rt = self.rt
-        now = self.clock()
-        rt.set_time(now)
-        ir = ScheduleIR(
-            now_s=now,
-            waiting=list(self.waiting),
-            running=list(self.running),
-            token_budget=self.settings.max_num_batched_tokens,
-            max_num_seqs=self.settings.max_num_seqs,
-        )
-        rt.schedule(ir)
-        plan, self.running, self.waiting = pack_step(rt, ir)
-        self.step_index += 1
-        if not plan.chunks:
-            if not self.waiting:
-                return []
-            # Nothing runs and the head of the queue does not fit an empty
-            # pool: it can never be served.
-            head = self.waiting.pop(0)
-            rt.reject(head)
-            del self._seqs[head.request_id]
-            return [StepOutput(head.request_id, None, True, "rejected")]
-        return self._execute(plan.chunks)
+    def clock(self) -> float:
+        return self._clock()
 
-    def _execute(self, chunks) -> list[StepOutput]:
+    def wait_until(self, when_s: float) -> None:
+        time.sleep(max(0.0, min(when_s - self.clock(), 1.0)))
+
+    def generated_ids(self, state: SequenceState) -> list[int]:
+        return self._seqs[state.request_id].generated
+
+    def ended(self, state: SequenceState) -> None:
+        del self._seqs[state.request_id]
+
+    def execute(self, step: PackedStep) -> list[int]:
+        chunks = step.plan().chunks
         runner = self.runner
         inputs = runner.begin_step()
         row_of = runner.tables.row
@@ -253,27 +201,21 @@ class EngineCore:
             inputs.add_decodes(
                 [s.tokens[-1] for s in seqs], positions, [row_of(s.state.request_id, s.state.block_ids) for s in seqs]
             )
-            sampled, advancing = seqs, [(s, 1) for s in seqs]
+            sampled = seqs
         else:
-            sampled, advancing = [], []
+            sampled = []
             for chunk, seq in zip(chunks, seqs):
                 start, n = chunk.num_context_tokens, chunk.num_new_tokens
                 sample = start + n >= len(seq.tokens)
                 inputs.add(seq.tokens, start, n, row_of(chunk.request_id, seq.state.block_ids), sample)
-                advancing.append((seq, n))
                 if sample:
                     sampled.append(seq)
-        self.batched_tokens += inputs.num_tokens
         logits, greedy = runner.execute()
         if all(seq.sampling.temperature <= 0 for seq in sampled):
-            next_tokens = greedy.tolist()  # the step's one synchronisation
+            next_tokens: list[int] = greedy.tolist()  # the step's one synchronisation
         else:
             next_tokens = self._sample(logits, sampled)
-        now = self.clock()
-        self.rt.set_time(now)
-        for seq, n in advancing:
-            seq.state.num_computed_tokens += n
-        return [self._append(seq, token, now) for seq, token in zip(sampled, next_tokens)]
+        return next_tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
         greedy = logits.argmax(dim=-1).tolist()
@@ -291,29 +233,15 @@ class EngineCore:
             out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
         return out
 
-    def _append(self, seq: _Sequence, token: int, now: float) -> StepOutput:
-        state, p = seq.state, seq.sampling
-        seq.tokens.append(token)
-        seq.generated.append(token)
-        state.num_output_tokens += 1
+    def sampled(self, state: SequenceState, token_id: int) -> str | None:
+        seq = self._seqs[state.request_id]
+        seq.tokens.append(token_id)
+        seq.generated.append(token_id)
         self.generated_tokens += 1
-        rt = self.rt
-        if state.first_token_s is None:
-            state.first_token_s = now
-        reason = None
-        if not p.ignore_eos and (token in self.eos_token_ids or token in p.stop_token_ids):
-            reason = "stop"
-        elif state.num_output_tokens >= p.max_tokens:
-            reason = "length"
-        if reason is None:
-            if state.num_output_tokens == 1:
-                rt.cache(state, seq.generated)  # the prompt's blocks, for requests that share them
-            return StepOutput(state.request_id, token, False)
-        state.finish_s = now
-        self.running.remove(state)
-        outcome = rt.finish(state, seq.generated)
-        del self._seqs[state.request_id]
-        return StepOutput(state.request_id, token, True, reason, outcome)
+        p = seq.sampling
+        if not p.ignore_eos and (token_id in self.eos_token_ids or token_id in p.stop_token_ids):
+            return "stop"
+        return None
 
     # ---------------------------------------------------------- one-shot --
 
@@ -339,6 +267,8 @@ class TorchEngine:
     clock reaches its arrival."""
 
     Settings = TorchSettings
+    owns = ()
+    owns_unless_configured = ()
 
     def __init__(self, settings: TorchSettings, context: PluginContext):
         self.settings = settings
@@ -350,36 +280,20 @@ class TorchEngine:
         device.check(context.block_size, models.DTYPES[settings.dtype])
         check_kv_fits(device, config, settings, context.block_size, context.num_blocks)
 
+    def start(self, rt: Runtime) -> EngineCore:
+        return EngineCore(rt, self.settings)
+
     def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
-        core = EngineCore(rt, self.settings)
-        recorder = Recorder()
-        upcoming = iter(requests)
-        pending = next(upcoming, None)
+        core = self.start(rt)
         ignore_eos = self.settings.ignore_eos
-        while pending is not None or core.has_work():
-            now = core.clock()
-            while pending is not None and pending.arrival_s <= now:
-                try:
-                    core.add_request(
-                        pending,
-                        SamplingParams(max_tokens=pending.output_tokens, ignore_eos=ignore_eos),
-                        arrival_s=pending.arrival_s,
-                    )
-                except RequestError:
-                    rt.reject(rt.arrive(pending))
-                    on_request()
-                pending = next(upcoming, None)
-            if not core.has_work():
-                if pending is not None:
-                    time.sleep(max(0.0, min(pending.arrival_s - core.clock(), 1.0)))
-                continue
-            outputs = core.step()
-            for out in outputs:
-                if out.outcome is not None:
-                    recorder.record(out.outcome)
-                if out.finished:
-                    on_request()
-            recorder.steps, recorder.batched_tokens = core.step_index, core.batched_tokens
-            recorder.sample(rt, rt.now_s, rt.pool_usage())
-        recorder.simulated_s = core.clock()
-        return recorder
+
+        def add(request: Request) -> bool:
+            try:
+                sampling = SamplingParams(max_tokens=request.output_tokens, ignore_eos=ignore_eos)
+                core.add_request(request, sampling, arrival_s=request.arrival_s)
+            except RequestError:
+                rt.reject(rt.arrive(request))
+                return False
+            return True
+
+        return serve_arrivals(rt, core, requests, Recorder(), on_request, add=add)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from attrs import define, field, frozen, validators
 
+from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.registry import PluginContext
-from sagellm_core.replay.engine import Recorder
 from sagellm_core.runtime import Runtime, blocks_for
 from sagellm_core.types import PoolUsage, Request, RequestOutcome, SequenceState
 
@@ -178,6 +178,7 @@ class VllmEngine:
     Settings = VllmEngineSettings
     #: vLLM's hash table and block pool serve these sections.
     owns = ("prefix_cache", "kv_pool")
+    owns_unless_configured = ()
 
     def __init__(self, settings: VllmEngineSettings, context: PluginContext):
         from sagellm_plugin_vllm import compat  # fails here, with the install hint, without vLLM
@@ -243,7 +244,7 @@ class VllmEngine:
                 if not admitted and out.num_scheduled_tokens:
                     admitted = True
                     prefill = vreq.prefill_stats  # vLLM's split of the hit, until outputs take it
-                    rt.admitted(
+                    rt.count_admission(
                         state,
                         prefill.num_local_cached_tokens // rt.block_size,
                         prefill.num_external_cached_tokens // rt.block_size,

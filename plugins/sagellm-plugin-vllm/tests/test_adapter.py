@@ -7,6 +7,7 @@ from sagellm_plugin_vllm import compat as v
 from sagellm_plugin_vllm.engine import build_scheduler, made_up_output
 from sagellm_plugin_vllm.live import ENGINE_OWNS
 
+from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import PluginError
 from sagellm_core.kit.testing import declare_plugins, settings_from_toml
 from sagellm_core.replay import session
@@ -66,7 +67,7 @@ def test_policies_change_vllms_hits():
 
 def test_hit_counts_are_vllms_own_stats(mooncake):
     settings = settings_from_toml(mooncake_config(mooncake, "vllm", "lru", n=100))
-    engine, _ = session.build_engine(settings)
+    engine, _ = build_engine(settings)
     rt = Runtime(settings, engine_owns=engine.owns)
     engine.run(rt, session.workloads.load(settings.workload))
     stats = engine.prefix_cache_stats

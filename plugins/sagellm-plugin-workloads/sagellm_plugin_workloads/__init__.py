@@ -3,10 +3,11 @@ the public traces lack: agentic tool-use sessions, RAG over a shared corpus,
 a mix of tenants with different patterns, and bursts.
 
 Each is a ``sagellm.workloads`` entry point, seeded, needing no files. They
-read the ``[workload]`` keys of the built-in generator, each as its README
-says (``tenants``, ``sessions_per_tenant``, ``turns``,
+read the ``[workload]`` keys of the built-in generator (their ``Settings``
+is its :class:`~sagellm_core.replay.workloads.GeneratorSettings`), each as
+its README says (``tenants``, ``sessions_per_tenant``, ``turns``,
 ``system_prompt_tokens``, ``user_tokens``, ``output_tokens``,
-``session_rate``, ``think_time_s``, ``seed``). Text is distinct token ids
+``session_rate``, ``think_time_s``), and ``seed``. Text is distinct token ids
 (``Text``): equal content is the same ids, so what is shared is exactly what
 the workload says is shared, and output tokens are given (an engine that
 caches output sees the next turn extend it).
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from itertools import accumulate
 
 from sagellm_core.config import WorkloadSettings
+from sagellm_core.replay.workloads import GeneratorSettings
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 
 #: Token ids start here: above the generator's vocabulary and the trace
@@ -107,7 +109,7 @@ def turn_request(session: Session, t: float, new_input: array, reply: array) -> 
 # ----------------------------------------------------------------- patterns --
 
 
-def chat_sessions(s: WorkloadSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
+def chat_sessions(s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
     """Multi-turn chat on one shared system prompt, as the built-in generator:
     ``turns`` turns a session (uniform from 1 to 2 × turns), ``think_time_s``
     between them."""
@@ -126,7 +128,7 @@ def chat_sessions(s: WorkloadSettings, rng: random.Random, text: Text, tenant: s
 
 
 def agent_sessions(
-    s: WorkloadSettings, rng: random.Random, text: Text, tenants: list[str], count: int
+    s: GeneratorSettings, rng: random.Random, text: Text, tenants: list[str], count: int
 ) -> Iterator[Request]:
     """Tool-use agents: each tenant's agents share a long tool prompt (four
     system prompts long); a session is a task and from 2 × turns to 6 × turns
@@ -154,7 +156,7 @@ def agent_sessions(
     return run_sessions(starts, step)
 
 
-def batch_jobs(s: WorkloadSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
+def batch_jobs(s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
     """One-shot long documents (summarisation, extraction): a short shared
     instruction and a document of four system prompts' length never seen
     before, submitted in batches of ``sessions_per_tenant`` within a second,
@@ -186,15 +188,16 @@ def _merged(*streams: Iterator[Request]) -> Iterator[Request]:
 # ---------------------------------------------------------------- workloads --
 
 
-def agentic(s: WorkloadSettings) -> Iterator[Request]:
+def agentic(settings: WorkloadSettings) -> Iterator[Request]:
     """``source = "agentic"``: tool-use agent sessions, ``tenants`` tool sets,
     ``tenants × sessions_per_tenant`` sessions (``agent_sessions``)."""
-    rng = random.Random(s.seed)
+    s: GeneratorSettings = settings.options
+    rng = random.Random(settings.seed)
     tenants = [f"tools-{k}" for k in range(s.tenants)]
     return agent_sessions(s, rng, Text(rng), tenants, s.tenants * s.sessions_per_tenant)
 
 
-def rag(s: WorkloadSettings) -> Iterator[Request]:
+def rag(settings: WorkloadSettings) -> Iterator[Request]:
     """``source = "rag"``: questions over a shared corpus of ``50 × tenants``
     documents (``system_prompt_tokens`` long each) whose popularity is
     Zipf(0.8). A question's prompt is a shared instruction, the three
@@ -202,7 +205,8 @@ def rag(s: WorkloadSettings) -> Iterator[Request]:
     rank), and the question (``user_tokens``); a user asks from 1 to
     ``turns`` questions, each follow-up extending the conversation after
     ``think_time_s``, and there are ``tenants × sessions_per_tenant`` users."""
-    rng = random.Random(s.seed)
+    s: GeneratorSettings = settings.options
+    rng = random.Random(settings.seed)
     text = Text(rng)
     instruction = text.take(256)
     docs = [text.about(s.system_prompt_tokens) for _ in range(50 * s.tenants)]
@@ -235,14 +239,15 @@ def rag(s: WorkloadSettings) -> Iterator[Request]:
     return run_sessions(starts, step)
 
 
-def tenant_mix(s: WorkloadSettings) -> Iterator[Request]:
+def tenant_mix(settings: WorkloadSettings) -> Iterator[Request]:
     """``source = "tenant-mix"``: three tenants sharing one cache, each with
     its own pattern and ``sessions_per_tenant × tenants`` sessions or jobs:
     ``chat`` (multi-turn chat on a shared system prompt), ``agents`` (tool-use
     sessions on one tool set) and ``batch`` (one-shot long documents in
     batches, a scan)."""
+    s: GeneratorSettings = settings.options
     count = s.sessions_per_tenant * s.tenants
-    rngs = [random.Random(s.seed * 3 + k) for k in range(3)]
+    rngs = [random.Random(settings.seed * 3 + k) for k in range(3)]
     return _merged(
         chat_sessions(s, rngs[0], Text(rngs[0]), "chat", count),
         agent_sessions(s, rngs[1], _offset(Text(rngs[1]), 1), ["agents"], max(1, count // 4)),
@@ -250,16 +255,19 @@ def tenant_mix(s: WorkloadSettings) -> Iterator[Request]:
     )
 
 
-def bursts(s: WorkloadSettings) -> Iterator[Request]:
+def bursts(settings: WorkloadSettings) -> Iterator[Request]:
     """``source = "bursts"``: background chat (``tenants × sessions_per_tenant``
     sessions) and bursts: every ``20 / session_rate`` seconds on average, a
     burst of ``4 × sessions_per_tenant`` requests within two seconds on one
     long shared document (four system prompts), each with its own question
     (an evaluation job, a broadcast, a flash crowd). One burst in five
     re-runs an earlier burst's document; the others never recur."""
-    rng = random.Random(s.seed)
+    s: GeneratorSettings = settings.options
+    rng = random.Random(settings.seed)
     count = s.tenants * s.sessions_per_tenant
-    background = chat_sessions(s, random.Random(s.seed + 1), _offset(Text(random.Random(s.seed + 2)), 1), "chat", count)
+    background = chat_sessions(
+        s, random.Random(settings.seed + 1), _offset(Text(random.Random(settings.seed + 2)), 1), "chat", count
+    )
     text = Text(rng)
     documents: list[array] = []
     horizon = count / s.session_rate if s.session_rate > 0 else 0.0
@@ -294,3 +302,8 @@ def _offset(text: Text, k: int) -> Text:
     """Separate id ranges for the streams of one workload."""
     text.next_id = BASE_TOKEN + (k << 36)
     return text
+
+
+# The [workload] keys each source reads: the generator's.
+for _source in (agentic, rag, tenant_mix, bursts):
+    _source.Settings = GeneratorSettings  # type: ignore[attr-defined]

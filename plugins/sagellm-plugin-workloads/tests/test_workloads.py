@@ -2,16 +2,22 @@
 
 from collections import Counter
 
+import attrs
 import pytest
 
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.replay import workloads
+from sagellm_core.replay.workloads import GeneratorSettings
 
 SOURCES = ["agentic", "rag", "tenant-mix", "bursts"]
 
 
 def load(source, **keys):
-    return list(workloads.load(WorkloadSettings(source=source, **keys)))
+    """The source's requests, ``keys`` the [workload] keys: the kernel's and the generator's."""
+    own = {f.name for f in attrs.fields(GeneratorSettings)}
+    options = GeneratorSettings(**{k: v for k, v in keys.items() if k in own})
+    kernel = {k: v for k, v in keys.items() if k not in own}
+    return list(workloads.load(WorkloadSettings(source=source, options=options, **kernel)))
 
 
 def prefix_len(a, b):

@@ -1,13 +1,18 @@
-"""Step packing: the one continuous-batching rule every step-driven engine
-uses (the replay engine's timed mode simulates it, the torch engine runs it
-on a real model)."""
+"""The step scheduler: the one continuous-batching rule every step engine
+uses (:class:`~sagellm_core.drivers.step_engine.StepEngine`: the replay
+engine's timed mode simulates it, the torch engine runs it on a real
+model). :func:`pack` fills one step under the token budget and memory,
+after the scheduling passes have ordered the queues."""
 
 from __future__ import annotations
 
 from attrs import frozen
 
 from sagellm_core.runtime import Runtime, blocks_for
-from sagellm_core.types import ScheduleIR, SequenceState
+from sagellm_core.types import Admission, ScheduleIR, SequenceState
+
+#: Why a request is rejected that needs more blocks than an empty pool has.
+NEVER_FITS = "never fits the pool"
 
 
 @frozen
@@ -32,10 +37,10 @@ class StepPlan:
 
 class PackedStep:
     """One packed step as parallel lists, entry ``i`` a chunk in batch order,
-    with the totals a cost model reads. It is what :func:`pack_step` builds
-    its :class:`StepPlan` from; the replay engine reads it directly, since a
-    chunk object per running sequence per step was a large share of a timed
-    replay's time."""
+    with the totals a cost model reads. :meth:`plan` makes it a
+    :class:`StepPlan` for an executor that wants chunk objects (the torch
+    engine); the replay engine reads the lists, since a chunk object per
+    running sequence per step was a large share of a timed replay's time."""
 
     __slots__ = (
         "states",
@@ -48,6 +53,8 @@ class PackedStep:
         "kv_tokens",
         "running",
         "waiting",
+        "deferred",
+        "rejected",
     )
 
     def __init__(self) -> None:
@@ -69,6 +76,10 @@ class PackedStep:
         #: The running and waiting lists after the step is packed.
         self.running: list[SequenceState] = []
         self.waiting: list[SequenceState] = []
+        #: Waiting requests the admission decision deferred in this step
+        #: (still waiting), and the requests rejected in it (gone).
+        self.deferred: list[SequenceState] = []
+        self.rejected: list[SequenceState] = []
 
     def _drop(self, state: SequenceState) -> int:
         """Take ``state``'s chunk (if any) out of the step; return its tokens."""
@@ -92,22 +103,15 @@ class PackedStep:
         )
 
 
-def pack_step(rt: Runtime, ir: ScheduleIR) -> tuple[StepPlan, list[SequenceState], list[SequenceState]]:
+def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     """Pack one continuous-batching step from ``ir`` (after the passes), as
     vLLM v1 schedules: the token budget goes to running requests first (the
     next prefill chunk, or one decode token), preempting by the
     victim-selection hook when blocks run out; then waiting requests are
-    admitted in the passes' order, stopping at the first that does not fit.
-    Returns the plan and the new running and waiting lists. Every engine
-    that drives the runtime step by step (replay's timed mode, the torch
-    engine) packs with this one function (the replay engine through
-    :func:`pack`, the same packing without the chunk objects)."""
-    packed = pack(rt, ir)
-    return packed.plan(), packed.running, packed.waiting
-
-
-def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
-    """:func:`pack_step`'s packing, as a :class:`PackedStep`."""
+    admitted in the passes' order (:func:`_admit`), stopping at the first
+    that does not fit. A step in which nothing runs rejects the request that
+    keeps the queue from moving: one that never fits, else one deferred. The
+    step's running and waiting lists are new lists."""
     step = PackedStep()
     states, num_new, contexts, prefills, completes = (
         step.states,
@@ -176,34 +180,75 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         pairs += n * context + n * (n + 1) // 2
         kv_tokens += context + n
         budget -= n
-    admitted = 0
-    if not preempted:  # as vLLM: no new admissions in a step that preempts
-        for state in ir.waiting:
-            if budget <= 0 or len(running) >= ir.max_num_seqs:
-                break
-            request = state.request
-            num_prompt = len(request.prompt_token_ids)
-            if blocks_for(num_prompt + request.output_tokens, block_size) > rt.num_blocks:
-                break  # can never finish; rejected by the caller once nothing runs
-            n = rt.admit(state, budget)
-            if n == 0:
-                break
-            context = state.num_computed_tokens
-            states.append(state)
-            num_new.append(n)
-            contexts.append(context)
-            prefills.append(True)
-            completes.append(context + n == num_prompt + state.num_output_tokens)
-            tokens += n
-            pairs += n * context + n * (n + 1) // 2
-            kv_tokens += context + n
-            budget -= n
-            running.append(state)
-            admitted += 1
     step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
     step.running = running
-    # Preempted requests go back to the front of the queue, as in vLLM. The
-    # admitted ones are the head of the waiting list (admission stops at the
-    # first that does not fit).
-    step.waiting = preempted[::-1] + list(ir.waiting) if preempted else ir.waiting[admitted:]
+    never_fits = None
+    if preempted:
+        # As vLLM: no admissions in a step that preempts, and the preempted
+        # go back to the front of the queue.
+        step.waiting = preempted[::-1] + list(ir.waiting)
+    else:
+        never_fits = _admit(rt, ir, step, budget)
+    if not states and step.waiting and not step.rejected:
+        # Nothing runs, and the request that stopped admission never will.
+        if never_fits is None and step.deferred:
+            stuck, reason = step.deferred[0], "deferred with nothing running"
+        else:
+            stuck, reason = never_fits or step.waiting[0], NEVER_FITS
+        step.waiting.remove(stuck)
+        rt.reject(stuck, reason)
+        step.rejected.append(stuck)
     return step
+
+
+def _admit(rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int) -> SequenceState | None:
+    """Admit waiting requests into ``step`` in the passes' order, each as the
+    admission decision says (``Runtime.decide_admission``, with an admission
+    plugin) and memory allows, until the budget or the sequences run out or
+    one does not fit; a deferred one keeps its place and the next is asked.
+    Sets the step's waiting list; returns the request that can never fit
+    the pool, where admission stopped at one."""
+    decide = rt.decide_admission if rt.decides_admission else None
+    running, block_size = step.running, rt.block_size
+    tokens, pairs, kv_tokens = step.num_batched_tokens, step.attention_pairs, step.kv_tokens
+    admitted = 0
+    never_fits = None
+    for state in ir.waiting:
+        if budget <= 0 or len(running) >= ir.max_num_seqs:
+            break
+        request = state.request
+        num_prompt = len(request.prompt_token_ids)
+        if blocks_for(num_prompt + request.output_tokens, block_size) > rt.num_blocks:
+            never_fits = state
+            break
+        if decide is not None:
+            verdict = (decision := decide(state)).verdict
+            if verdict is Admission.DEFER:
+                step.deferred.append(state)
+                continue
+            if verdict is Admission.REJECT:
+                rt.reject(state, decision.reason)
+                step.rejected.append(state)
+                continue
+        n = rt.admit(state, budget)
+        if n == 0:
+            break
+        context = state.num_computed_tokens
+        step.states.append(state)
+        step.num_new.append(n)
+        step.context.append(context)
+        step.prefill.append(True)
+        step.completes.append(context + n == num_prompt + state.num_output_tokens)
+        tokens += n
+        pairs += n * context + n * (n + 1) // 2
+        kv_tokens += context + n
+        budget -= n
+        running.append(state)
+        admitted += 1
+    step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
+    if step.deferred or step.rejected:  # the admitted are not the queue's head: keep the rest in order
+        gone = {id(s) for s in step.rejected}.union(map(id, running[len(running) - admitted :]))
+        step.waiting = [s for s in ir.waiting if id(s) not in gone]
+    else:  # the admitted are the head of the queue (admission stops at the first that does not fit)
+        step.waiting = ir.waiting[admitted:]
+    return never_fits

@@ -1,4 +1,4 @@
-"""Checked hook calls: the plugins the config picks, loaded and registered,
+"""The plugin host: the plugins the config picks, loaded and registered,
 and every decision asked of them with its answer checked.
 
 The checks hold each answer against the ground truth kept here (the blocks
@@ -61,6 +61,7 @@ SECTION_HOOKS: dict[str, tuple[str, ...]] = {
     "eviction": ("sagellm_select_victims",),
     "lifetime": ("sagellm_predict_lifetime",),
     "scheduler": ("sagellm_schedule_pass",),
+    "admission": ("sagellm_admit_request",),
     "transport": ("sagellm_transfer_blocks",),
 }
 
@@ -79,7 +80,7 @@ class LoadedPlugin:
         return f"{self.selection.section} plugin {self.selection.name!r}{dist}"
 
 
-class CheckedHooks:
+class PluginHost:
     """The configured plugins behind checked calls. ``engine_owns`` names the
     sections an engine adapter serves with the engine's own machinery
     (vLLM's hash table and block pool, say): their plugins are not loaded."""
@@ -148,8 +149,17 @@ class CheckedHooks:
             cls, info = load_class(sel.section, sel.name, sel.where)
             settings = build_settings(cls, sel.params, f"{sel.where} plugin {sel.name!r}")
             folder = str(Path(self.settings.path).parent) if Path(self.settings.path).is_file() else None
-            seed = self.settings.workload.seed
-            context = PluginContext(sel.name, self.block_size, self.num_blocks, seed, self._future_requests, folder)
+            seed, instance = self.settings.workload.seed, self.settings.instance
+            context = PluginContext(
+                sel.name,
+                self.block_size,
+                self.num_blocks,
+                seed,
+                self._future_requests,
+                folder,
+                instance.id,
+                instance.role,
+            )
             try:
                 instance = cls(settings, context)
             except SagellmError as exc:  # its own one-line message, said where

@@ -1,0 +1,237 @@
+"""The engine protocol, and the step loop that the engines whose blocks the
+runtime owns share.
+
+An :class:`Engine` (vLLM's ``EngineCore`` is the model) takes requests
+(``add_request``), runs one step at a time (``step``, returning what each
+request produced), stops a request (``abort``) and says whether anything is
+left to do (``has_work``). The server's engine thread drives the engine an
+engine plugin starts (``LiveEngine.start``) through these four; the replay
+loop (:func:`.arrivals.serve_arrivals`) also moves a step engine's clock.
+
+:class:`StepEngine` is that protocol on a runtime that owns the blocks (the
+replay engine's timed mode, the torch engine). Each step is vLLM's
+``schedule``, execute, ``update_from_output``:
+
+1. the scheduling passes order the waiting and running requests
+   (``Runtime.schedule``);
+2. the step scheduler packs the step under the token budget and memory
+   (:func:`.step_scheduler.pack`), admitting, growing and preempting
+   through the runtime;
+3. the executor runs it: a subclass's :meth:`StepEngine.execute` (the cost
+   model in replay, a model on a device in torch), which returns the tokens
+   sampled;
+4. the step's outputs are applied (:meth:`StepEngine.apply_outputs`), the
+   half every step engine shares: tokens computed, one token for each chunk
+   that completes its sequence, the first token stamped, a prompt's blocks
+   cached once its prefill is done, a finished request's blocks cached and
+   released.
+
+The step scheduler rejects what can never run (a request that needs more
+blocks than the pool has, one the admission decision rejects, one deferred
+while nothing runs); the step reports those as ``rejected``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from attrs import frozen
+
+from sagellm_core.drivers.step_scheduler import PackedStep, pack
+from sagellm_core.errors import RequestError
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
+
+
+@frozen
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    #: The token sampled this step; ``None`` for a rejected or aborted
+    #: request, and from an engine that samples no token ids (replay).
+    token_id: int | None
+    finished: bool
+    #: ``stop`` (end-of-sequence or a stop token), ``length``, ``abort``,
+    #: ``rejected``; ``None`` while running.
+    finish_reason: str | None = None
+    outcome: RequestOutcome | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An engine as its drivers see it: the replay loop, the server."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; a ``RequestError`` (and nothing queued) when it
+        can never be served."""
+
+    def step(self) -> list[StepOutput]:
+        """Schedule and run one step; what each request produced in it (an
+        engine that samples no token ids reports the requests that ended)."""
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """End a request now (a client went away); ``None`` if it is not in flight."""
+
+    def has_work(self) -> bool:
+        """Whether a request waits or runs."""
+
+
+class StepEngine:
+    """:class:`Engine` over a runtime that owns the blocks, the executor left
+    to a subclass: :meth:`execute`, :meth:`clock` and :meth:`wait_until`, and
+    where it samples real tokens :meth:`sampled`, :meth:`generated_ids` and
+    :meth:`ended`. ``add_request`` is the subclass's too: it checks what
+    its engine cannot serve, then :meth:`arrive`.
+    Not thread-safe: one caller drives it."""
+
+    def __init__(self, rt: Runtime, max_num_batched_tokens: int, max_num_seqs: int):
+        self.rt = rt
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: list[SequenceState] = []
+        self.running: list[SequenceState] = []
+        #: Every request in flight (waiting or running), by id.
+        self.requests: dict[str, SequenceState] = {}
+        #: Steps executed, and the tokens they computed.
+        self.steps = 0
+        self.batched_tokens = 0
+
+    # ------------------------------------------------- the executor's part --
+
+    def clock(self) -> float:
+        """The engine's time: simulated seconds in replay, wall seconds in a real engine."""
+        raise NotImplementedError
+
+    def wait_until(self, when_s: float) -> None:
+        """Nothing to do before ``when_s``: let the clock get there (or part of the way)."""
+        raise NotImplementedError
+
+    def execute(self, step: PackedStep) -> Sequence[int] | None:
+        """Run ``step``; return the token sampled for each chunk that
+        completes its sequence, in step order (``None``: no token ids)."""
+        raise NotImplementedError
+
+    def sampled(self, state: SequenceState, token_id: int) -> str | None:
+        """``state``'s request sampled ``token_id``: keep it; return
+        ``"stop"`` if it ends the request."""
+        return None
+
+    def generated_ids(self, state: SequenceState) -> Sequence[int] | None:
+        """The token ids ``state``'s request generated, for the prefix cache
+        (``None``: the workload's, ``Request.output_token_ids``)."""
+        return None
+
+    def ended(self, state: SequenceState) -> None:
+        """``state``'s request left the engine (finished, aborted, rejected)."""
+
+    # ------------------------------------------------------------ requests --
+
+    def arrive(self, request: Request) -> SequenceState:
+        """``request`` arrives (``Runtime.arrive``: its lifetime predicted,
+        its prefix looked up) and waits. A RequestError, and nothing
+        changed, if a request with its id is in flight."""
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise RequestError(f"request {request_id}: a request with this id is in flight")
+        state = self.rt.arrive(request)
+        self.requests[request_id] = state
+        self.waiting.append(state)
+        return state
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """End a request now: a running one finishes with what it generated
+        (its blocks cached and freed at once), a waiting one is concluded."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        rt = self.rt
+        rt.set_time(self.clock())
+        if state in self.waiting:
+            self.waiting.remove(state)
+        if state in self.running:
+            self.running.remove(state)
+        state.finish_s = rt.now_s
+        if state.status is RequestStatus.RUNNING:
+            outcome = rt.finish(state, self.generated_ids(state))
+        else:
+            outcome = rt.conclude(state)
+        self._end(state)
+        return StepOutput(request_id, None, True, "abort", outcome)
+
+    def _end(self, state: SequenceState) -> None:
+        del self.requests[state.request_id]
+        self.ended(state)
+
+    # ---------------------------------------------------------------- step --
+
+    def step(self) -> list[StepOutput]:
+        rt = self.rt
+        now = self.clock()
+        rt.set_time(now)
+        # The passes reorder these lists in place; pack returns new ones.
+        ir = ScheduleIR(
+            now_s=now,
+            waiting=self.waiting,
+            running=self.running,
+            token_budget=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+        )
+        rt.schedule(ir)
+        step = pack(rt, ir)
+        self.running, self.waiting = step.running, step.waiting
+        rejected = []
+        for state in step.rejected:  # by the admission decision, or never to run
+            self._end(state)
+            rejected.append(StepOutput(state.request_id, None, True, "rejected"))
+        if not step.states:
+            return rejected
+        self.steps += 1
+        self.batched_tokens += step.num_batched_tokens
+        tokens = self.execute(step)
+        now = self.clock()
+        rt.set_time(now)
+        outputs = self.apply_outputs(step, tokens, now)
+        return rejected + outputs if rejected else outputs
+
+    def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
+        """Apply what ``step`` computed at ``now``: each chunk's tokens are
+        in KV; a chunk that completes its sequence brings one token (from
+        ``tokens``, in step order), the first stamps ``first_token_s``; a
+        finished prefill caches the prompt's blocks for the requests that
+        share them; a request ends at a stop token or at its
+        ``output_tokens`` (``length``), cached and released. Returns an
+        output per token sampled, or with no token ids (``tokens`` is
+        ``None``: nothing to stream) per request that ended."""
+        rt, running, outputs = self.rt, self.running, []
+        sampled = None if tokens is None else iter(tokens)
+        for state, n, prefill, completes in zip(step.states, step.num_new, step.prefill, step.completes):
+            state.num_computed_tokens += n
+            if not completes:
+                continue  # a prefill chunk that is not the last
+            num_output = state.num_output_tokens + 1
+            state.num_output_tokens = num_output
+            if state.first_token_s is None:
+                state.first_token_s = now
+            token = reason = None
+            if sampled is not None:
+                token = next(sampled)
+                reason = self.sampled(state, token)
+            if prefill:
+                rt.cache(state, self.generated_ids(state))
+            if reason is None:
+                if num_output < state.request.output_tokens:
+                    if sampled is not None:
+                        outputs.append(StepOutput(state.request_id, token, False))
+                    continue
+                reason = "length"
+            state.finish_s = now
+            running.remove(state)
+            outcome = rt.finish(state, self.generated_ids(state))
+            self._end(state)
+            outputs.append(StepOutput(state.request_id, token, True, reason, outcome))
+        return outputs
