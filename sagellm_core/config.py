@@ -157,6 +157,7 @@ class Settings:
     admission: Selection | None
     transport: Selection | None
     block_size: int
+    #: Or "auto", until an engine that sizes its pool from memory resolves it (before a runtime is built).
     num_blocks: int
     offload_evicted: bool
     workload: WorkloadSettings
@@ -329,8 +330,8 @@ def _engine(t: _Table) -> Selection:
 def _kv_pool(path: str, t: _Table | None) -> tuple[int, Selection | None]:
     if t is None:
         raise ConfigError(f"{path}: missing section [kv_pool]; it picks the block allocator")
-    in_range = lambda v: _positive_int(v) and v <= MAX_NUM_BLOCKS  # noqa: E731
-    num_blocks = t.take("num_blocks", None, in_range, f"a positive number of blocks, at most {MAX_NUM_BLOCKS:,}")
+    in_range = lambda v: v == "auto" or (_positive_int(v) and v <= MAX_NUM_BLOCKS)  # noqa: E731
+    num_blocks = t.take("num_blocks", None, in_range, f'a number of blocks from 1 to {MAX_NUM_BLOCKS:,}, or "auto"')
     if num_blocks is None:
         raise ConfigError(f"{t.where}: missing key 'num_blocks' (the pool size, in blocks)")
     # The plugin may be left out for an engine that allocates blocks itself

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import sys
 import tomllib
@@ -11,10 +12,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
+import attrs
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sagellm_core import __version__, hookspecs, registry
+from sagellm_core.config import Selection, Settings
 from sagellm_core.drivers.engines import build_engine
 from sagellm_core.errors import ConfigError, SagellmError
 from sagellm_core.replay import report, session
@@ -62,7 +66,18 @@ def _write(args, results) -> None:
         report.plot(reports, [r.recorder.timeline for r in results], args.plot)
 
 
-def _single_overrides(args) -> dict:
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE``, repeatable: on every command that reads a config."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.KEY=VALUE",
+        help="override a config key (TOML value, or a bare word); repeatable",
+    )
+
+
+def single_overrides(args: argparse.Namespace) -> dict[tuple[str, ...], Any]:
+    """The ``--set`` overrides of a command that runs one value per key."""
     overrides = {}
     for text in args.set or ():
         keys, values = parse_override(text)
@@ -82,7 +97,7 @@ def _settings(args, path, overrides):
 
 
 def cmd_replay(args) -> int:
-    settings = _settings(args, args.config, _single_overrides(args))
+    settings = _settings(args, args.config, single_overrides(args))
     result = session.run(settings, progress=not args.quiet)
     if not args.quiet:
         report.print_reports([result.report])
@@ -91,7 +106,7 @@ def cmd_replay(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    overrides = _single_overrides(args)
+    overrides = single_overrides(args)
     all_settings = [_settings(args, path, overrides) for path in args.config]
     session.check_same_workload(all_settings)
     # Keep reports, not runtimes: each holds a whole cache in memory.
@@ -134,26 +149,100 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-def cmd_plugins(args) -> int:
-    table = Table(title="installed sagellm plugins")
-    for column in ("group", "name", "distribution", "version", "hooks"):
-        table.add_column(column)
+@attrs.frozen
+class InstalledPlugin:
+    """One entry point of a ``sagellm.*`` group, as ``sagellm plugins`` and
+    the README's plugin table show it."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str
+    version: str
+    #: The distribution's one-line summary (its pyproject ``description``).
+    summary: str
+    #: The hooks its class implements (decision groups only).
+    hooks: tuple[str, ...]
+    #: Why it cannot be used here (blocked, fails to load), or None.
+    problem: str | None
+
+
+def installed_plugins() -> list[InstalledPlugin]:
+    """Every installed plugin of every ``sagellm.*`` group, by group then name."""
     blocked = registry.blocked_names()
-    installed = (
-        ep
-        for group, _ in registry.GROUPS.values()
-        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name)
-    )
-    for info in map(registry.describe, installed):
-        try:
-            cls = registry.load_class(_section(info.group), info.name, info.group)[0]
-            hooks = ", ".join(n.removeprefix("sagellm_") for n in dir(cls) if n.startswith("sagellm_"))
-        except SagellmError as exc:
-            hooks = f"[red]{exc}"
-        if registry.is_blocked(info.group, info.name, blocked):
-            hooks = f"[yellow]blocked by {registry.BLOCK_ENV}"
-        table.add_row(info.group, info.name, info.distribution or "?", info.version or "?", hooks or "-")
-    Console().print(table)
+    decisions = {group for group, _ in registry.GROUPS.values()}
+    found = []
+    for group in registry.BLOCKABLE:
+        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+            info, hooks, problem = registry.describe(ep), (), None
+            if registry.is_blocked(group, ep.name, blocked):
+                problem = f"blocked by {registry.BLOCK_ENV}"
+            elif group in decisions:
+                try:
+                    cls = registry.load_class(_section(group), ep.name, group)[0]
+                    hooks = tuple(n.removeprefix("sagellm_") for n in dir(cls) if n.startswith("sagellm_"))
+                except SagellmError as exc:
+                    problem = str(exc)
+            summary = ep.dist.metadata["Summary"] if ep.dist else None
+            found.append(
+                InstalledPlugin(
+                    group,
+                    ep.name,
+                    ep.value,
+                    info.distribution or "?",
+                    info.version or "?",
+                    summary or "",
+                    hooks,
+                    problem,
+                )
+            )
+    return found
+
+
+#: The line above README.md's plugin table, which is ``sagellm plugins --markdown``.
+README_TABLE_MARK = "<!-- the table below is `sagellm plugins --markdown`; a test keeps them equal -->"
+
+
+def plugin_table(plugins: list[InstalledPlugin]) -> str:
+    """The README's plugin table (Markdown): a row per distribution, the
+    core's first, with its entry points and its summary."""
+    by_dist: dict[str, list[InstalledPlugin]] = {}
+    for plugin in plugins:
+        by_dist.setdefault(plugin.distribution, []).append(plugin)
+    rows = ["| distribution | entry points (`group`: names) | what it is |", "|---|---|---|"]
+    for dist in sorted(by_dist, key=lambda d: (d != "sagellm-core", d)):
+        groups: dict[str, list[str]] = {}
+        for plugin in by_dist[dist]:
+            groups.setdefault(plugin.group, []).append(f"`{plugin.name}`")
+        points = "; ".join(f"`{group}`: {', '.join(names)}" for group, names in groups.items())
+        rows.append(f"| `{dist}` | {points} | {by_dist[dist][0].summary} |")
+    return "\n".join(rows) + "\n"
+
+
+def cmd_plugins(args) -> int:
+    plugins = installed_plugins()
+    if args.as_json:
+        print(json.dumps([attrs.asdict(p) for p in plugins], indent=2))
+        return 0
+    if args.as_markdown:
+        print(plugin_table(plugins), end="")
+        return 0
+    columns = ("group", "name", "distribution", "version", "hooks")
+    rows = [(p.group, p.name, p.distribution, p.version, p.problem or ", ".join(p.hooks) or "-") for p in plugins]
+    console = Console()
+    if not console.is_terminal:  # piped: one tab-separated line a plugin, nothing cut
+        print("\t".join(columns))
+        for row in rows:
+            print("\t".join(row))
+        return 0
+    table = Table(title="installed sagellm plugins")
+    for column in columns:
+        # A narrow terminal folds a long name onto the next line, never cuts it.
+        table.add_column(column, overflow="fold")
+    for plugin, row in zip(plugins, rows):
+        style = "yellow" if plugin.problem and plugin.problem.startswith("blocked") else "red" if plugin.problem else ""
+        table.add_row(*row[:4], f"[{style}]{escape(row[4])}" if style else escape(row[4]))
+    console.print(table)
     return 0
 
 
@@ -161,15 +250,35 @@ def _section(group: str) -> str:
     return next(section for section, (g, _) in registry.GROUPS.items() if g == group)
 
 
-def cmd_config_check(args) -> int:
-    settings = session.load_settings(args.file)
-    engine, _ = build_engine(settings)
+def check_config(settings: Settings) -> list[str]:
+    """What ``sagellm config check`` prints for a config: the plugins it
+    picks and who provides them, then every setting as resolved (the
+    engine's with its defaults), so two configs that mean the same print the
+    same. Builds the engine and the runtime, as a run would, to check them."""
+    engine, engine_settings = build_engine(settings)
     rt = session.build_runtime(settings, engine, hook_timing=False)
     picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.plugins.items() for p in ps)
-    print(f"{args.file}: ok (engine {settings.engine.name}; {picked})")
+    lines = [f"{settings.path}: ok (engine {settings.engine.name}; {picked})"]
     for section, loaded in rt.plugins.items():  # which distribution provides each (provenance)
         for p in loaded:
-            print(f"  {section} {p.selection.name!r}: {p.info.distribution} {p.info.version} ({p.info.value})")
+            params = f" {p.selection.params}" if p.selection.params else ""
+            lines.append(
+                f"  {section} {p.selection.name!r}: {p.info.distribution} {p.info.version} ({p.info.value}){params}"
+            )
+    resolved = attrs.asdict(engine_settings) if attrs.has(type(engine_settings)) else engine_settings
+    lines.append(f"  engine {settings.engine.name!r}: {resolved}")
+    for field in attrs.fields(type(settings)):
+        value = getattr(settings, field.name)
+        if field.name in ("path", "passes", "sections") or isinstance(value, Selection):
+            continue
+        lines.append(f"  {field.name}: {attrs.asdict(value) if attrs.has(type(value)) else repr(value)}")
+    for name, value in sorted(settings.sections.items()):  # the plugins' own sections ([server] ...)
+        lines.append(f"  {name}: {attrs.asdict(value) if attrs.has(type(value)) else repr(value)}")
+    return lines
+
+
+def cmd_config_check(args) -> int:
+    print("\n".join(check_config(session.load_settings(args.file, overrides=single_overrides(args)))))
     return 0
 
 
@@ -267,12 +376,7 @@ def _main(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def outputs(p):
-        p.add_argument(
-            "--set",
-            action="append",
-            metavar="SECTION.KEY=VALUE",
-            help="override a config key (TOML value, or a bare word); repeatable",
-        )
+        add_set_option(p)
         p.add_argument(
             "--trace", help="replay this trace (.jsonl Mooncake, .csv Azure) instead of the config's workload"
         )
@@ -304,6 +408,14 @@ def _main(argv: list[str]) -> int:
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", dest="as_json", help="print them as JSON, one object a plugin")
+    form.add_argument(
+        "--markdown",
+        action="store_true",
+        dest="as_markdown",
+        help="print the README's plugin table: a row per distribution",
+    )
     p.set_defaults(func=cmd_plugins)
 
     p = sub.add_parser("hooks", help="print the hook reference (Markdown)")
@@ -313,6 +425,7 @@ def _main(argv: list[str]) -> int:
     csub = p.add_subparsers(dest="config_command", required=True)
     c = csub.add_parser("check", help="validate a config file and the plugins it picks")
     c.add_argument("file")
+    add_set_option(c)
     c.set_defaults(func=cmd_config_check)
 
     _plugin_commands(sub)

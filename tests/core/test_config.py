@@ -61,11 +61,11 @@ def test_good_config_is_typed():
     [
         (
             ("num_blocks = 100", "num_blocks = -3"),
-            "good.toml: [kv_pool] num_blocks = -3: a positive number of blocks, at most 16,777,216",
+            'good.toml: [kv_pool] num_blocks = -3: a number of blocks from 1 to 16,777,216, or "auto"',
         ),
         (
             ("num_blocks = 100", "num_blocks = 'many'"),
-            "good.toml: [kv_pool] num_blocks = 'many': a positive number of blocks, at most 16,777,216",
+            "good.toml: [kv_pool] num_blocks = 'many': a number of blocks from 1 to 16,777,216, or \"auto\"",
         ),
         (("num_blocks = 100", ""), "good.toml: [kv_pool]: missing key 'num_blocks'"),
         (
@@ -141,6 +141,13 @@ def test_overrides_parse(text, keys, values):
     assert parse_override(text) == (keys, values)
 
 
+def test_num_blocks_auto_is_the_one_string_a_pool_size_takes():
+    settings = settings_from_toml(GOOD.replace("num_blocks = 100", 'num_blocks = "auto"'), "good.toml")
+    assert settings.num_blocks == "auto"
+    with pytest.raises(ConfigError, match=r'num_blocks = \'Auto\': a number of blocks from 1 to .*, or "auto"$'):
+        settings_from_toml(GOOD.replace("num_blocks = 100", 'num_blocks = "Auto"'), "good.toml")
+
+
 @pytest.mark.parametrize("text", ["num_blocks=3", "kv_pool.num_blocks", "kv_pool..x=1", "a.b="])
 def test_bad_overrides(text):
     with pytest.raises(ConfigError, match=r"^--set "):
@@ -152,7 +159,7 @@ def test_overrides_apply_before_validation(tmp_path):
     path.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n')
     assert config.load(path, {("kv_pool", "num_blocks"): 64}).num_blocks == 64
     assert config.load(path, {("workload", "tenants"): 2}).workload.options.tenants == 2
-    with pytest.raises(ConfigError, match=r"c.toml: \[kv_pool\] num_blocks = 0: a positive number of blocks"):
+    with pytest.raises(ConfigError, match=r"c.toml: \[kv_pool\] num_blocks = 0: a number of blocks from 1"):
         config.load(path, {("kv_pool", "num_blocks"): 0})
 
 
@@ -265,7 +272,7 @@ def test_generator_counts_must_be_positive(key):
         (
             "kv_pool",
             "num_blocks = 1000000000",
-            "num_blocks = 1000000000: a positive number of blocks, at most 16,777,216",
+            'num_blocks = 1000000000: a number of blocks from 1 to 16,777,216, or "auto"',
         ),
     ],
 )

@@ -1,9 +1,10 @@
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from sagellm_core.cli import main
+from sagellm_core.cli import README_TABLE_MARK, installed_plugins, main, plugin_table
 
 SMALL = ["--max-requests", "30", "--quiet"]
 
@@ -92,6 +93,29 @@ def test_config_check(tmp_path, capsys):
     assert "\n" not in err
 
 
+def test_config_check_prints_every_setting_as_resolved(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_text('[engine]\nmode = "cache-only"\n[kv_pool]\nplugin = "paged"\nnum_blocks = 300\n')
+    assert main(["config", "check", str(path), "--set", "engine.max_num_seqs=7", "--set", "workload.tenants=3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{path}: ok (engine replay; kv_pool=paged)"
+    (engine,) = [line for line in lines if line.startswith("  engine 'replay': ")]
+    assert "'mode': 'cache-only'" in engine and "'max_num_seqs': 7" in engine and "'hardware': 'h100'" in engine
+    assert "  num_blocks: 300" in lines and "  block_size: 16" in lines
+    assert any(line.startswith("  workload: {'source': 'generator'") and "'tenants': 3" in line for line in lines)
+
+
+def test_a_pool_sized_auto_is_refused_by_an_engine_that_does_not_size_it(tmp_path, capsys):
+    path = tmp_path / "auto.toml"
+    path.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = "auto"\n')
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"sagellm: error: {path}: [kv_pool] num_blocks = \"auto\": engine 'replay' does not size the pool itself;"
+        " give a number of blocks"
+    )
+
+
 def test_bad_trace_line_is_one_line_on_the_command_line(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n{"timestamp": 1,\n')
@@ -115,6 +139,60 @@ def test_committed_hook_reference_is_current(capsys):
     generated = capsys.readouterr().out
     committed = (Path(__file__).resolve().parents[2] / "docs" / "hooks.md").read_text()
     assert committed == generated
+
+
+def test_the_readme_plugin_table_is_sagellm_plugins_markdown():
+    """README.md's plugin table is `sagellm plugins --markdown` (in a .venv
+    with this repository's distributions): regenerate it when an entry point
+    or a distribution's description changes."""
+    root = Path(__file__).resolve().parents[2]
+    projects = [root / "pyproject.toml", *root.glob("plugins/*/pyproject.toml"), *root.glob("contrib/*/pyproject.toml")]
+    ours = {tomllib.loads(p.read_text())["project"]["name"] for p in projects}
+    plugins = [p for p in installed_plugins() if p.distribution in ours]
+    if missing := ours - {p.distribution for p in plugins}:
+        pytest.skip(f"not installed here: {', '.join(sorted(missing))}")
+    readme = (root / "README.md").read_text().splitlines()
+    start = readme.index(README_TABLE_MARK) + 1
+    end = next(i for i in range(start, len(readme)) if not readme[i].startswith("|"))
+    assert "\n".join(readme[start:end]) + "\n" == plugin_table(plugins)
+
+
+def test_plugins_as_json_and_markdown(capsys):
+    assert main(["plugins", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    lru = next(p for p in listed if (p["group"], p["name"]) == ("sagellm.eviction", "lru"))
+    assert lru["distribution"] == "sagellm-plugin-eviction" and "select_victims" in lru["hooks"]
+    assert lru["problem"] is None and lru["summary"].startswith("sagellm eviction policies")
+    assert {("sagellm.engines", "replay"), ("sagellm.workloads", "agentic")} <= {
+        (p["group"], p["name"]) for p in listed
+    }
+    assert main(["plugins", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| distribution |") and "| `sagellm-core` | `sagellm.engines`: `replay`" in table
+
+
+def test_plugins_piped_is_one_plain_line_a_plugin(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal's width: a pipe has none, nothing is cut
+    assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "group\tname\tdistribution\tversion\thooks"
+    rows = [line.split("\t") for line in lines[1:]]
+    assert all(len(row) == 5 for row in rows)
+    assert ["sagellm.scheduler_passes", "prefix-aware", "sagellm-plugin-scheduler-ir"] in [row[:3] for row in rows]
+
+
+def test_plugins_in_a_narrow_terminal_fold_names_not_cut_them(monkeypatch):
+    from rich.console import Console
+
+    from sagellm_core import cli
+
+    narrow = Console(force_terminal=True, width=60, record=True)
+    monkeypatch.setattr(cli, "Console", lambda: narrow)
+    assert main(["plugins"]) == 0
+    text = narrow.export_text()
+    assert "…" not in text
+    cells = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") == 6)
+    assert "sagellm-plugin-scheduler-ir" in cells  # the distribution column, its folded lines joined
 
 
 def test_set_overrides_a_config_key(tmp_path):

@@ -77,6 +77,11 @@ def test_held_out_half_and_summary(small_suite, tmp_path):
         ("fractions = []\n", "fractions: a list of positive numbers"),
         ("fractions = [0.5\n", "invalid TOML"),
         ("fractions = [0.5]\n[[workload]]\nsplit = 'tune'\n", "workload 1: needs name and config"),
+        ("fractions = [0.5]\nfraction = [0.25]\n", "unknown key 'fraction'; accepted: fractions, workload"),
+        (
+            "fractions = [0.5]\n[[workload]]\nname = 'x'\nsplit = 'tune'\nconfig = {}\nseed = 3\n",
+            "workload 'x': unknown key 'seed'; accepted: name, split, config",
+        ),
     ],
 )
 def test_a_bad_suite_is_one_line_naming_it(tmp_path, capsys, text, message):
@@ -85,6 +90,25 @@ def test_a_bad_suite_is_one_line_naming_it(tmp_path, capsys, text, message):
     assert main(["evaluate-policies", "--suite", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and str(path) in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ("config.prefix_cache = { plugin = 'radix', block_size = 0 }", "[prefix_cache] block_size = 0"),
+        ("config.workload = { source = 'generator', turns = 0 }", "[workload] turns = 0"),
+        ("config.kv_pool = { plugin = 'paged', blocks = 9 }", "plugin 'paged': unknown parameter 'blocks'"),
+    ],
+)
+def test_an_invalid_workload_is_an_error_before_any_run(small_suite, tmp_path, capsys, monkeypatch, section, message):
+    """Not skipped as if its trace were missing: the suite would be judged
+    without it, after minutes of the runs before it."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(small_suite.read_text() + f"\n[[workload]]\nname = 'wrong'\nsplit = 'tune'\n{section}\n")
+    monkeypatch.setattr(suite.session, "run", lambda *a, **k: pytest.fail("a workload ran"))
+    assert main(["evaluate-policies", "--suite", str(bad), "--traces", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"sagellm: error: {bad} [wrong]: ") and message in err and "\n" not in err
 
 
 def test_nothing_to_run_is_an_error(small_suite, tmp_path, capsys):

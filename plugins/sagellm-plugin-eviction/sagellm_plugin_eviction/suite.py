@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import hookimpl
-from sagellm_core.config import WORKLOAD_GROUP, parse
-from sagellm_core.errors import ConfigError, SagellmError
+from sagellm_core.config import WORKLOAD_GROUP, WORKLOAD_SOURCES, parse
+from sagellm_core.errors import SagellmError
 from sagellm_core.replay import session, workloads
 
 from .adaptive import expert_spec
@@ -40,6 +40,9 @@ REFERENCES = ("lru", "belady")
 #: workload.
 SPLITS = ("tune", "held-out", "fresh", "final", "all")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+#: A suite file's top-level keys, and each ``[[workload]]``'s.
+SUITE_KEYS = ("fractions", "workload")
+WORKLOAD_KEYS = ("name", "split", "config")
 #: Below this gap between LRU and Belady (absolute hit rate) there is nothing
 #: to close, and the share is not reported.
 MIN_GAP = 1e-3
@@ -61,6 +64,9 @@ def read_suite(path: Path | None) -> tuple[dict[str, Any], str]:
         suite = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SagellmError(f"{where}: invalid TOML: {exc}") from None
+    for key in suite:
+        if key not in SUITE_KEYS:
+            raise SagellmError(f"{where}: unknown key {key!r}; accepted: {', '.join(SUITE_KEYS)}")
     fractions = suite.get("fractions")
     if not (
         isinstance(fractions, list) and fractions and all(isinstance(f, (int, float)) and f > 0 for f in fractions)
@@ -73,6 +79,11 @@ def read_suite(path: Path | None) -> tuple[dict[str, Any], str]:
             isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("config"), dict)
         ):
             raise SagellmError(f"{where}: workload {i + 1}: needs name and config")
+        for key in entry:
+            if key not in WORKLOAD_KEYS:
+                raise SagellmError(
+                    f"{where}: workload {entry['name']!r}: unknown key {key!r}; accepted: {', '.join(WORKLOAD_KEYS)}"
+                )
         if entry.get("split") not in SPLITS[:-1]:
             raise SagellmError(
                 f"{where}: workload {entry['name']!r}: split = {entry.get('split')!r};"
@@ -119,19 +130,21 @@ def _settings(entry: dict, where: str, traces: Path, num_blocks: int, policy: st
     return parse(raw, f"{where} [{entry['name']}]")
 
 
-def _missing(entry: dict, where: str, traces: Path) -> str | None:
-    """Why a workload cannot run here (a source not installed, a missing
-    trace), or None."""
-    try:
-        settings = _settings(entry, where, traces, 1, "lru")
-    except ConfigError as exc:
-        return str(exc)
-    source = settings.workload.source
-    if source not in ("mooncake", "azure", "generator"):
+def _unavailable(entry: dict, where: str, traces: Path) -> str | None:
+    """Why a valid workload cannot run here (its source not installed, its
+    trace missing), or None. An invalid one (a bad key or value, its
+    plugins' parameters too) is a ConfigError naming the file, the workload
+    and the key."""
+    workload = entry["config"].get("workload")
+    source = workload.get("source") if isinstance(workload, dict) else None
+    if isinstance(source, str) and source not in WORKLOAD_SOURCES:
         if source not in {ep.name for ep in metadata.entry_points(group=WORKLOAD_GROUP)}:
             return f"workload source {source!r} is not installed"
+    settings = _settings(entry, where, traces, 1, "lru")
     if settings.workload.path is not None and not Path(settings.workload.path).is_file():
         return f"no file {settings.workload.path}"
+    # The plugins' own parameters are checked when they are built.
+    session.build_runtime(settings, session.build_engine(settings)[0], hook_timing=False)
     return None
 
 
@@ -141,14 +154,14 @@ def evaluate(suite, where, policies, split="tune", traces=None, progress=False, 
     console = console or Console(stderr=True)
     traces = traces or default_traces()
     names = list(dict.fromkeys([*REFERENCES, *policies]))
-    rows = []
-    for entry in suite.get("workload", ()):
-        if split != "all" and entry["split"] != split:
-            continue
-        why = _missing(entry, where, traces)
+    chosen = [entry for entry in suite.get("workload", ()) if split in ("all", entry["split"])]
+    # Every workload checked before the first runs: the runs take minutes.
+    unavailable = [(entry, _unavailable(entry, where, traces)) for entry in chosen]
+    for entry, why in unavailable:
         if why is not None:
-            console.print(f"evaluate-policies: skipping {entry['name']}: {why}")
-            continue
+            console.print(f"evaluate-policies: skipping {entry['name']}: {why}", soft_wrap=True)
+    rows = []
+    for entry in (entry for entry, why in unavailable if why is None):
         reused, largest = footprint(_settings(entry, where, traces, 1, "lru"))
         for fraction in suite["fractions"]:
             capacity = max(round(reused * fraction), 2 * largest + 1)

@@ -78,6 +78,8 @@ def serve_run(folder: Path, trace: Path, cache: bool) -> dict:
             model="smollm2",
             max_tokens=16,
             words_per_block=WORDS_PER_BLOCK,
+            timeout=300.0,
+            first_token_timeout=None,
             seed=0,
             quiet=True,
         )

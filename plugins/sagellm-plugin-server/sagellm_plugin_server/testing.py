@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -19,14 +20,17 @@ def free_port() -> int:
 
 
 class Server:
-    """``sagellm serve`` in a subprocess on 127.0.0.1, ended by the fixture."""
+    """``sagellm serve`` in a subprocess on 127.0.0.1, ended by the fixture:
+    ``Server(config)`` serves a config file, ``Server(args=[...])`` takes
+    ``sagellm serve``'s arguments (a model and flags)."""
 
-    def __init__(self, config: Path):
+    def __init__(self, config: Path | None = None, args: Sequence[str] = ()):
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        serve = [*args, *(["--config", str(config)] if config is not None else []), "--port", str(self.port)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sagellm_core.cli", "serve", "--config", str(config), "--port", str(self.port)],
+            [sys.executable, "-m", "sagellm_core.cli", "serve", *serve],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
