@@ -46,6 +46,21 @@ class EnginePlugin(Protocol):
         ...
 
 
+def sized_pool(settings: Settings, engine: Any) -> Settings:
+    """``settings`` with ``[kv_pool] num_blocks = "auto"`` replaced by the
+    pool the engine sized from its device's memory when it was built (its
+    ``pool_blocks``); a one-line ConfigError for an engine that sizes none."""
+    if settings.num_blocks != "auto":
+        return settings
+    blocks = getattr(engine, "pool_blocks", None)
+    if not isinstance(blocks, int):
+        raise ConfigError(
+            f'{settings.path}: [kv_pool] num_blocks = "auto": engine {settings.engine.name!r} does not size the pool'
+            " itself; give a number of blocks"
+        )
+    return attrs.evolve(settings, num_blocks=blocks)
+
+
 @runtime_checkable
 class LiveEngine(Protocol):
     """An engine plugin that also serves live requests (``sagellm serve``,

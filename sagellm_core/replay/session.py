@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
-from sagellm_core.drivers.engines import EnginePlugin, build_engine, engine_sections
+from sagellm_core.drivers.engines import EnginePlugin, build_engine, engine_sections, sized_pool
 from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.errors import ConfigError, PluginError
 from sagellm_core.replay import workloads
@@ -68,11 +68,7 @@ def build_runtime(settings: Settings, engine: EnginePlugin, hook_timing: bool | 
     adapter around a real engine serves some sections with the engine's own
     machinery (``owns``, e.g. vLLM's prefix cache and block pool), some only
     where the config names no plugin (``owns_unless_configured``)."""
-    if settings.num_blocks == "auto":  # an engine that sizes its pool from memory resolves it before this
-        raise ConfigError(
-            f'{settings.path}: [kv_pool] num_blocks = "auto": engine {settings.engine.name!r} does not size the pool'
-            " itself; give a number of blocks"
-        )
+    settings = sized_pool(settings, engine)
     owns = engine_sections(settings, engine.owns, engine.owns_unless_configured)
     return Runtime(
         settings, hook_timing=hook_timing, engine_owns=owns, future_requests=lambda: workloads.load(settings.workload)

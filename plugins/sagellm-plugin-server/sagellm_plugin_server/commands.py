@@ -96,7 +96,7 @@ def _prefix_caching(base: Settings, enable: bool, flags: dict) -> dict[tuple[str
 def build_server(settings: Settings):
     """(app, engine thread, model name) for a config whose engine is torch;
     the thread is not started."""
-    from sagellm_core.drivers.engines import LiveEngine, build_engine
+    from sagellm_core.drivers.engines import LiveEngine, build_engine, sized_pool
     from sagellm_core.runtime import Runtime
 
     from .app import build_app
@@ -108,7 +108,7 @@ def build_server(settings: Settings):
         raise ConfigError(
             f"{settings.path}: [engine] name = {settings.engine.name!r}; `sagellm serve` serves the torch engine"
         )
-    core = engine.start(Runtime(settings))
+    core = engine.start(Runtime(sized_pool(settings, engine)))
     metrics = ServerMetrics(settings.eviction.name if settings.eviction else "none")
     server = settings.section("server")
     thread = EngineThread(core, server.max_waiting, metrics.observe)

@@ -21,7 +21,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from sagellm_core.drivers.engines import build_engine
+    from sagellm_core.drivers.engines import build_engine, sized_pool
     from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
 
@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
         raise ConfigError(
             f"{settings.path}: [engine] name = {settings.engine.name!r}; `sagellm generate` runs the torch engine"
         )
-    core = engine.start(Runtime(settings))
+    core = engine.start(Runtime(sized_pool(settings, engine)))
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -115,6 +115,12 @@ class TorchDevice:
         pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
         return pages * size, os.sysconf("SC_PHYS_PAGES") * size
 
+    def peak_memory(self, run: Any) -> int:
+        """Bytes of device memory ``run()`` allocated at its peak, beyond
+        what was allocated before it; a one-line ConfigError on a device that
+        cannot tell (sizing the pool from memory needs it)."""
+        raise ConfigError(f"device {self.name!r} does not report its peak memory; give [kv_pool] num_blocks")
+
     def stream(self) -> ContextManager[Any]:
         """Where block copies run; the CPU has one stream."""
         return contextlib.nullcontext()
@@ -274,6 +280,14 @@ class CudaTorchDevice(TorchDevice):
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.torch_device)
+
+    def peak_memory(self, run: Any) -> int:
+        self.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        before = torch.cuda.memory_allocated(self.torch_device)
+        run()
+        self.synchronize()
+        return torch.cuda.max_memory_allocated(self.torch_device) - before
 
     def stream(self) -> ContextManager[Any]:
         return torch.cuda.stream(self._stream)

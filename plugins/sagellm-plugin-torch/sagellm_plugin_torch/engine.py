@@ -37,7 +37,7 @@ from sagellm_core.types import KVCaches, Request, SequenceState
 
 from . import models
 from .devices import TorchDevice, load_device
-from .runner import KVShape, ModelRunner
+from .runner import KVShape, ModelRunner, size_pool
 
 
 @frozen
@@ -56,6 +56,12 @@ class TorchSettings:
     max_model_len: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
     #: Decode steps replay CUDA graphs where the device supports them (``cuda``).
     cuda_graphs: bool = field(default=True, validator=validators.instance_of(bool))
+    #: With ``[kv_pool] num_blocks = "auto"``: the share of the device's
+    #: memory the engine may fill, weights and KV together (vLLM's
+    #: ``--gpu-memory-utilization``).
+    gpu_memory_utilization: float = field(
+        default=0.9, converter=float, validator=[validators.gt(0.0), validators.le(1.0)]
+    )
     #: torch CPU threads (0: torch's default).
     threads: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
     #: Times are wall-clock seconds: the report's latency figures apply.
@@ -96,6 +102,30 @@ def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_si
             f"[kv_pool] num_blocks = {num_blocks} needs {need / 2**30:.2f} GiB of KV for this model,"
             f" device {settings.device!r} has {free / 2**30:.2f} GiB free"
         )
+
+
+def auto_pool_blocks(device: TorchDevice, settings: TorchSettings, block_size: int) -> int:
+    """``[kv_pool] num_blocks = "auto"``: the blocks that fit
+    ``gpu_memory_utilization`` of the device beside the model and a step's
+    activations (:func:`.runner.size_pool`); a one-line ConfigError where
+    the device cannot be sized from (the CPU) or no block fits."""
+    if device.torch_device.type == "cpu":
+        raise ConfigError(
+            '[kv_pool] num_blocks = "auto" sizes the pool from a GPU\'s memory; on device'
+            f" {settings.device!r} give a number of blocks"
+        )
+    model, _ = models.load(settings.model, settings.dtype)
+    blocks, how = size_pool(
+        model,
+        device,
+        block_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        utilization=settings.gpu_memory_utilization,
+    )
+    if blocks < 1:
+        raise ConfigError(f'[kv_pool] num_blocks = "auto": no block fits: {how}; raise [engine] gpu_memory_utilization')
+    return blocks
 
 
 class EngineCore(StepEngine):
@@ -278,7 +308,12 @@ class TorchEngine:
         config = models.load_config(models.resolve(settings.model))
         device = load_device(settings.device)
         device.check(context.block_size, models.DTYPES[settings.dtype])
-        check_kv_fits(device, config, settings, context.block_size, context.num_blocks)
+        if context.num_blocks == "auto":
+            self.pool_blocks = auto_pool_blocks(device, settings, context.block_size)
+        else:
+            check_kv_fits(device, config, settings, context.block_size, context.num_blocks)
+            #: The pool's size in blocks: the config's, or sized from memory.
+            self.pool_blocks = context.num_blocks
 
     def start(self, rt: Runtime) -> EngineCore:
         return EngineCore(rt, self.settings)

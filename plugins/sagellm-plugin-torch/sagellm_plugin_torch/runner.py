@@ -609,3 +609,49 @@ class StepGraphs:
         else:
             return None
         return self._graphs.get(key)
+
+
+def size_pool(
+    model, device: TorchDevice, block_size: int, *, max_num_batched_tokens: int, max_num_seqs: int, utilization: float
+) -> tuple[int, str]:
+    """How many KV blocks fit in ``utilization`` of the device's memory
+    beside the model (vLLM's ``gpu_memory_utilization``), and how that was
+    worked out, in words. The model moves to the device; one eager step of
+    the engine's largest size (``max_num_batched_tokens`` tokens of padding)
+    runs over a KV tensor of one block, and its peak activation memory stays
+    free twice: once for eager steps, once for the CUDA graphs' memory pool,
+    whose largest step is no larger."""
+    model.to(device.torch_device)
+    peak = _step_peak(model, device, block_size, max_num_batched_tokens, max_num_seqs)
+    if device.torch_device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's KV and activations go back to the device
+    free, total = device.memory()
+    used = total - free  # the weights, and whatever else holds the device
+    per_block = KVShape.of(model.config).bytes_per_block(block_size, next(model.parameters()).dtype)
+    room = int(total * utilization) - used - 2 * peak
+    gib = 2**30
+    how = (
+        f"{utilization:.2f} of {total / gib:.2f} GiB, less {used / gib:.2f} GiB in use and twice a step's"
+        f" {peak / gib:.2f} GiB of activations, in blocks of {per_block / 2**20:.2f} MiB"
+    )
+    return max(0, room // per_block), how
+
+
+def _step_peak(model, device: TorchDevice, block_size: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Peak activation bytes of an eager step of ``max_num_batched_tokens``
+    tokens of padding, on a runner of one block (gone when this returns)."""
+    probe = ModelRunner(
+        model,
+        device,
+        1,
+        block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        graphs=False,
+    )
+
+    def step() -> None:
+        probe.begin_step().pad_to(probe.inputs.max_tokens, 1)
+        probe.execute()
+
+    return device.peak_memory(step)

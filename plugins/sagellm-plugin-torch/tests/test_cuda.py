@@ -76,3 +76,25 @@ def test_graphs_off_equals_on(tmp_path, model_dir, prompts, reference):
     assert core.runner.graphs is None
     results = core.generate(helpers.requests(prompts, MAX_TOKENS))
     assert [results[f"r{i}"] for i in range(len(prompts))] == reference
+
+
+def test_a_pool_sized_from_memory_serves(tmp_path, model_dir, prompts, reference):
+    """``num_blocks = "auto"``: the pool fills ``gpu_memory_utilization`` of
+    the GPU beside the model and a step's activations, and the engine serves
+    on it."""
+    from sagellm_core.drivers.engines import build_engine, sized_pool
+    from sagellm_core.replay import session
+    from sagellm_core.runtime import Runtime
+
+    path = helpers.write_config(tmp_path, model=str(model_dir), extra="")
+    text = path.read_text().replace("num_blocks = 512", 'num_blocks = "auto"')
+    path.write_text(text.replace("[engine]\n", '[engine]\ndevice = "cuda"\ngpu_memory_utilization = 0.3\n', 1))
+    settings = session.load_settings(str(path))
+    engine, _ = build_engine(settings)
+    free, total = torch.cuda.mem_get_info()
+    core = engine.start(Runtime(sized_pool(settings, engine)))
+    kv_bytes = core.runner.kv.numel() * core.runner.kv.element_size()
+    assert core.rt.num_blocks == engine.pool_blocks > 1000
+    assert kv_bytes < 0.3 * total, "the pool was meant to fit in the share of memory it was given"
+    results = core.generate(helpers.requests(prompts, MAX_TOKENS))
+    assert [results[f"r{i}"] for i in range(len(prompts))] == reference

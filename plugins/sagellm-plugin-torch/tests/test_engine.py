@@ -90,6 +90,21 @@ def test_a_pool_larger_than_memory_is_refused_before_the_runtime_builds_it(tiny_
         TorchEngine(TorchSettings(model=str(tiny_model_dir)), PluginContext("torch", 4, 1 << 40))
 
 
+def test_a_pool_sized_from_memory_needs_a_gpu(tmp_path, tiny_model_dir, capsys):
+    from sagellm_core.cli import main
+
+    path = helpers.write_config(tmp_path, model=str(tiny_model_dir))
+    path.write_text(path.read_text().replace("num_blocks = 512", 'num_blocks = "auto"'))
+    assert main(["config", "check", str(path)]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "[kv_pool] num_blocks = \"auto\" sizes the pool from a GPU's memory; on device 'cpu' give a number of blocks"
+        )
+    )
+
+
 def test_host_tier_moves_real_kv_bytes(tiny_core):
     rt, kv = tiny_core.rt, tiny_core.runner.kv
     kv[:, :, 3].fill_(1.5)
