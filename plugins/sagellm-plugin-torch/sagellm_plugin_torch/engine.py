@@ -10,8 +10,10 @@ Each step is the replay engine's timed step, executed for real:
 * the engine turns the runtime's block ids into slot mappings and block
   tables, and runs the model (:class:`~.runner.ModelRunner`) over the flat
   run of scheduled tokens: prefill chunks and decodes in one batch;
-* a request whose scheduled tokens are all in KV samples its next token;
-  a finished one is cached (prompt and generated blocks) and released.
+* a request whose scheduled tokens are all in KV samples its next token
+  (:mod:`.sampling`, on the logits' device; the runner's argmax where every
+  sampled row is plainly greedy); a finished one is cached (prompt and
+  generated blocks) and released.
 
 A block id is a row of the real KV tensor; evictions, host offload and
 reload (``[transport] offload_evicted``) move real K/V bytes.
@@ -30,12 +32,13 @@ from sagellm_core.drivers.stepping import pack_step
 from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.engine import Recorder
-from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.runtime import Runtime
 from sagellm_core.types import KVCaches, Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 from . import models
 from .devices import TorchDevice, load_device
 from .runner import KVShape, ModelRunner
+from .sampling import Sampler, SamplingParams, SequenceSampling, TokenLogprobs
 
 
 @frozen
@@ -61,18 +64,6 @@ class TorchSettings:
 
 
 @frozen
-class SamplingParams:
-    #: Tokens to generate at most (the request's ``output_tokens``).
-    max_tokens: int = 16
-    #: 0: greedy.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@frozen
 class StepOutput:
     """What one step produced for one request."""
 
@@ -84,6 +75,8 @@ class StepOutput:
     #: ``rejected``; ``None`` while running.
     finish_reason: str | None = None
     outcome: RequestOutcome | None = None
+    #: The token's log-probabilities, where the request asked (``SamplingParams.logprobs``).
+    logprobs: TokenLogprobs | None = None
 
 
 @attrs.define(eq=False)
@@ -95,7 +88,9 @@ class _Sequence:
     tokens: list[int]
     generated: list[int]
     sampling: SamplingParams
-    generator: torch.Generator | None
+    sampler_state: SequenceSampling
+    #: The runner's argmax is its next token (:attr:`SamplingParams.plain_greedy`).
+    plain_greedy: bool
 
 
 def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_size: int, num_blocks: int) -> None:
@@ -125,9 +120,14 @@ class EngineCore:
         model, self.tokenizer = models.load(settings.model, settings.dtype)
         check_kv_fits(self.device, model.config, settings, rt.block_size, rt.num_blocks)
         context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        #: The longest prompt plus output a request may have: the model's
-        #: context, or less where ``max_model_len`` says.
-        self.max_model_len = min(settings.max_model_len or context, context)
+        pool = rt.num_blocks * rt.block_size
+        #: The longest prompt plus output a request may have: the least of the
+        #: model's context, ``max_model_len`` where set, and the KV pool.
+        self.max_model_len = min(settings.max_model_len or context, context, pool)
+        self._max_model_len_why = (
+            f"the least of the model's context ({context}), the KV pool ({rt.num_blocks} blocks of {rt.block_size})"
+            + (f" and [engine] max_model_len ({settings.max_model_len})" if settings.max_model_len else "")
+        )
         self.runner = ModelRunner(
             model,
             self.device,
@@ -135,10 +135,11 @@ class EngineCore:
             rt.block_size,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
-            max_model_len=min(self.max_model_len, rt.num_blocks * rt.block_size),
+            max_model_len=self.max_model_len,
             graphs=settings.cuda_graphs,
         )
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
+        self.sampler = Sampler(self.runner.vocab_size)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self.waiting: list[SequenceState] = []
@@ -168,27 +169,18 @@ class EngineCore:
             raise RequestError(f"request {rid}: a request with this id is in flight")
         if sampling.max_tokens < 1:
             raise RequestError(f"request {rid}: max_tokens {sampling.max_tokens}: at least 1")
-        total = n + sampling.max_tokens
-        if total > self.max_model_len:
+        if n + sampling.max_tokens > self.max_model_len:
             raise RequestError(
-                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens exceed the model's"
-                f" context of {self.max_model_len}"
-            )
-        if blocks_for(total, self.rt.block_size) > self.rt.num_blocks:
-            raise RequestError(
-                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens need"
-                f" {blocks_for(total, self.rt.block_size)} blocks; the pool has {self.rt.num_blocks}"
+                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens exceed max_model_len"
+                f" {self.max_model_len} ({self._max_model_len_why})"
             )
         vocab = self.runner.vocab_size
         tokens = [t % vocab for t in request.prompt_token_ids]
-        generator = None
-        if sampling.temperature > 0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
         self.rt.set_time(self.clock())
         request = attrs.evolve(request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s)
         state = self.rt.arrive(request)
-        self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
+        sampler_state = self.sampler.track(sampling, tokens[:n])
+        self._seqs[rid] = _Sequence(state, tokens, [], sampling, sampler_state, sampling.plain_greedy)
         self.waiting.append(state)
 
     def abort(self, request_id: str) -> StepOutput | None:
@@ -208,6 +200,7 @@ class EngineCore:
             outcome = self.rt.finish(state, seq.generated)
         else:
             outcome = self.rt.conclude(state)
+        self.sampler.release(seq.sampler_state)
         del self._seqs[request_id]
         return StepOutput(request_id, None, True, "abort", outcome)
 
@@ -265,33 +258,19 @@ class EngineCore:
                     sampled.append(seq)
         self.batched_tokens += inputs.num_tokens
         logits, greedy = runner.execute()
-        if all(seq.sampling.temperature <= 0 for seq in sampled):
+        logprobs: list[TokenLogprobs | None]
+        if all(seq.plain_greedy for seq in sampled):
             next_tokens = greedy.tolist()  # the step's one synchronisation
+            logprobs = [None] * len(sampled)
         else:
-            next_tokens = self._sample(logits, sampled)
+            next_tokens, logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
         now = self.clock()
         self.rt.set_time(now)
         for seq, n in advancing:
             seq.state.num_computed_tokens += n
-        return [self._append(seq, token, now) for seq, token in zip(sampled, next_tokens)]
+        return [self._append(*out, now) for out in zip(sampled, next_tokens, logprobs)]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, seq in enumerate(seqs):
-            p = seq.sampling
-            if p.temperature <= 0:
-                out.append(greedy[i])
-                continue
-            probs = torch.softmax(logits[i].cpu() / p.temperature, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-            out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-        return out
-
-    def _append(self, seq: _Sequence, token: int, now: float) -> StepOutput:
+    def _append(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> StepOutput:
         state, p = seq.state, seq.sampling
         seq.tokens.append(token)
         seq.generated.append(token)
@@ -308,12 +287,13 @@ class EngineCore:
         if reason is None:
             if state.num_output_tokens == 1:
                 rt.cache(state, seq.generated)  # the prompt's blocks, for requests that share them
-            return StepOutput(state.request_id, token, False)
+            return StepOutput(state.request_id, token, False, logprobs=logprobs)
         state.finish_s = now
         self.running.remove(state)
         outcome = rt.finish(state, seq.generated)
+        self.sampler.release(seq.sampler_state)
         del self._seqs[state.request_id]
-        return StepOutput(state.request_id, token, True, reason, outcome)
+        return StepOutput(state.request_id, token, True, reason, outcome, logprobs)
 
     # ---------------------------------------------------------- one-shot --
 
