@@ -34,7 +34,7 @@ while nothing runs); the step reports those as ``rejected``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from attrs import frozen
 
@@ -57,6 +57,9 @@ class StepOutput:
     #: ``rejected``; ``None`` while running.
     finish_reason: str | None = None
     outcome: RequestOutcome | None = None
+    #: The token's log-probabilities, from an engine that computes them for
+    #: a request that asked (the torch engine's ``TokenLogprobs``).
+    logprobs: Any = None
 
 
 @runtime_checkable

@@ -1,9 +1,12 @@
 """The HTTP face of the torch engine: OpenAI's completions and chat
-completions (streamed as server-sent events, or whole), models, health,
-Prometheus metrics, and sagellm's KV stats."""
+completions (streamed as server-sent events, or whole; ``n`` choices,
+log-probabilities, penalties, ``response_format``), vLLM's ``/tokenize`` and
+``/detokenize``, models, health, Prometheus metrics, and sagellm's KV stats."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import time
 import uuid
@@ -14,7 +17,8 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from sagellm_plugin_torch.engine import SamplingParams, StepOutput
+from sagellm_plugin_torch.engine import StepOutput
+from sagellm_plugin_torch.sampling import SamplingParams, TokenLogprobs
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sagellm_core.errors import RequestError
@@ -22,7 +26,8 @@ from sagellm_core.types import Request
 
 from .engine_thread import EngineThread, QueueFull
 from .metrics import ServerMetrics, kv_stats
-from .protocol import ChatRequest, CompletionRequest, error
+from .protocol import ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error
+from .structured import Grammars, StructuredOutputError
 
 #: The header a tenant can be named by (else the body's ``user``).
 TENANT_HEADER = "x-sagellm-tenant"
@@ -55,17 +60,56 @@ class Detokenizer:
         return delta
 
 
+class Choice:
+    """One of a request's ``n`` choices, as its tokens arrive."""
+
+    def __init__(self, index: int, request_id: str, detokenizer: Detokenizer):
+        self.index = index
+        self.request_id = request_id
+        self.detok = detokenizer
+        #: ``(token id, offset of its text, its log-probabilities)`` per token, where asked.
+        self.logprobs: list[tuple[int, int, TokenLogprobs]] = []
+        #: How many of :attr:`logprobs` a stream has sent.
+        self.logprobs_sent = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, out: StepOutput) -> str:
+        """Take the engine's output; return the new text."""
+        offset = len(self.detok.text)
+        delta = self.detok.add(out.token_id)
+        if out.token_id is not None and out.logprobs is not None:
+            self.logprobs.append((out.token_id, offset, out.logprobs))
+        if self.detok.stopped:
+            self.finish_reason = "stop"
+        elif out.finished:
+            self.finish_reason = out.finish_reason
+        return delta
+
+    def unsent_logprobs(self) -> list[tuple[int, int, TokenLogprobs]]:
+        entries, self.logprobs_sent = self.logprobs[self.logprobs_sent :], len(self.logprobs)
+        return entries
+
+
 def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> FastAPI:
     core = engine.core
     tokenizer = core.tokenizer
+    vocab_size = core.runner.vocab_size
+    grammars = Grammars(tokenizer, vocab_size)
     app = FastAPI(title="sagellm", docs_url=None, redoc_url=None)
-    context_limit = min(core.max_model_len, core.rt.num_blocks * core.rt.block_size)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"msg": str(exc), "loc": ()}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None)
+        if first.get("type") == "extra_forbidden":
+            message = "this server does not support this field"
+        else:
+            message = str(first.get("msg")).removeprefix("Value error, ")
+        return error(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc: StarletteHTTPException) -> JSONResponse:
@@ -89,112 +133,194 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
             )
         return None
 
-    async def serve(body, http: HTTPRequest, prompt: list[int], max_tokens: int | None, chat: bool):
-        if body.n != 1:
-            return error(400, f"n = {body.n}: this server returns one choice (n = 1)", param="n")
+    def check_ids(ids: list[int], param: str) -> JSONResponse | None:
+        if any(not 0 <= t < vocab_size for t in ids):
+            return error(400, f"token ids must lie in [0, {vocab_size})", param=param)
+        return None
+
+    def chat_ids(messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the model's chat template; ValueError if it refuses them."""
+        try:
+            ids = tokenizer.apply_chat_template(
+                [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
+            raise ValueError(f"the chat template refused the messages: {str(exc).splitlines()[0]}") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    @functools.lru_cache(maxsize=1 << 17)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    async def serve(
+        body: CompletionRequest | ChatRequest,
+        http: HTTPRequest,
+        prompt: list[int],
+        max_tokens: int | None,
+        *,
+        chat: bool,
+        logprobs: int | None,
+        echo: str = "",
+    ):
         if not prompt:
             return error(400, "the prompt is empty", param="prompt" if not chat else "messages")
+        if body.n > engine.max_waiting:
+            return error(400, f"n = {body.n}: more than [server] max_waiting ({engine.max_waiting})", param="n")
         if max_tokens is None:
-            max_tokens = context_limit - len(prompt)
+            max_tokens = core.max_model_len - len(prompt)
             if max_tokens < 1:
                 return error(
-                    400, f"the prompt has {len(prompt)} tokens; the context holds {context_limit}", param="messages"
+                    400,
+                    f"the prompt has {len(prompt)} tokens; max_model_len is {core.max_model_len}",
+                    param="messages" if chat else "prompt",
                 )
+        constraints: list[Any] = [None] * body.n
+        if body.response_format is not None and body.response_format.type != "text":
+            try:
+                constraints = list(grammars.constraints(body.response_format, body.n))
+            except StructuredOutputError as exc:
+                return error(400, str(exc), param="response_format")
         kind = "chatcmpl" if chat else "cmpl"
         rid = f"{kind}-{uuid.uuid4().hex}"
-        request = Request(rid, prompt, max_tokens, tenant=tenant_of(http, body.user))
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+        tenant = tenant_of(http, body.user)
+        group = []
+        for i in range(body.n):
+            request = Request(rid if body.n == 1 else f"{rid}-{i}", prompt, max_tokens, tenant=tenant)
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0),
+                min_p=body.min_p,
+                seed=None if body.seed is None else body.seed + i,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logprobs=logprobs,
+                constraint=constraints[i],
+            )
+            group.append((request, sampling))
         try:
-            outputs = await engine.submit(request, sampling)
+            outputs = await engine.submit(group)
         except RequestError as exc:
             return error(400, str(exc), param="max_tokens" if "output tokens" in str(exc) else "prompt")
         except QueueFull as exc:
             return error(429, f"server busy: {exc}", kind="rate_limit_error")
+        metrics.params_n.observe(body.n)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        choices = [Choice(i, request.request_id, Detokenizer(tokenizer, stops)) for i, (request, _) in enumerate(group)]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                stream(rid, created, outputs, stops, len(prompt), chat, include_usage), media_type="text/event-stream"
+                stream(rid, created, outputs, choices, len(prompt), chat, include_usage, echo),
+                media_type="text/event-stream",
             )
-        try:
-            detok, reason = Detokenizer(tokenizer, stops), None
-            async for out in results(rid, outputs):
-                detok.add(out.token_id)
-                if detok.stopped:
-                    engine.abort_nowait(rid)
-                    reason = "stop"
-                    break
-                reason = out.finish_reason
-        except BaseException:
-            engine.abort_nowait(rid)
-            raise
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": detok.text}
-        else:
-            choice["text"] = detok.text
+        async with contextlib.aclosing(progress(outputs, choices)) as events:
+            async for _ in events:
+                pass
+        answers = []
+        for c in choices:
+            answer: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+            answer["logprobs"] = format_logprobs(c.logprobs, chat, len(echo)) if logprobs is not None else None
+            if chat:
+                answer["message"] = {"role": "assistant", "content": c.detok.text}
+            else:
+                answer["text"] = echo + c.detok.text
+            answers.append(answer)
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model_name,
-            "choices": [choice],
-            "usage": usage(len(prompt), len(detok.ids)),
+            "choices": answers,
+            "usage": usage(len(prompt), sum(len(c.detok.ids) for c in choices)),
         }
 
-    async def results(rid: str, outputs) -> AsyncIterator[StepOutput]:
-        while True:
-            out = await outputs.get()
-            if isinstance(out, BaseException):
-                raise out
-            yield out
-            if out.finished:
-                return
-
-    async def stream(rid, created, outputs, stops, prompt_tokens, chat, include_usage) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        detok = Detokenizer(tokenizer, stops)
-        finished = False
-
-        def chunk(delta: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                d: dict[str, Any] = (
-                    {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-                )
-                choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            body = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice]}
-            return f"data: {json.dumps(body)}\n\n"
-
+    async def progress(outputs, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
+        """Each output of the group's requests as ``(choice, new text)``,
+        until every choice is done; a choice whose stop string appears is
+        aborted, and so is every unfinished one if the caller goes away
+        (closes this generator)."""
+        by_id = {c.request_id: c for c in choices}
         try:
-            if chat:
-                yield chunk(None, None, first=True)
-            async for out in results(rid, outputs):
-                delta = detok.add(out.token_id)
-                if detok.stopped:
-                    engine.abort_nowait(rid)
-                    finished = True
-                    yield chunk(delta, "stop")
-                    break
-                finished = out.finished
-                if delta or finished:
-                    yield chunk(delta, out.finish_reason if finished else None)
-            if include_usage:
-                body = {
-                    "id": rid,
-                    "object": kind,
-                    "created": created,
-                    "model": model_name,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, len(detok.ids)),
-                }
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
+            while not all(c.done for c in choices):
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                choice = by_id[out.request_id]
+                if choice.done:
+                    continue  # queued before its stop string's abort
+                delta = choice.add(out)
+                if choice.done and not out.finished:
+                    engine.abort_nowait(choice.request_id)
+                yield choice, delta
         finally:
-            if not finished:  # the client went away: free its blocks now
-                engine.abort_nowait(rid)
+            for c in choices:
+                if not c.done:  # the client went away: free its blocks now
+                    engine.abort_nowait(c.request_id)
+
+    def format_logprobs(entries: list[tuple[int, int, TokenLogprobs]], chat: bool, base: int) -> dict[str, Any]:
+        """OpenAI's log-probabilities of ``entries``: chat's ``content``
+        list, or the completions API's four parallel lists (offsets from
+        ``base``, the echoed prompt's length)."""
+        if chat:
+
+            def one(token_id: int, logprob: float) -> dict[str, Any]:
+                text = token_text(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+            content = [
+                {**one(t, lp.logprob), "top_logprobs": [one(top, v) for top, v in lp.top]} for t, _, lp in entries
+            ]
+            return {"content": content, "refusal": None}
+        tops = []
+        for t, _, lp in entries:
+            top = {token_text(top_id): v for top_id, v in lp.top}
+            top.setdefault(token_text(t), lp.logprob)
+            tops.append(top)
+        return {
+            "tokens": [token_text(t) for t, _, _ in entries],
+            "token_logprobs": [lp.logprob for _, _, lp in entries],
+            "top_logprobs": tops,
+            "text_offset": [base + offset for _, offset, _ in entries],
+        }
+
+    async def stream(rid, created, outputs, choices, prompt_tokens, chat, include_usage, echo) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: Choice, delta: str | None, first: bool = False) -> str:
+            entries = choice.unsent_logprobs()
+            logprobs = format_logprobs(entries, chat, len(echo)) if entries else None
+            reason = None if first else choice.finish_reason
+            body: dict[str, Any] = {"index": choice.index, "finish_reason": reason, "logprobs": logprobs}
+            if chat:
+                body["delta"] = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+            else:
+                body["text"] = delta or ""
+            data = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [body]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        for c in choices:
+            if chat:
+                yield chunk(c, None, first=True)
+            elif echo:
+                yield chunk(c, echo, first=True)
+        async with contextlib.aclosing(progress(outputs, choices)) as events:
+            async for choice, delta in events:
+                if delta or choice.done:
+                    yield chunk(choice, delta)
+        if include_usage:
+            data = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": model_name,
+                "choices": [],
+                "usage": usage(prompt_tokens, sum(len(c.detok.ids) for c in choices)),
+            }
+            yield f"data: {json.dumps(data)}\n\n"
+        yield "data: [DONE]\n\n"
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         return {
@@ -209,22 +335,66 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
         if bad:
             return bad
         prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if any(not 0 <= t < core.runner.vocab_size for t in prompt):
-            return error(400, f"prompt token ids must lie in [0, {core.runner.vocab_size})", param="prompt")
-        return await serve(body, http, prompt, body.max_tokens, chat=False)
+        bad = check_ids(prompt, "prompt")
+        if bad:
+            return bad
+        if body.echo and body.logprobs is not None:
+            return error(
+                400,
+                "echo with logprobs needs the prompt's log-probabilities, which this server does not compute",
+                param="echo",
+            )
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt)
+        return await serve(body, http, prompt, body.max_tokens, chat=False, logprobs=body.logprobs, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         bad = check_model(body.model)
         if bad:
             return bad
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages
-            return error(400, f"the chat template refused the messages: {str(exc).splitlines()[0]}", param="messages")
-        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return await serve(body, http, prompt, body.max_completion_tokens or body.max_tokens, chat=True)
+            prompt = chat_ids(body.messages)
+        except ValueError as exc:
+            return error(400, str(exc), param="messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await serve(
+            body, http, prompt, body.max_completion_tokens or body.max_tokens, chat=True, logprobs=logprobs
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: a prompt as ``/v1/completions`` encodes it, or messages as
+        ``/v1/chat/completions`` renders them."""
+        bad = check_model(body.model)
+        if bad:
+            return bad
+        if body.messages is not None:
+            if body.add_special_tokens:
+                return error(
+                    400,
+                    "add_special_tokens applies to a prompt; the chat template places messages' own",
+                    param="add_special_tokens",
+                )
+            try:
+                ids = chat_ids(body.messages, body.add_generation_prompt)
+            except ValueError as exc:
+                return error(400, str(exc), param="messages")
+        else:
+            assert body.prompt is not None
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return {
+            "count": len(ids),
+            "max_model_len": core.max_model_len,
+            "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        bad = check_model(body.model) or check_ids(body.tokens, "tokens")
+        if bad:
+            return bad
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models():
@@ -236,7 +406,7 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
                     "object": "model",
                     "created": 0,
                     "owned_by": "sagellm",
-                    "max_model_len": context_limit,
+                    "max_model_len": core.max_model_len,
                 }
             ],
         }

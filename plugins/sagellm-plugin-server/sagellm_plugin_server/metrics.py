@@ -80,6 +80,12 @@ class ServerMetrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000),
             registry=self.registry,
         )
+        self.params_n = Histogram(
+            "sagellm:request_params_n",
+            "The n (choices) of each completion request.",
+            buckets=(1, 2, 5, 10, 20),
+            registry=self.registry,
+        )
         self.success: dict[str, int] = {}
         self._snapshot: dict[str, Any] = {}
         self.registry.register(self)

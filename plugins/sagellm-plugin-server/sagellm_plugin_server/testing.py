@@ -1,6 +1,6 @@
 """Helpers for tests against a live ``sagellm serve`` (this project's, or a
 plugin author's): start one on 127.0.0.1 on a free port, wait until healthy,
-end it."""
+end it; talk to it with the openai client, read its metrics and KV stats."""
 
 import socket
 import subprocess
@@ -66,3 +66,26 @@ def server_config(folder: Path, model: Path, max_waiting: int = 4096, max_num_se
         max_num_batched_tokens=256,
         extra=f'[server]\nmax_waiting = {max_waiting}\nmodel_name = "tiny"\n',
     )
+
+
+def client(server: Server):
+    """The official openai client on ``server`` (the ``test`` extra installs it)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """``/metrics`` parsed: each sample's value, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def kv(server: Server, check: bool = False) -> dict:
+    """``/kv/stats``; with ``check``, the runtime's invariants too."""
+    return httpx.get(f"{server.url}/kv/stats", params={"check_invariants": check}).json()

@@ -7,29 +7,11 @@ import random
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from sagellm_plugin_server.testing import Server, server_config
+from sagellm_plugin_server.testing import Server, client, kv, metrics, server_config
 from sagellm_plugin_torch import testing
 from sagellm_plugin_torch.engine import SamplingParams
 
 from sagellm_core.types import Request
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def metrics(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def kv(server, check: bool = False) -> dict:
-    return httpx.get(f"{server.url}/kv/stats", params={"check_invariants": check}).json()
 
 
 def test_completions_equal_the_engines_offline_greedy_output(server, tiny_model_dir, tmp_path):
@@ -111,7 +93,13 @@ def test_a_tenant_header_reaches_the_runtime(server):
         ({"model": "gpt-4", "prompt": "w5"}, 404, "does not exist"),
         ({"model": "tiny", "prompt": " ".join(["w9"] * 1100), "max_tokens": 1}, 400, "tokens"),
         ({"model": "tiny", "prompt": "w5", "best_of": 3}, 400, "best_of"),
-        ({"model": "tiny", "prompt": "w5", "n": 2}, 400, "n = 2"),
+        ({"model": "tiny", "prompt": "w5", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+        ({"model": "tiny", "prompt": "w5", "n": 5000}, 400, "n = 5000: more than [server] max_waiting"),
+        ({"model": "tiny", "prompt": "w5", "tools": []}, 400, "tools: this server does not support this field"),
+        ({"model": "tiny", "prompt": "w5", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
+        ({"model": "tiny", "prompt": "w5", "echo": True, "logprobs": 1}, 400, "prompt's log-probabilities"),
+        ({"model": "tiny", "prompt": "w5", "top_k": -2}, 400, "top_k"),
+        ({"model": "tiny", "prompt": "w5", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"model": "tiny", "prompt": [5, 999]}, 400, "token ids"),
     ],
 )

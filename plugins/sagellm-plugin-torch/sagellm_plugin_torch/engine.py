@@ -9,8 +9,10 @@ the outputs applied), and this engine is its executor:
 * it turns the runtime's block ids into slot mappings and block tables, and
   runs the model (:class:`~.runner.ModelRunner`) over the flat run of
   scheduled tokens: prefill chunks and decodes in one batch;
-* a request whose scheduled tokens are all in KV samples its next token,
-  which ends it at an end-of-sequence or stop token.
+* a request whose scheduled tokens are all in KV samples its next token
+  (:mod:`.sampling`, on the logits' device; the runner's argmax where every
+  sampled row is plainly greedy), which ends it at an end-of-sequence or
+  stop token.
 
 A block id is a row of the real KV tensor; evictions, host offload and
 reload (``[transport] offload_evicted``) move real K/V bytes.
@@ -19,7 +21,7 @@ reload (``[transport] offload_evicted``) move real K/V bytes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import torch
@@ -32,12 +34,13 @@ from sagellm_core.drivers.step_engine import StepOutput as StepOutput  # what th
 from sagellm_core.drivers.step_scheduler import PackedStep
 from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.registry import PluginContext
-from sagellm_core.runtime import Runtime, blocks_for
+from sagellm_core.runtime import Runtime
 from sagellm_core.types import KVCaches, Request, SequenceState
 
 from . import models
 from .devices import TorchDevice, load_device
 from .runner import KVShape, ModelRunner, size_pool
+from .sampling import Sampler, SamplingParams, SequenceSampling, TokenLogprobs
 
 
 @frozen
@@ -68,18 +71,6 @@ class TorchSettings:
     mode: str = field(default="timed", validator=validators.in_(("timed",)))
 
 
-@frozen
-class SamplingParams:
-    #: Tokens to generate at most (the request's ``output_tokens``).
-    max_tokens: int = 16
-    #: 0: greedy.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-
 @attrs.define(eq=False)
 class _Sequence:
     state: SequenceState
@@ -89,7 +80,9 @@ class _Sequence:
     tokens: list[int]
     generated: list[int]
     sampling: SamplingParams
-    generator: torch.Generator | None
+    sampler_state: SequenceSampling
+    #: The runner's argmax is its next token (:attr:`SamplingParams.plain_greedy`).
+    plain_greedy: bool
 
 
 def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_size: int, num_blocks: int) -> None:
@@ -143,9 +136,14 @@ class EngineCore(StepEngine):
         model, self.tokenizer = models.load(settings.model, settings.dtype)
         check_kv_fits(self.device, model.config, settings, rt.block_size, rt.num_blocks)
         context = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        #: The longest prompt plus output a request may have: the model's
-        #: context, or less where ``max_model_len`` says.
-        self.max_model_len = min(settings.max_model_len or context, context)
+        pool = rt.num_blocks * rt.block_size
+        #: The longest prompt plus output a request may have: the least of the
+        #: model's context, ``max_model_len`` where set, and the KV pool.
+        self.max_model_len = min(settings.max_model_len or context, context, pool)
+        self._max_model_len_why = (
+            f"the least of the model's context ({context}), the KV pool ({rt.num_blocks} blocks of {rt.block_size})"
+            + (f" and [engine] max_model_len ({settings.max_model_len})" if settings.max_model_len else "")
+        )
         self.runner = ModelRunner(
             model,
             self.device,
@@ -153,10 +151,13 @@ class EngineCore(StepEngine):
             rt.block_size,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
-            max_model_len=min(self.max_model_len, rt.num_blocks * rt.block_size),
+            max_model_len=self.max_model_len,
             graphs=settings.cuda_graphs,
         )
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
+        self.sampler = Sampler(self.runner.vocab_size)
+        #: The sampled tokens' log-probabilities of the step being applied, in step order.
+        self._step_logprobs: list[TokenLogprobs | None] = []
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self._seqs: dict[str, _Sequence] = {}
@@ -180,30 +181,21 @@ class EngineCore(StepEngine):
             raise RequestError(f"request {rid}: empty prompt")
         if sampling.max_tokens < 1:
             raise RequestError(f"request {rid}: max_tokens {sampling.max_tokens}: at least 1")
-        total = n + sampling.max_tokens
-        if total > self.max_model_len:
+        if n + sampling.max_tokens > self.max_model_len:
             raise RequestError(
-                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens exceed the model's"
-                f" context of {self.max_model_len}"
-            )
-        if blocks_for(total, self.rt.block_size) > self.rt.num_blocks:
-            raise RequestError(
-                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens need"
-                f" {blocks_for(total, self.rt.block_size)} blocks; the pool has {self.rt.num_blocks}"
+                f"request {rid}: {n} prompt + {sampling.max_tokens} output tokens exceed max_model_len"
+                f" {self.max_model_len} ({self._max_model_len_why})"
             )
         vocab = self.runner.vocab_size
         tokens = [t % vocab for t in request.prompt_token_ids]
-        generator = None
-        if sampling.temperature > 0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(sampling.seed if sampling.seed is not None else hash(rid) & 0xFFFFFFFF)
         self.rt.set_time(self.clock())
         # The request's output is its max_tokens: the step loop ends it there.
         request = attrs.evolve(
             request, arrival_s=self.rt.now_s if arrival_s is None else arrival_s, output_tokens=sampling.max_tokens
         )
         state = self.arrive(request)
-        self._seqs[rid] = _Sequence(state, tokens, [], sampling, generator)
+        sampler_state = self.sampler.track(sampling, tokens[:n])
+        self._seqs[rid] = _Sequence(state, tokens, [], sampling, sampler_state, sampling.plain_greedy)
 
     # --------------------------------------------------------------- step --
 
@@ -217,7 +209,7 @@ class EngineCore(StepEngine):
         return self._seqs[state.request_id].generated
 
     def ended(self, state: SequenceState) -> None:
-        del self._seqs[state.request_id]
+        self.sampler.release(self._seqs.pop(state.request_id).sampler_state)
 
     def execute(self, step: PackedStep) -> list[int]:
         chunks = step.plan().chunks
@@ -241,27 +233,19 @@ class EngineCore(StepEngine):
                 if sample:
                     sampled.append(seq)
         logits, greedy = runner.execute()
-        if all(seq.sampling.temperature <= 0 for seq in sampled):
-            next_tokens: list[int] = greedy.tolist()  # the step's one synchronisation
-        else:
-            next_tokens = self._sample(logits, sampled)
+        if all(seq.plain_greedy for seq in sampled):
+            self._step_logprobs = []
+            return greedy.tolist()  # the step's one synchronisation
+        next_tokens, self._step_logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
         return next_tokens
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, seq in enumerate(seqs):
-            p = seq.sampling
-            if p.temperature <= 0:
-                out.append(greedy[i])
-                continue
-            probs = torch.softmax(logits[i].cpu() / p.temperature, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-            out.append(int(torch.multinomial(probs, 1, generator=seq.generator)))
-        return out
+    def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
+        outputs = super().apply_outputs(step, tokens, now)
+        if any(self._step_logprobs):  # one output per sampled token, in step order
+            outputs = [
+                o if lp is None else attrs.evolve(o, logprobs=lp) for o, lp in zip(outputs, self._step_logprobs)
+            ]
+        return outputs
 
     def sampled(self, state: SequenceState, token_id: int) -> str | None:
         seq = self._seqs[state.request_id]

@@ -114,9 +114,10 @@ def requests(prompts: list[list[int]], max_tokens: int, prefix: str = "r") -> li
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def hf_generate(model, prompts: list[list[int]], max_tokens: int, **options) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time (no padding),
-    stopping at end-of-sequence as the engine does."""
+    stopping at end-of-sequence as the engine does; ``options`` go to
+    ``generate`` (``repetition_penalty``, ``logits_processor``)."""
     out = []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
@@ -126,6 +127,7 @@ def hf_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[i
             max_new_tokens=max_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id,
+            **options,
         )
         out.append(result[0, len(prompt) :].tolist())
     return out
@@ -143,10 +145,12 @@ def save_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     num_layers: int = 2,
+    tokenizer=None,
 ) -> Path:
     """Save a tiny random-weight model of ``model_type`` (llama, mistral,
     qwen2, qwen3; seeded) with a word-level tokenizer (``w0`` .. ``w127``)
-    and a chat template as a Hugging Face checkpoint folder; return it."""
+    and a chat template, or with ``tokenizer`` (a transformers tokenizer,
+    its vocabulary the model's), as a Hugging Face checkpoint folder; return it."""
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers import models as tokenizer_models
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -157,18 +161,21 @@ def save_tiny_model(
         extra["head_dim"] = hidden_size // num_heads
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=128,
+        vocab_size=128 if tokenizer is None else len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
-        eos_token_id=127,
-        bos_token_id=1,
+        eos_token_id=127 if tokenizer is None else tokenizer.eos_token_id,
+        bos_token_id=1 if tokenizer is None else tokenizer.bos_token_id,
         **extra,
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+        return folder
     raw = Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="w127", unk_token="w0")

@@ -40,9 +40,9 @@ def snapshot(core):
     "prompt, max_tokens, words",
     [
         ([], 4, "empty prompt"),
-        (list(range(2, 66)), 4, "the pool has 16"),  # 68 tokens need 17 blocks of 4
+        # 68 tokens need 17 blocks of 4: the pool bounds max_model_len.
+        (list(range(2, 66)), 4, "exceed max_model_len 64 (the least of the model's context (512), the KV pool (16"),
         ([3, 4, 5], 0, "max_tokens 0"),
-        ([3] * 500, 100, "exceed the model's context of 512"),
     ],
 )
 def test_a_request_that_cannot_be_served_is_refused_and_changes_nothing(tiny_core, prompt, max_tokens, words):
@@ -52,6 +52,20 @@ def test_a_request_that_cannot_be_served_is_refused_and_changes_nothing(tiny_cor
     assert words in str(err.value) and "\n" not in str(err.value)
     assert snapshot(tiny_core) == before
     tiny_core.rt.check_invariants()
+
+
+def test_max_model_len_is_the_least_of_the_context_the_setting_and_the_pool(tmp_path, tiny_model_dir):
+    def core(num_blocks: int, **settings):
+        path = helpers.write_config(tmp_path, model=str(tiny_model_dir), num_blocks=num_blocks, block_size=4)
+        return helpers.engine_core(path, **settings)
+
+    assert core(16).max_model_len == 64  # the pool
+    assert core(256).max_model_len == 512  # the model's context
+    limited = core(256, max_model_len=40)
+    assert limited.max_model_len == 40
+    with pytest.raises(RequestError, match=r"exceed max_model_len 40 \(.*\[engine\] max_model_len \(40\)\)"):
+        limited.add_request(Request("long", [3] * 30, 11))
+    limited.add_request(Request("fits", [3] * 30, 10))
 
 
 def test_a_missing_model_is_one_line(tmp_path):
