@@ -154,6 +154,10 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         torch.cuda.synchronize()
         contexts = []
         timed = steps - 16
+        # The GPU's own time per step, between events around the runner's
+        # launch (the rest of a step is the host's: scheduling, inputs, outputs).
+        events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        core.runner.execute = with_gpu_events(core.runner.execute, events)
         start = time.perf_counter()
         before = core.batched_tokens
         for _ in range(timed):
@@ -162,6 +166,7 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
             assert len(produced) == batch, f"batch {batch}: a timed step sampled {len(produced)} sequences"
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / timed
+        gpu = sum(begin.elapsed_time(end) for begin, end in events) / 1e3 / timed
         decoded = core.batched_tokens - before
         assert decoded == batch * timed, f"batch {batch}: the timed steps were meant to decode only ({decoded} tokens)"
         kv_read = statistics.mean(contexts) * kv_per_token
@@ -171,6 +176,7 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
                 "batch": batch,
                 "mean_context": statistics.mean(contexts) / batch,
                 "step_ms": wall * 1e3,
+                "gpu_ms": gpu * 1e3,
                 "limit_ms": limit * 1e3,
                 "ratio_to_limit": wall / limit,
                 "weights_gb": weights / 1e9,
@@ -180,7 +186,8 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         )
         print(
             f"decode batch {r['batch']:>3} (context ~{r['mean_context']:.0f}): {r['step_ms']:.2f} ms"
-            f" a step, limit {r['limit_ms']:.2f} ms ({r['weights_gb']:.2f} GB weights + {r['kv_gb']:.2f} GB KV):"
+            f" a step ({r['gpu_ms']:.2f} on the GPU), limit {r['limit_ms']:.2f} ms"
+            f" ({r['weights_gb']:.2f} GB weights + {r['kv_gb']:.2f} GB KV):"
             f" {r['ratio_to_limit']:.2f}x the limit",
             flush=True,
         )
@@ -188,6 +195,20 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         gc.collect()
         torch.cuda.empty_cache()
     return rows
+
+
+def with_gpu_events(launch, events: list):
+    """``launch`` with CUDA events recorded around it into ``events``."""
+
+    def run():
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        result = launch()
+        end.record()
+        events.append((begin, end))
+        return result
+
+    return run
 
 
 def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 20) -> list[dict]:

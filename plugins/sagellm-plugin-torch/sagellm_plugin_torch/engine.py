@@ -83,6 +83,8 @@ class _Sequence:
     sampler_state: SequenceSampling
     #: The runner's argmax is its next token (:attr:`SamplingParams.plain_greedy`).
     plain_greedy: bool
+    #: The tokens that end it: end-of-sequence and its stop tokens (none with ``ignore_eos``).
+    stops: frozenset[int]
 
 
 def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_size: int, num_blocks: int) -> None:
@@ -195,7 +197,8 @@ class EngineCore(StepEngine):
         )
         state = self.arrive(request)
         sampler_state = self.sampler.track(sampling, tokens[:n])
-        self._seqs[rid] = _Sequence(state, tokens, [], sampling, sampler_state, sampling.plain_greedy)
+        stops = frozenset() if sampling.ignore_eos else self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        self._seqs[rid] = _Sequence(state, tokens, [], sampling, sampler_state, sampling.plain_greedy, stops)
 
     # --------------------------------------------------------------- step --
 
@@ -212,24 +215,22 @@ class EngineCore(StepEngine):
         self.sampler.release(self._seqs.pop(state.request_id).sampler_state)
 
     def execute(self, step: PackedStep) -> list[int]:
-        chunks = step.plan().chunks
         runner = self.runner
         inputs = runner.begin_step()
         row_of = runner.tables.row
-        seqs = [self._seqs[chunk.request_id] for chunk in chunks]
-        if all(c.num_new_tokens == 1 and c.num_context_tokens == len(s.tokens) - 1 for c, s in zip(chunks, seqs)):
+        seqs = [self._seqs[state.request_id] for state in step.states]
+        # The step's lists, not chunk objects: at a batch of hundreds, a
+        # Python object per sequence per step is a share of the step's time.
+        context = step.context
+        if all(n == 1 for n in step.num_new) and all(c == len(s.tokens) - 1 for c, s in zip(context, seqs)):
             # Decodes only, as most steps are: the inputs written column by column.
-            positions = [c.num_context_tokens for c in chunks]
-            inputs.add_decodes(
-                [s.tokens[-1] for s in seqs], positions, [row_of(s.state.request_id, s.state.block_ids) for s in seqs]
-            )
+            rows = [row_of(s.state.request_id, s.state.block_ids) for s in seqs]
+            inputs.add_decodes([s.tokens[-1] for s in seqs], context, rows)
             sampled = seqs
         else:
             sampled = []
-            for chunk, seq in zip(chunks, seqs):
-                start, n = chunk.num_context_tokens, chunk.num_new_tokens
-                sample = start + n >= len(seq.tokens)
-                inputs.add(seq.tokens, start, n, row_of(chunk.request_id, seq.state.block_ids), sample)
+            for seq, start, n, sample in zip(seqs, context, step.num_new, step.completes):
+                inputs.add(seq.tokens, start, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
                 if sample:
                     sampled.append(seq)
         logits, greedy = runner.execute()
@@ -242,9 +243,7 @@ class EngineCore(StepEngine):
     def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
         outputs = super().apply_outputs(step, tokens, now)
         if any(self._step_logprobs):  # one output per sampled token, in step order
-            outputs = [
-                o if lp is None else attrs.evolve(o, logprobs=lp) for o, lp in zip(outputs, self._step_logprobs)
-            ]
+            outputs = [o if lp is None else attrs.evolve(o, logprobs=lp) for o, lp in zip(outputs, self._step_logprobs)]
         return outputs
 
     def sampled(self, state: SequenceState, token_id: int) -> str | None:
@@ -252,8 +251,7 @@ class EngineCore(StepEngine):
         seq.tokens.append(token_id)
         seq.generated.append(token_id)
         self.generated_tokens += 1
-        p = seq.sampling
-        if not p.ignore_eos and (token_id in self.eos_token_ids or token_id in p.stop_token_ids):
+        if seq.stops and token_id in seq.stops:
             return "stop"
         return None
 
