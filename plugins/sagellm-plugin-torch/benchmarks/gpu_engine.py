@@ -385,6 +385,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--parts", default="decode,throughput,ttft,bf16")
     parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -406,7 +407,7 @@ def main() -> int:
             rows = decode_rows(root, model_dir, bandwidth, [int(b) for b in args.batches.split(",")])
             shape_results["decode"] = rows
         if "profile" in parts:
-            rows = profile_decode(root, model_dir)
+            rows = profile_decode(root, model_dir, batch=args.profile_batch)
             shape_results["profile"] = rows
             for r in rows:
                 print(f"[{name}] profile {r['cuda_ms']:8.3f} ms/step {r['calls']:6d} calls  {r['name']}", flush=True)
