@@ -221,14 +221,18 @@ def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 
 
     core = engine(folder, model_dir, "bfloat16", num_blocks=batch * 50 + 64, max_num_seqs=batch, cache=False)
     for i, p in enumerate(random_prompts(batch, 512, core.runner.vocab_size, seed=3)):
-        core.add_request(Request(f"p{i}", p, steps + 16), SamplingParams(max_tokens=steps + 16, ignore_eos=True))
-    for _ in range(12):
-        core.step()  # prefill, first tokens, graphs captured
+        core.add_request(Request(f"p{i}", p, steps + 64), SamplingParams(max_tokens=steps + 64, ignore_eos=True))
+    while any(s.num_output_tokens == 0 for s in [*core.waiting, *core.running]):
+        core.step()  # prefill, each sequence's first token
+    for _ in range(4):
+        core.step()
     torch.cuda.synchronize()
+    before = core.batched_tokens
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             core.step()
         torch.cuda.synchronize()
+    assert core.batched_tokens - before == batch * steps, "the profiled steps were meant to decode only"
     rows = []
     for event in prof.key_averages():
         if event.device_time_total > 0:
