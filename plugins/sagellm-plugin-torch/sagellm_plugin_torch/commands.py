@@ -21,13 +21,14 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    from sagellm_core.cli import single_overrides
     from sagellm_core.drivers.engines import build_engine, sized_pool
     from sagellm_core.replay import session
     from sagellm_core.runtime import Runtime
 
     from .engine import SamplingParams, TorchEngine
 
-    settings = session.load_settings(args.config)
+    settings = session.load_settings(args.config, overrides=single_overrides(args))
     engine, _ = build_engine(settings)
     if not isinstance(engine, TorchEngine):
         raise ConfigError(
@@ -60,4 +61,7 @@ def sagellm_register_commands(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, not through the chat template")
+    from sagellm_core.cli import add_set_option
+
+    add_set_option(p)
     p.set_defaults(func=cmd_generate)

@@ -181,6 +181,14 @@ def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
     core = helpers.engine_core(path)
     offline = core.generate([Request("x", [5, 6, 7], 3)])["x"]
     assert gen.stdout.strip() == core.tokenizer.decode(offline, skip_special_tokens=True).strip()
+    # --set reaches generate's config: a max_model_len below prompt + output refuses the request.
+    short = subprocess.run(
+        [sys.executable, "-m", "sagellm_core.cli", "generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw"]
+        + ["--max-tokens", "3", "--set", "engine.max_model_len=5"],
+        capture_output=True,
+        text=True,
+    )
+    assert short.returncode == 2 and "exceed max_model_len 5" in short.stderr
 
 
 def test_a_request_arrives_when_it_is_added(tiny_core):
