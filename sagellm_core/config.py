@@ -25,7 +25,7 @@ from sagellm_core.parts.sections import LimitsSettings
 #: distribution declares (``sagellm.sections``: its name, and the attrs
 #: class its keys fill, checked by the type of each field's default).
 SECTIONS = (
-    *("engine", "prefix_cache", "kv_pool", "eviction", "lifetime", "scheduler", "admission", "transport"),
+    *("engine", "prefix_cache", "kv_pool", "eviction", "lifetime", "scheduler", "admission", "transport", "router"),
     *("workload", "report", "instance", "limits"),
 )
 SECTION_GROUP = "sagellm.sections"
@@ -164,6 +164,8 @@ class Settings:
     report: ReportSettings
     limits: LimitsSettings = LimitsSettings()
     instance: InstanceSettings = InstanceSettings()
+    #: The routing decision across a cluster's instances (an engine that runs several reads it).
+    router: Selection | None = None
     #: The declared sections the file has, by name: their settings.
     sections: dict[str, Any] = attrs.field(factory=dict)
 
@@ -305,6 +307,7 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         report=_typed(tables.get("report"), ReportSettings),
         limits=_typed(tables.get("limits"), LimitsSettings),
         instance=_typed(tables.get("instance"), InstanceSettings),
+        router=_single(tables.get("router")),
         sections={section: _typed(tables[section], cls) for section, cls in declared.items()},
     )
 

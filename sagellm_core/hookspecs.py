@@ -32,6 +32,7 @@ from sagellm_core.types import (
     CachedBlock,
     EvictionCandidates,
     EvictionDecision,
+    InstanceLoad,
     KVCaches,
     LifetimePrediction,
     PoolUsage,
@@ -40,6 +41,7 @@ from sagellm_core.types import (
     PrefixMatch,
     Request,
     RequestOutcome,
+    RouteDecision,
     ScheduleIR,
     SequenceState,
     TenantLedger,
@@ -223,6 +225,24 @@ def sagellm_admit_request(state: SequenceState, ledger: TenantLedger, now_s: flo
 def sagellm_transfer_blocks(plan: TransferPlan) -> TransferResult | None:
     """Carry out ``plan``. A failed transfer returns ``ok=False`` with an error
     rather than raising; the runtime counts it and goes on without the copy."""
+
+
+# --------------------------------------------------------------------------
+# 7. Routing: which instance of a cluster serves a request.
+#    Served by a `sagellm.router` plugin.
+# --------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sagellm_route_request(request: Request, instances: Sequence[InstanceLoad], now_s: float) -> RouteDecision | None:
+    """Choose the instance that computes ``request``'s prompt (a
+    ``colocated`` or ``prefill`` one of ``instances``) and, if it is a
+    prefill instance, the ``decode`` instance its KV goes to. ``instances``
+    are every instance of the cluster as the router sees them now: the work
+    queued on each, and how many of this prompt's blocks each holds (from
+    the KV events they publish; zero on all while the router's index is
+    degraded by a gap in them, so that a stale index attracts nothing).
+    Asked once per request, at arrival, by the cluster's front."""
 
 
 # --------------------------------------------------------------------------

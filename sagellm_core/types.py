@@ -382,3 +382,31 @@ class RequestOutcome:
         if self.num_output_tokens < 2:
             return None
         return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+@frozen
+class InstanceLoad:
+    """One instance of a cluster as the routing decision sees it."""
+
+    instance_id: str
+    #: ``colocated``, ``prefill`` or ``decode``.
+    role: str
+    #: Prompt tokens queued there to prefill (waiting, and the rest of those mid-prefill).
+    prefill_tokens: int
+    #: Requests decoding there, and the tokens in their KV (its decode load).
+    decode_requests: int
+    decode_tokens: int
+    #: This prompt's leading blocks in its device cache, then the next ones
+    #: in its lower tiers (loadable instead of computed); both 0 while the
+    #: router's index is degraded.
+    cached_blocks: int = 0
+    lower_tier_blocks: int = 0
+
+
+@frozen
+class RouteDecision:
+    """Where a request goes: the instance that computes its prompt, and
+    (with separate decode instances) the one its KV goes to."""
+
+    instance_id: str
+    decode_instance_id: str | None = None

@@ -20,6 +20,7 @@ from rich.table import Table
 from sagellm_core import __version__, hookspecs, registry
 from sagellm_core.config import Selection, Settings
 from sagellm_core.drivers.engines import build_engine
+from sagellm_core.drivers.router import Router
 from sagellm_core.errors import ConfigError, SagellmError
 from sagellm_core.replay import report, session
 
@@ -265,6 +266,12 @@ def check_config(settings: Settings) -> list[str]:
             lines.append(
                 f"  {section} {p.selection.name!r}: {p.info.distribution} {p.info.version} ({p.info.value}){params}"
             )
+    if settings.router is not None:  # asked by an engine that runs several instances, not by the runtime
+        info, params = Router(settings).info, settings.router.params
+        lines.append(
+            f"  router {settings.router.name!r}: {info.distribution} {info.version} ({info.value})"
+            + (f" {params}" if params else "")
+        )
     resolved = attrs.asdict(engine_settings) if attrs.has(type(engine_settings)) else engine_settings
     lines.append(f"  engine {settings.engine.name!r}: {resolved}")
     for field in attrs.fields(type(settings)):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from sagellm_core.parts.counters import Counters
 from sagellm_core.types import PoolUsage, RequestOutcome
 
 if TYPE_CHECKING:
@@ -43,6 +44,11 @@ class Recorder:
     #: The engine's prefill cost: (FLOPs per token, FLOPs per causal token
     #: pair), for the share of prefill compute that cache hits saved.
     prefill_flops: tuple[float, float] | None = None
+    #: An engine that runs several runtimes (a cluster) counts the run
+    #: here, in place of the runtime's counters; and what the report's
+    #: ``cluster`` section shows (its instances, transfers, goodput).
+    counters: Counters | None = None
+    cluster: dict[str, Any] | None = None
     max_samples: int = 2000
     _every: int = 1
     _events: int = 0

@@ -73,6 +73,17 @@ def _fewer_collections() -> Iterator[None]:
             gc.unfreeze()
 
 
+def cost_model(settings: ReplaySettings) -> CostModel:
+    """The roofline ``settings`` describe: their hardware, model and efficiencies."""
+    return CostModel(
+        HARDWARE[settings.hardware],
+        MODELS[settings.model],
+        settings.flops_efficiency,
+        settings.bandwidth_efficiency,
+        settings.step_overhead_s,
+    )
+
+
 class ReplayEngine:
     """The embedded default engine."""
 
@@ -82,13 +93,7 @@ class ReplayEngine:
 
     def __init__(self, settings: ReplaySettings, context: PluginContext):
         self.settings = settings
-        self.cost = CostModel(
-            HARDWARE[settings.hardware],
-            MODELS[settings.model],
-            settings.flops_efficiency,
-            settings.bandwidth_efficiency,
-            settings.step_overhead_s,
-        )
+        self.cost = cost_model(settings)
 
     def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
         recorder = Recorder(prefill_flops=(self.cost.model.flops_per_token, self.cost.model.flops_per_token_pair))

@@ -46,7 +46,7 @@ def jain_index(values: Sequence[float]) -> float | None:
 def build(
     rt: Runtime, recorder: Recorder, mode: str, wall_s: float, label: str, read: int | None = None
 ) -> dict[str, Any]:
-    c = rt.counters
+    c = rt.counters if recorder.counters is None else recorder.counters
     sim = recorder.simulated_s
     span = sim - (recorder.first_arrival_s if recorder.finished else 0.0)
     output_tokens = recorder.output_tokens
@@ -119,6 +119,7 @@ def build(
             "bytes_per_s": round(c.transferred_bytes / c.transfer_s) if c.transfer_s > 0 else None,
         },
         "hooks": summarise(rt.timer) if rt.timer else {},
+        **({"cluster": recorder.cluster} if recorder.cluster is not None else {}),
     }
 
 
@@ -182,6 +183,38 @@ ROWS: list[tuple[str, str, str]] = [
 ]
 
 
+# A cluster's figures (``cluster`` in a report), and its per-instance rows.
+CLUSTER_ROWS: list[tuple[str, str, str]] = [
+    ("cluster.router", "router", "{}"),
+    ("cluster.slo_attainment", "SLO attainment (TTFT and TPOT)", "{:.1%}"),
+    ("cluster.ttft_attainment", "TTFT SLO attainment", "{:.1%}"),
+    ("cluster.tpot_attainment", "TPOT SLO attainment", "{:.1%}"),
+    ("cluster.goodput_requests_per_s", "goodput (req/s within SLO)", "{:.3f}"),
+    ("cluster.goodput_per_instance", "goodput per instance (req/s)", "{:.3f}"),
+    ("cluster.kv_transfers", "KV handed to decode", "{:,}"),
+    ("cluster.kv_bytes", "KV bytes handed to decode", "{:,}"),
+    ("cluster.kv_transfer_s_mean", "KV transfer mean (ms)", "ms"),
+    ("cluster.routing.cached", "routed with the prompt cached somewhere", "{:,}"),
+    ("cluster.routing.degraded", "routed with a degraded index", "{:,}"),
+    ("cluster.events.gaps", "KV event gaps", "{:,}"),
+]
+INSTANCE_COLUMNS: list[tuple[str, str, str]] = [
+    ("instance", "instance", "{}"),
+    ("role", "role", "{}"),
+    ("requests", "requests", "{:,}"),
+    ("block_hit_rate", "block hit rate", "{:.4f}"),
+    ("prefill_tokens", "prefill tokens", "{:,}"),
+    ("preemptions", "preemptions", "{:,}"),
+    ("busy", "busy", "{:.1%}"),
+    ("pool_utilisation_mean", "pool used (mean)", "{:.1%}"),
+    ("kv_blocks", "KV blocks moved", "{:,}"),
+]
+
+
+def instance_rows(report: dict) -> list[list[str]]:
+    return [[_fmt(row.get(key), fmt) for key, _, fmt in INSTANCE_COLUMNS] for row in report["cluster"]["instances"]]
+
+
 def _get(report: dict, key: str) -> Any:
     value: Any = report
     for part in key.split("."):
@@ -227,6 +260,22 @@ def print_reports(reports: Sequence[dict], console: Console | None = None) -> No
     for row in figure_rows(reports):
         table.add_row(*row)
     console.print(table)
+    clusters = [r for r in reports if "cluster" in r]
+    if clusters:
+        summary = Table(title="cluster")
+        summary.add_column("figure")
+        for r in clusters:
+            summary.add_column(r["label"], justify="right")
+        for key, label, fmt in CLUSTER_ROWS:
+            summary.add_row(label, *(_fmt(_get(r, key), fmt) for r in clusters))
+        console.print(summary)
+        for r in clusters:
+            instances = Table(title=f"{r['label']}: instances")
+            for i, (_, label, _) in enumerate(INSTANCE_COLUMNS):
+                instances.add_column(label, justify="left" if i < 2 else "right")
+            for row in instance_rows(r):
+                instances.add_row(*row)
+            console.print(instances)
     for r in reports:
         if r.get("lifetime_failure"):
             console.print(
@@ -246,6 +295,10 @@ def markdown(reports: Sequence[dict]) -> str:
     lines = ["| figure | " + " | ".join(r["label"] for r in reports) + " |"]
     lines.append("|---|" + "---:|" * len(reports))
     lines += ["| " + " | ".join(row) + " |" for row in figure_rows(reports)]
+    for r in (r for r in reports if "cluster" in r):
+        lines += ["", "| " + " | ".join(label for _, label, _ in INSTANCE_COLUMNS) + " |"]
+        lines += ["|---|---|" + "---:|" * (len(INSTANCE_COLUMNS) - 2)]
+        lines += ["| " + " | ".join(row) + " |" for row in instance_rows(r)]
     if len(reports) == 1 and reports[0]["hooks"]:
         lines += ["", "| " + " | ".join(HOOK_HEADER) + " |", "|---|" + "---:|" * (len(HOOK_HEADER) - 1)]
         lines += ["| " + " | ".join(row) + " |" for row in hook_rows(reports[0])]

@@ -88,12 +88,12 @@ class _Counted:
             yield request
 
 
-def _account(rt: Runtime, read: int, engine: str) -> None:
+def _account(rt: Runtime, recorder: Recorder, read: int, engine: str) -> None:
     """Every request read ends finished or rejected (counted, with a
     reason), and a run leaves its block accounting whole: a plugin that
     changed state it does not own (a pass editing a SequenceState) is
     caught here at the latest, not left to exit 0."""
-    c = rt.counters
+    c = rt.counters if recorder.counters is None else recorder.counters
     if c.requests_finished + c.requests_rejected != read:
         raise PluginError(
             f"engine {engine!r} read {read} requests but finished {c.requests_finished}"
@@ -124,6 +124,6 @@ def run(settings: Settings, *, label: str | None = None, progress: bool = False)
     else:
         recorder = engine.run(rt, requests)
     wall = time.perf_counter() - start
-    _account(rt, counted.read, settings.engine.name)
+    _account(rt, recorder, counted.read, settings.engine.name)
     mode = getattr(engine_settings, "mode", settings.engine.name)
     return RunResult(build(rt, recorder, mode, wall, label, counted.read), recorder, rt)

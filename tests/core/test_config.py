@@ -197,7 +197,10 @@ def test_session_range_must_be_a_range_within_0_and_1():
         ("[greeting]\nrepeat = -3\n", r"^good.toml: \[greeting\] repeat = -3: a non-negative integer$"),
         ('[greeting]\nrepeat = "many"\n', r"^good.toml: \[greeting\] repeat = 'many': a non-negative integer$"),
         ("[greeting]\nport = 8000\n", r"^good.toml: \[greeting\]: unknown key 'port'$"),
-        ("[greting]\nrepeat = 1\n", r"^good.toml: unknown section \[greting\]; accepted: engine, .*, limits, greeting"),
+        (
+            "[greting]\nrepeat = 1\n",
+            r"^good.toml: unknown section \[greting\]; accepted: engine, .*, limits, (.*, )?greeting",
+        ),
     ],
 )
 def test_a_section_an_installed_distribution_declares_is_checked_as_the_kernel_s(sections, section, words):

@@ -1,0 +1,1 @@
+"""sagellm clusters: routing, KV events, prefill/decode disaggregation."""
