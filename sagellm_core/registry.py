@@ -49,6 +49,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "scheduler": ("sagellm.scheduler_passes", "sagellm-plugin-scheduler-ir"),
     "admission": ("sagellm.admission", "sagellm-plugin-scheduler-ir"),
     "transport": ("sagellm.transport", "sagellm-plugin-kv-transport"),
+    "kv_stores": ("sagellm.kv_stores", "sagellm-plugin-kv-stores"),
 }
 
 

@@ -13,7 +13,7 @@ the outputs applied), and this engine is its executor:
   which ends it at an end-of-sequence or stop token.
 
 A block id is a row of the real KV tensor; evictions, host offload and
-reload (``[transport] offload_evicted``) move real K/V bytes.
+reload (``[kv_stores]``) move real K/V bytes.
 """
 
 from __future__ import annotations
@@ -98,6 +98,15 @@ def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_si
         )
 
 
+def weights_identity(spec: str) -> str:
+    """The model's weights as the KV stores' fingerprint names them: each
+    weights file's path, size and modification time (a checkpoint replaced
+    in place is another model to a store that outlives the process)."""
+    files = models.resolve(spec)
+    paths = [files.folder / files.gguf_file] if files.gguf_file else sorted(files.folder.glob("*.safetensors"))
+    return ";".join(f"{p}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in paths) or str(files.folder)
+
+
 class EngineCore(StepEngine):
     """The step loop on one runtime and one model. Not thread-safe: one
     caller drives it (the replay loop, a test, the server's engine thread)."""
@@ -126,7 +135,8 @@ class EngineCore(StepEngine):
             max_model_len=min(self.max_model_len, rt.num_blocks * rt.block_size),
             graphs=settings.cuda_graphs,
         )
-        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
+        identity = weights_identity(settings.model)  # in the KV fingerprint: never another model's blocks
+        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks, identity))
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self._seqs: dict[str, _Sequence] = {}
