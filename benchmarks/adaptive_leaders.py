@@ -30,7 +30,7 @@ def main(settings: list[str]) -> None:
         name, _, blocks = setting.partition(":")
         config = suite._settings(entries[name], where, suite.default_traces(), int(blocks), "adaptive")
         result = session.run(config)
-        (policy,) = [p.instance for p in result.runtime.plugins["eviction"]]
+        (policy,) = [p.instance for p in result.runtime.host.plugins["eviction"]]
         assert isinstance(policy, AdaptiveEviction)
         scores = ", ".join(f"{e.name} {s:,.1f}" for e, s in zip(policy.experts, policy.scores))
         first = ", ".join(f"{name} at {at:,}" for at, name in policy.switches[:6])

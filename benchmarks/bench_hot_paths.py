@@ -45,9 +45,9 @@ from sagellm_plugin_eviction.slo import SLOEviction
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext, hookspecs
+from sagellm_core.dispatch import Dispatch, PluginManager
 from sagellm_core.kit.testing import BlockIds, serve_prompt
-from sagellm_core.parts.dispatch import Dispatch, PluginManager
-from sagellm_core.parts.timing import HookTimer
+from sagellm_core.timing import HookTimer
 from sagellm_core.types import CachedBlock, PrefixMatch, Request, as_token_array, chain_key
 
 BS = 16

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             best = run(entry, where, traces, capacity, "belady").report["block_hit_rate"]
             WARM = None
             first = run(entry, where, traces, capacity, opts.policy)
-            policy = first.runtime.plugins["eviction"][0].instance
+            policy = first.runtime.host.plugins["eviction"][0].instance
             assert isinstance(policy, RevisitEviction), policy
             online = first.report["block_hit_rate"]
             WARM = {"weights": policy._weights, "bias": policy._bias}

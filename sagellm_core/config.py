@@ -19,13 +19,13 @@ from attrs import frozen
 
 from sagellm_core import registry
 from sagellm_core.errors import ConfigError
-from sagellm_core.parts.sections import LimitsSettings
 
 #: The sections the kernel reads. Any other names a section an installed
 #: distribution declares (``sagellm.sections``: its name, and the attrs
 #: class its keys fill, checked by the type of each field's default).
 SECTIONS = (
     *("engine", "prefix_cache", "kv_pool", "eviction", "lifetime", "scheduler", "admission", "transport", "router"),
+    "kv_stores",
     *("workload", "report", "instance", "limits"),
 )
 SECTION_GROUP = "sagellm.sections"
@@ -125,6 +125,35 @@ def _load(entry: metadata.EntryPoint, where: str) -> Any:
 
 
 @frozen
+class LimitsSettings:
+    #: Seconds one hook call (or KV store call) may run before it is stopped
+    #: and its plugin named (a SIGALRM watchdog on the main thread); 0: no limit.
+    hook_time_limit_s: float = 0.0
+
+
+@frozen
+class KVStoreSettings:
+    """``[kv_stores]``: the tiers below the device pool, fastest first."""
+
+    tiers: tuple[Selection, ...] = ()
+    #: Bytes of the rows stores copy when no engine has KV tensors (replay):
+    #: the runtime gives them a stand-in device pool of this row size.
+    bytes_per_block: int = 4096
+    #: Load a store's blocks only where the engine's costs (``LoadCosts``)
+    #: say loading them is faster than computing them; else recompute.
+    load_or_recompute: bool = True
+    #: Start moving a waiting request's blocks up from the stores when it
+    #: arrives (``prefetch``), so the copy overlaps its wait; a prefetch not
+    #: done this many seconds after arrival is given up (counted late).
+    prefetch: bool = False
+    prefetch_timeout_s: float = 1.0
+
+    def __attrs_post_init__(self) -> None:
+        if self.bytes_per_block < 1:
+            raise ValueError(f"bytes_per_block = {self.bytes_per_block!r}: a positive number of bytes")
+
+
+@frozen
 class ReportSettings:
     hook_timing: bool = True
 
@@ -159,13 +188,13 @@ class Settings:
     block_size: int
     #: Or "auto", until an engine that sizes its pool from memory resolves it (before a runtime is built).
     num_blocks: int
-    offload_evicted: bool
     workload: WorkloadSettings
     report: ReportSettings
     limits: LimitsSettings = LimitsSettings()
     instance: InstanceSettings = InstanceSettings()
     #: The routing decision across a cluster's instances (an engine that runs several reads it).
     router: Selection | None = None
+    kv_stores: KVStoreSettings = KVStoreSettings()
     #: The declared sections the file has, by name: their settings.
     sections: dict[str, Any] = attrs.field(factory=dict)
 
@@ -288,7 +317,6 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
     if prefix_cache is not None and eviction is None:
         raise ConfigError(f"{path}: [prefix_cache] is set but [eviction] is missing; a cache needs a victim policy")
     lifetime, lifetime_fallback = _lifetime(tables.get("lifetime"))
-    offload_evicted, transport = _transport(tables.get("transport"))
     return Settings(
         path=path,
         engine=_engine(tables.get("engine") or _Table(path, "engine", {})),
@@ -299,15 +327,15 @@ def parse(raw: dict[str, Any], path: str = "<config>") -> Settings:
         lifetime_fallback=lifetime_fallback,
         passes=_passes(path, tables.get("scheduler")),
         admission=_single(tables.get("admission")),
-        transport=transport,
+        transport=_single(tables.get("transport")),
         block_size=block_size,
         num_blocks=num_blocks,
-        offload_evicted=offload_evicted,
         workload=_workload(tables.get("workload")),
         report=_typed(tables.get("report"), ReportSettings),
         limits=_typed(tables.get("limits"), LimitsSettings),
         instance=_typed(tables.get("instance"), InstanceSettings),
         router=_single(tables.get("router")),
+        kv_stores=_kv_stores(path, tables.get("kv_stores")),
         sections={section: _typed(tables[section], cls) for section, cls in declared.items()},
     )
 
@@ -378,31 +406,42 @@ def _lifetime(t: _Table | None) -> tuple[Selection | None, Selection | None]:
     return lifetime, (Selection("lifetime", fallback, {}, f"{t.where} fallback") if fallback else None)
 
 
-def _transport(t: _Table | None) -> tuple[bool, Selection | None]:
-    if t is None:
-        return False, None
-    offload_evicted = t.take("offload_evicted", False, lambda v: isinstance(v, bool), "true or false")
-    return offload_evicted, _single(t)
-
-
-def _pass_names(value: Any) -> bool:
+def _plugin_names(value: Any) -> bool:
     return isinstance(value, list) and all(_nonempty_str(n) for n in value)
+
+
+def _listed(path: str, t: _Table, key: str, what: str) -> tuple[Selection, ...]:
+    """The plugins ``t`` lists under ``key``, in order, each with its
+    parameters from the table ``[section.name]``."""
+    names = t.take(key, [], _plugin_names, f"a list of {what} names")
+    if len(set(names)) != len(names):
+        raise t.fail(key, names, f"each {what} at most once")
+    listed = []
+    for name in names:
+        params = t.data.pop(name, {})
+        if not isinstance(params, dict):
+            raise t.fail(name, params, f"a table [{t.section}.{name}] of parameters")
+        listed.append(Selection(t.section, name, params, f"{path}: [{t.section}.{name}]"))
+    return tuple(listed)
 
 
 def _passes(path: str, t: _Table | None) -> tuple[Selection, ...]:
     if t is None:
         return ()
-    names = t.take("passes", [], _pass_names, "a list of pass names")
-    if len(set(names)) != len(names):
-        raise t.fail("passes", names, "each pass at most once")
-    passes = []
-    for name in names:
-        params = t.data.pop(name, {})
-        if not isinstance(params, dict):
-            raise t.fail(name, params, f"a table [scheduler.{name}] of parameters")
-        passes.append(Selection("scheduler", name, params, f"{path}: [scheduler.{name}]"))
+    passes = _listed(path, t, "passes", "pass")
     t.no_leftovers()
-    return tuple(passes)
+    return passes
+
+
+def _kv_stores(path: str, t: _Table | None) -> KVStoreSettings:
+    if t is None:
+        return KVStoreSettings()
+    tiers = _listed(path, t, "tiers", "store")
+    stray = [name for name, value in t.data.items() if isinstance(value, dict)]
+    if stray:
+        raise ConfigError(f"{t.where}: [kv_stores.{stray[0]}] is not among tiers = {[s.name for s in tiers]}")
+    settings: KVStoreSettings = _typed(t, KVStoreSettings)
+    return attrs.evolve(settings, tiers=tiers)
 
 
 def _positive_number(value: Any) -> bool:

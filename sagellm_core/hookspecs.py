@@ -109,10 +109,10 @@ def sagellm_evictable_blocks() -> EvictionCandidates | None:
 def sagellm_block_keys(request: Request, start: int, num_blocks: int) -> tuple[int, ...] | None:
     """Optional: the content keys (:attr:`CachedBlock.key`) that full blocks
     ``start`` to ``num_blocks - 1`` of ``request``'s prompt have, or would
-    have, in this cache. With ``[transport] offload_evicted`` the runtime
-    finds evicted blocks on the host tier by them; it asks from the end of
-    the cached prefix (``start``), one key first, so that a chained key
-    costs one hash per block looked at, not per block of the prompt."""
+    have, in this cache. With ``[kv_stores]`` the runtime finds the blocks
+    the stores below the device hold by them; it asks from the end of the
+    cached prefix (``start``), one key first, so that a chained key costs
+    one hash per block looked at, not per block of the prompt."""
 
 
 @hookspec(firstresult=True)
@@ -291,7 +291,9 @@ def sagellm_kv_caches_allocated(kv_caches: KVCaches) -> None:
     block ids along ``kv_caches.block_dim``. A transport keeps it to copy
     evicted blocks' bytes to its host tier and back (vLLM's KV connectors
     get ``register_kv_caches`` for the same reason). Engines without KV
-    tensors (replay, the adapters' CPU drivers) never call it."""
+    tensors (replay, the adapters' CPU drivers) never call it; where KV
+    stores are configured the runtime then announces a stand-in pool of
+    byte rows (``[kv_stores] bytes_per_block``) before their first copy."""
 
 
 # --------------------------------------------------------------------------

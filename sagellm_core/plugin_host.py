@@ -1,16 +1,17 @@
 """The plugin host: the plugins the config picks, loaded and registered,
 and every decision asked of them with its answer checked.
 
-The checks hold each answer against the ground truth kept here (the blocks
-taken from the pool, and of those the ones the prefix cache holds), before
-anything changes: a plugin that raises or returns nonsense gets a one-line
-:class:`PluginError` naming it, and the caller's state is unchanged. The
+The checks hold each answer against the ground truth of the block ledger
+(:mod:`sagellm_core.ledger`: the blocks taken from the pool, and of those
+the ones the prefix cache holds), before anything changes: a plugin that
+raises or returns nonsense gets a one-line :class:`PluginError` naming it,
+and the caller's state is unchanged. The host records what a checked call
+changed in the ledger (blocks allocated, freed, cached, removed); the
 lifecycle (:mod:`sagellm_core.runtime`) is built on these calls.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,17 @@ from typing import Any
 import attrs
 import pluggy
 
-from sagellm_core import hookspecs
+from sagellm_core import checks, hookspecs
 from sagellm_core.config import Selection, Settings
+from sagellm_core.counters import Counters
+from sagellm_core.dispatch import Dispatch, PluginManager
 from sagellm_core.errors import ConfigError, PluginError, PluginStartError, SagellmError
-from sagellm_core.parts import answers
-from sagellm_core.parts.counters import Counters
-from sagellm_core.parts.dispatch import Dispatch, PluginManager
-from sagellm_core.parts.timing import HookTimer
-from sagellm_core.parts.watchdog import HookTimeout, Watchdog, guard_observations
+from sagellm_core.ledger import BlockLedger
 from sagellm_core.registry import GROUPS, PluginContext, PluginInfo, build_settings, load_class
+from sagellm_core.timing import HookTimer
 from sagellm_core.types import (
     EMPTY_MATCH,
+    AdmissionDecision,
     CachedBlock,
     EvictionCandidates,
     LifetimePrediction,
@@ -42,6 +43,7 @@ from sagellm_core.types import (
     TransferPlan,
     TransferResult,
 )
+from sagellm_core.watchdog import HookTimeout, Watchdog, guard_observations
 
 #: What a plugin may raise from a hook and be named for: an error, a
 #: ``sys.exit()`` (its fault, not a clean end of the run), a time-out.
@@ -63,6 +65,8 @@ SECTION_HOOKS: dict[str, tuple[str, ...]] = {
     "scheduler": ("sagellm_schedule_pass",),
     "admission": ("sagellm_admit_request",),
     "transport": ("sagellm_transfer_blocks",),
+    # Not hooks: a store's methods (sagellm_core.types.KVStore), called in tier order.
+    "kv_stores": ("contains", "put", "get", "prefetch", "pin", "unpin", "remove", "stats"),
 }
 
 #: A hook caller, and who answers through it (for error messages).
@@ -81,19 +85,23 @@ class LoadedPlugin:
 
 
 class PluginHost:
-    """The configured plugins behind checked calls. ``engine_owns`` names the
-    sections an engine adapter serves with the engine's own machinery
-    (vLLM's hash table and block pool, say): their plugins are not loaded."""
+    """The configured plugins behind checked calls, checked against
+    ``ledger``. ``engine_owns`` names the sections an engine adapter serves
+    with the engine's own machinery (vLLM's hash table and block pool, say):
+    their plugins are not loaded."""
 
     def __init__(
         self,
         settings: Settings,
+        ledger: BlockLedger,
+        counters: Counters,
         *,
         hook_timing: bool | None = None,
         engine_owns: Collection[str] = (),
         future_requests: Callable[[], Iterable[Request]] | None = None,
     ):
         self.settings = settings
+        self.ledger = ledger
         self.engine_owns = frozenset(engine_owns)
         self.block_size = settings.block_size
         self.num_blocks = settings.num_blocks
@@ -101,18 +109,21 @@ class PluginHost:
         self.pm = PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, list[LoadedPlugin]] = {}
-        self.counters = Counters()
+        self.counters = counters
         timed = settings.report.hook_timing if hook_timing is None else hook_timing
         self.timer: HookTimer | None = HookTimer() if timed else None
         self.dispatch = Dispatch(self.pm, self.timer)
+        #: The per-call time limit (``[limits] hook_time_limit_s``), if one is set.
+        self.watchdog: Watchdog | None = None
         if settings.limits.hook_time_limit_s > 0:
             try:
-                self.pm.register(Watchdog(settings.limits.hook_time_limit_s), name="sagellm:watchdog")
+                self.watchdog = Watchdog(settings.limits.hook_time_limit_s)
             except ValueError as exc:
                 raise ConfigError(f"{settings.path}: [limits] hook_time_limit_s: {exc}") from None
+            self.pm.register(self.watchdog, name="sagellm:watchdog")
         # pluggy calls implementations last-registered first: register the
         # passes in reverse so they run in the order the config lists them.
-        for sel in [*reversed(settings.passes), *settings.decisions()]:
+        for sel in [*reversed(settings.passes), *settings.decisions(), *settings.kv_stores.tiers]:
             if sel.section not in self.engine_owns:
                 self._register(sel, fallback=settings.lifetime_fallback if sel.section == "lifetime" else None)
         if "scheduler" in self.plugins:
@@ -132,14 +143,6 @@ class PluginHost:
                 self._predict = (subset("sagellm_predict_lifetime", [fallback.instance]), str(primary[0]))
             else:  # it failed to start: every prediction is the fallback's
                 self._predict = (self._failed_predictor, f"lifetime plugin {settings.lifetime.name!r}")  # type: ignore[union-attr]
-        # Ground truth for the checks: blocks taken from the pool and not yet
-        # returned; of these, the ones the prefix cache holds.
-        self._in_use: set[int] = set()
-        self._cached: set[int] = set()
-        #: Cached blocks running requests took and gave back, counted (at C
-        #: speed, by Counter.update): held = taken - returned.
-        self._taken: Counter[int] = Counter()
-        self._returned: Counter[int] = Counter()
 
     def _register(self, sel: Selection, fallback: Selection | None = None) -> None:
         """Load, build and register ``sel``'s plugin. A lifetime predictor
@@ -180,7 +183,7 @@ class PluginHost:
             self.pm.check_pending()
         except (pluggy.PluginValidationError, ValueError) as exc:
             raise ConfigError(f"{sel.where}: {loaded} is not a valid plugin: {exc}") from exc
-        missing = [h for h in SECTION_HOOKS.get(sel.section, ()) if not hasattr(instance, h)]
+        missing = [h for h in SECTION_HOOKS.get(sel.section, ()) if not callable(getattr(instance, h, None))]
         if missing:
             raise ConfigError(f"{sel.where}: {loaded} does not implement {', '.join(missing)}")
         self.plugins.setdefault(sel.section, []).append(loaded)
@@ -210,15 +213,20 @@ class PluginHost:
         except PLUGIN_FAULTS as exc:
             # One line, whatever the plugin's message looks like.
             message = " ".join(str(exc).split())
-            who = answers.culprit(exc, self.plugins, hook_name) or self.who(section)
+            who = checks.culprit(exc, self.plugins, hook_name) or self.who(section)
             raise PluginError(f"{who} raised in {hook_name}: {type(exc).__name__}: {message}") from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
         return PluginError(f"{self.who(section)} {hook_name} {what}")
 
-    def _observe(self, hook_name: str, **kwargs: Any) -> None:
+    def observe(self, hook_name: str, **kwargs: Any) -> None:
+        """Tell every plugin that implements the observation ``hook_name``."""
         if self.dispatch.implemented(hook_name):
             self._call("observer", hook_name, **kwargs)
+
+    def observes(self, hook_name: str) -> bool:
+        """Whether any plugin implements ``hook_name``."""
+        return self.dispatch.implemented(hook_name)
 
     def lookup(self, request: Request) -> PrefixMatch:
         match = self._call("prefix_cache", "sagellm_lookup_prefix", request=request) or EMPTY_MATCH
@@ -226,7 +234,7 @@ class PluginHost:
         return match
 
     def _check_match(self, request: Request, match: Any, hook_name: str) -> None:
-        problem = answers.match(match, request.num_prompt_tokens, self.block_size, self._cached)
+        problem = checks.match(match, request.num_prompt_tokens, self.block_size, self.ledger.cached)
         if problem:
             raise self._bad("prefix_cache", hook_name, problem)
 
@@ -248,7 +256,7 @@ class PluginHost:
     def release_prefix(self, request: Request) -> tuple[CachedBlock, ...]:
         """Drop ``request``'s locks; return the blocks now evictable."""
         released = self._call("prefix_cache", "sagellm_release_prefix", request=request)
-        problem = None if released is None else answers.released(released, self._cached)
+        problem = None if released is None else checks.released(released, self.ledger.cached)
         return () if released is None else self._checked("prefix_cache", "sagellm_release_prefix", released, problem)
 
     def insert_prefix(self, request: Request, token_ids: Any, block_ids: Sequence[int]) -> PrefixInsert | None:
@@ -262,10 +270,10 @@ class PluginHost:
             return None
         if not isinstance(result, PrefixInsert):
             raise self._bad("prefix_cache", hook, f"returned {result!r}, not a PrefixInsert")
-        problem = answers.insert(result, block_ids, self._cached)
+        problem = checks.insert(result, block_ids, self.ledger.cached)
         if problem:
             raise self._bad("prefix_cache", hook, problem)
-        self._cached.update(b.block_id for b in result.adopted)
+        self.ledger.cached.update(b.block_id for b in result.adopted)
         return result
 
     def _checked(self, section: str, hook_name: str, answer: Any, problem: str | None) -> Any:
@@ -278,7 +286,7 @@ class PluginHost:
         return (
             ()
             if found is None
-            else self._checked("prefix_cache", "sagellm_evictable_blocks", found, answers.collection(found))
+            else self._checked("prefix_cache", "sagellm_evictable_blocks", found, checks.collection(found))
         )
 
     def pinned_blocks(self) -> Collection[int]:
@@ -286,13 +294,13 @@ class PluginHost:
         return (
             ()
             if found is None
-            else self._checked("prefix_cache", "sagellm_pinned_blocks", found, answers.collection(found))
+            else self._checked("prefix_cache", "sagellm_pinned_blocks", found, checks.collection(found))
         )
 
     def block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[Any, ...]:
         hook = "sagellm_block_keys"
         keys = self._call("prefix_cache", hook, request=request, start=start, num_blocks=num_blocks)
-        return () if keys is None else self._checked("prefix_cache", hook, keys, answers.keys(keys, num_blocks - start))
+        return () if keys is None else self._checked("prefix_cache", hook, keys, checks.keys(keys, num_blocks - start))
 
     def remove_cached(self, victims: Sequence[int]) -> tuple[CachedBlock, ...]:
         """Drop the evictable ``victims`` (and their cached descendants) from
@@ -300,14 +308,13 @@ class PluginHost:
         hook = "sagellm_remove_blocks"
         removed = self._call("prefix_cache", hook, block_ids=victims)
         self._checked(
-            "prefix_cache", hook, removed, answers.removal(removed, victims, self._cached, self._taken, self._returned)
+            "prefix_cache",
+            hook,
+            removed,
+            checks.removal(removed, victims, self.ledger.cached, self.ledger.taken, self.ledger.returned),
         )
-        self._cached.difference_update(b.block_id for b in removed)
+        self.ledger.cached.difference_update(b.block_id for b in removed)
         return removed  # type: ignore[no-any-return]
-
-    def holders(self, block_id: int) -> int:
-        """How many running requests hold the cached ``block_id``."""
-        return self._taken.get(block_id, 0) - self._returned.get(block_id, 0)
 
     def pool_usage(self) -> PoolUsage:
         usage = self._call("kv_pool", "sagellm_pool_usage")
@@ -317,7 +324,7 @@ class PluginHost:
             and 0 <= usage.num_free_blocks <= usage.num_blocks
         ):
             return usage  # the common case, checked in line: this is called every step
-        return self._checked("kv_pool", "sagellm_pool_usage", usage, answers.usage(usage, self.num_blocks))  # type: ignore[no-any-return]
+        return self._checked("kv_pool", "sagellm_pool_usage", usage, checks.usage(usage, self.num_blocks))  # type: ignore[no-any-return]
 
     def allocate_blocks(self, num_blocks: int, request: Request | None) -> tuple[int, ...]:
         """Take ``num_blocks`` blocks from the pool (the caller made room),
@@ -326,9 +333,9 @@ class PluginHost:
             return ()
         hook = "sagellm_allocate_blocks"
         alloc = self._call("kv_pool", hook, num_blocks=num_blocks, request=request)
-        self._checked("kv_pool", hook, alloc, answers.allocation(alloc, num_blocks, self.num_blocks, self._in_use))
+        self._checked("kv_pool", hook, alloc, checks.allocation(alloc, num_blocks, self.num_blocks, self.ledger.in_use))
         ids: tuple[int, ...] = tuple(alloc.block_ids)
-        self._in_use.update(ids)
+        self.ledger.in_use.update(ids)
         return ids
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
@@ -337,14 +344,14 @@ class PluginHost:
         if not ids:
             return
         self._call("kv_pool", "sagellm_free_blocks", block_ids=ids)
-        self._in_use.difference_update(ids)
+        self.ledger.in_use.difference_update(ids)
 
     def select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> tuple[int, ...]:
         """Ask the eviction policy for up to ``num_blocks`` of ``candidates``,
         checked: distinct, no more than asked, every one a candidate."""
         hook = "sagellm_select_victims"
         decision = self._call("eviction", hook, num_blocks=num_blocks, candidates=candidates)
-        self._checked("eviction", hook, decision, answers.victims(decision, num_blocks, candidates))
+        self._checked("eviction", hook, decision, checks.victims(decision, num_blocks, candidates))
         return decision.victim_ids  # type: ignore[no-any-return]
 
     def select_preemption(self, running: Sequence[SequenceState], needed_by: SequenceState) -> SequenceState:
@@ -380,22 +387,49 @@ class PluginHost:
             return frozenset()
         before, budgets = {"waiting": list(ir.waiting), "running": list(ir.running)}, (ir.token_budget, ir.max_num_seqs)
         # A waiting request's runtime fields are reset at admission: the running ones' are checked.
-        states = answers.fingerprint(before["running"]) if self._verify_passes else None
+        states = checks.fingerprint(before["running"]) if self._verify_passes else None
         self._call("scheduler", hook, ir=ir)
         if not (
             ir.waiting == before["waiting"]
             and ir.running == before["running"]
             and budgets == (ir.token_budget, ir.max_num_seqs)
         ):
-            self._checked("scheduler", hook, None, answers.schedule(ir, before, *budgets))  # anything moved: checked
-        if states is not None and answers.fingerprint(before["running"]) != states:
+            self._checked("scheduler", hook, None, checks.schedule(ir, before, *budgets))  # anything moved: checked
+        if states is not None and checks.fingerprint(before["running"]) != states:
             raise self._bad("scheduler", hook, "changed a SequenceState it was given; passes only read them")
         return frozenset(name for name, was in before.items() if getattr(ir, name) != was)
 
-    def _checked_transfer(self, plan: TransferPlan) -> TransferResult | None:
+    def admit_request(self, state: SequenceState, now_s: float) -> AdmissionDecision | None:
+        """The admission plugin's decision for the waiting ``state``, checked."""
+        hook = "sagellm_admit_request"
+        decision = self._call("admission", hook, state=state, ledger=self.ledger.tenants, now_s=now_s)
+        if decision is None:
+            return None
+        checked: AdmissionDecision = self._checked("admission", hook, decision, checks.admission(decision))
+        return checked
+
+    def predict_lifetime(self, request: Request) -> LifetimePrediction | None:
+        """The lifetime plugin's prediction, checked. With ``[lifetime]
+        fallback``, a predictor that raises or returns garbage is counted
+        (``lifetime_fallbacks``; the first failure is kept, naming it) and the
+        fallback answers instead, so no request is lost to it."""
+        if "lifetime" not in self.plugins:
+            return None
+        try:
+            return self._checked_prediction(self._predict, request)
+        except PluginError as exc:
+            if self._predict_fallback is None:
+                raise
+            self.counters.lifetime_fallbacks += 1
+            if self.counters.lifetime_failure is None:
+                self.counters.lifetime_failure = str(exc)
+            return self._checked_prediction(self._predict_fallback, request)
+
+    def transfer_blocks(self, plan: TransferPlan) -> TransferResult | None:
+        """The transport's transfer, checked."""
         result = self._call("transport", "sagellm_transfer_blocks", plan=plan)
         return (
             None
             if result is None
-            else self._checked("transport", "sagellm_transfer_blocks", result, answers.transfer(result, plan))
+            else self._checked("transport", "sagellm_transfer_blocks", result, checks.transfer(result, plan))
         )

@@ -50,6 +50,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "admission": ("sagellm.admission", "sagellm-plugin-scheduler-ir"),
     "transport": ("sagellm.transport", "sagellm-plugin-kv-transport"),
     "router": ("sagellm.router", "sagellm-plugin-cluster"),
+    "kv_stores": ("sagellm.kv_stores", "sagellm-plugin-kv-stores"),
 }
 
 

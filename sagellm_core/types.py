@@ -11,14 +11,16 @@ import contextlib
 import enum
 import hashlib
 import struct
+import zlib
 from array import array
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from attrs import define, field, frozen
 
-from sagellm_core.parts.lengths import QUANTILE_LEVELS as QUANTILE_LEVELS
-from sagellm_core.parts.lengths import PredictedLengths
+from sagellm_core.lengths import QUANTILE_LEVELS as QUANTILE_LEVELS
+from sagellm_core.lengths import PredictedLengths
 
 TOKEN_ARRAY_TYPECODE = "q"
 
@@ -337,7 +339,7 @@ class TransferResult:
 @frozen(eq=False)
 class KVCaches:
     """The real KV memory of an engine that has one (the torch engine), told
-    to plugins once before the first request so that a transport can move
+    to plugins once before the first request so that KV stores can move
     blocks' bytes. ``tensor`` is array-like (a ``torch.Tensor``) whose
     dimension ``block_dim`` indexes the pool's block ids: block ``b`` of
     every layer is ``tensor.select(block_dim, b)``."""
@@ -349,6 +351,23 @@ class KVCaches:
     #: per-block shape (on its copy stream, waiting for completion). A
     #: transport uses it, so it needs no knowledge of the device.
     copy_blocks: Callable[[Any, Sequence[int], Any, Sequence[int]], None] | None = None
+    #: Which model's KV this is (its name and the identity of its weights):
+    #: part of :attr:`fingerprint`, so that a block of another model is
+    #: never taken for this one's.
+    model: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        """The KV layout's identity (32 hex digits): the model, the dtype and
+        the shape of one block (the block size, layers, heads, head size) in
+        the layout of ``block_dim``. A store that outlives the process (a
+        disk, a shared store) keys blocks by it and the content key, so
+        another process or a restarted one finds the same blocks, and never
+        a block of another model or layout."""
+        shape = list(self.tensor.shape)
+        del shape[self.block_dim]
+        layout = f"{self.model}|{self.tensor.dtype}|{shape}|{self.block_dim}"
+        return hashlib.sha256(layout.encode()).hexdigest()[:32]
 
     @property
     def num_blocks(self) -> int:
@@ -356,7 +375,104 @@ class KVCaches:
 
     @property
     def bytes_per_block(self) -> int:
-        return int(self.tensor.numel() // self.num_blocks * self.tensor.element_size())
+        return int(self.tensor.nbytes // self.num_blocks)
+
+    def copy(self, src: Any, src_ids: Sequence[int], dst: Any, dst_ids: Sequence[int]) -> None:
+        """Copy blocks between this KV (or a host tensor of its per-block
+        layout) and another: the engine's ``copy_blocks``, else indexing
+        along ``block_dim`` (numpy's or torch's)."""
+        if self.copy_blocks is not None:
+            self.copy_blocks(src, src_ids, dst, dst_ids)
+            return
+        lead = (slice(None),) * self.block_dim
+        dst[(*lead, list(dst_ids))] = src[(*lead, list(src_ids))]
+
+
+def block_checksum(data: Any) -> int:
+    """The checksum a store records for a block's bytes when it is put and
+    the runtime checks before the block re-enters the device pool (CRC-32:
+    zlib's, at memory speed; it catches torn and flipped bytes, not an
+    adversary). ``data``: a C-contiguous buffer, e.g. a numpy row."""
+    return zlib.crc32(data)
+
+
+@frozen(eq=False)
+class StoredBlocks:
+    """Blocks a store read back for the runtime, in host memory, not yet in
+    the device pool: the runtime checks each block's bytes against the
+    checksum recorded when it was put and copies in the leading run that
+    passes (``KVCaches.copy_blocks(source, row_ids, ...)``)."""
+
+    #: Host memory holding the blocks in the device tensor's layout (the
+    #: block dimension is ``KVCaches.block_dim``).
+    source: Any
+    #: The blocks' rows in ``source``, in the order asked.
+    row_ids: tuple[int, ...]
+    #: Each block's bytes (a C-contiguous buffer each), what is checksummed.
+    views: tuple[Any, ...]
+    #: :func:`block_checksum` of each block, recorded when it was put.
+    checksums: tuple[int, ...]
+
+
+def completed(value: Any) -> Future[Any]:
+    """A future already holding ``value``: a store's answer to a request it
+    served at once (a copy that does not overlap anything)."""
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+class LoadCosts(Protocol):
+    """What moving a store's blocks into the device pool costs against
+    computing them, as an engine knows it (modelled in replay, measured
+    in a real engine): load-or-recompute asks it, and replay charges the
+    loads' time to the steps that wait for them."""
+
+    def load_s(self, tier: str, num_blocks: int) -> float:
+        """Seconds to load ``num_blocks`` blocks from the store ``tier``."""
+
+    def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
+        """Seconds to compute ``num_tokens`` prompt tokens after ``num_cached_tokens``."""
+
+
+class KVStore(Protocol):
+    """A tier of KV blocks below the device pool (LMCache's storage backend):
+    host memory, a local disk, a store shared by instances. Blocks are
+    known by content key (:attr:`CachedBlock.key`); the store reads device
+    blocks from the ``KVCaches`` announced by ``sagellm_kv_caches_allocated``
+    and keeps them as it likes. Answers that take time are futures, so a
+    copy can overlap compute. Served by ``sagellm.kv_stores`` plugins,
+    ordered by ``[kv_stores] tiers``, the fastest first."""
+
+    def contains(self, keys: Sequence[int]) -> int:
+        """How many of ``keys``, from the first, this store holds now."""
+
+    def put(self, blocks: Sequence[CachedBlock]) -> Future[int]:
+        """Copy the device blocks ``blocks`` (their ``block_id``s) into the
+        store under their keys, or decline some (the store's admission);
+        the device blocks may be reused once this returns. Resolves to the
+        blocks written."""
+
+    def get(self, keys: Sequence[int]) -> Future[StoredBlocks]:
+        """Read the blocks of ``keys`` (all held, as ``contains`` said) into
+        host memory, with the checksums recorded at their put."""
+
+    def prefetch(self, keys: Sequence[int]) -> Future[int]:
+        """Start moving the leading held ``keys`` to where ``get`` reads
+        fastest; resolves to how many are ready."""
+
+    def pin(self, keys: Sequence[int]) -> None:
+        """Keep ``keys`` from being evicted until :meth:`unpin`."""
+
+    def unpin(self, keys: Sequence[int]) -> None:
+        """Let ``keys`` be evicted again (one unpin for each pin)."""
+
+    def remove(self, keys: Sequence[int]) -> None:
+        """Drop ``keys`` (a block that failed its check is never served again)."""
+
+    def stats(self) -> Mapping[str, int]:
+        """The store's own counts (what it holds, recovered, dropped...),
+        shown in the report beside what the runtime counted of it."""
 
 
 @frozen

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sagellm_core import __version__, hookspecs, registry
+from sagellm_core import __version__, hookspecs, registry, types
 from sagellm_core.config import Selection, Settings
 from sagellm_core.drivers.engines import build_engine
 from sagellm_core.drivers.router import Router
@@ -258,9 +258,9 @@ def check_config(settings: Settings) -> list[str]:
     same. Builds the engine and the runtime, as a run would, to check them."""
     engine, engine_settings = build_engine(settings)
     rt = session.build_runtime(settings, engine, hook_timing=False)
-    picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.plugins.items() for p in ps)
+    picked = ", ".join(f"{s}={p.selection.name}" for s, ps in rt.host.plugins.items() for p in ps)
     lines = [f"{settings.path}: ok (engine {settings.engine.name}; {picked})"]
-    for section, loaded in rt.plugins.items():  # which distribution provides each (provenance)
+    for section, loaded in rt.host.plugins.items():  # which distribution provides each (provenance)
         for p in loaded:
             params = f" {p.selection.params}" if p.selection.params else ""
             lines.append(
@@ -298,6 +298,11 @@ def cmd_hooks(args) -> int:
         opts = getattr(fn, hookspecs.PROJECT + "_spec", {})
         kind = "decision (firstresult)" if opts.get("firstresult") else "observation / pipeline (all plugins)"
         out += ["", f"## `{name}{inspect.signature(fn)}`", "", f"*{kind}*", "", inspect.getdoc(fn) or ""]
+    store = types.KVStore
+    out += ["", "## KV stores: `sagellm_core.types.KVStore`", "", inspect.getdoc(store) or ""]
+    for name in ("contains", "put", "get", "prefetch", "pin", "unpin", "remove", "stats"):
+        fn = getattr(store, name)
+        out += ["", f"### `{name}{inspect.signature(fn)}`", "", inspect.getdoc(fn) or ""]
     print("\n".join(out))
     return 0
 

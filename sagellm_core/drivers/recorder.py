@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from sagellm_core.parts.counters import Counters
+from sagellm_core.counters import Counters
 from sagellm_core.types import PoolUsage, RequestOutcome
 
 if TYPE_CHECKING:

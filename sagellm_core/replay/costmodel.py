@@ -9,7 +9,7 @@ of peak bandwidth); both are settable.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from attrs import field, frozen
 
@@ -111,6 +111,14 @@ class CostModel:
             kv_tokens += ctx + n
         return self.step_time_of(tokens, pairs, kv_tokens)
 
+    def prefill_compute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
+        """The compute time of ``num_tokens`` prompt tokens after
+        ``num_cached_tokens`` in a step (a prefill is compute-bound): what
+        a load from a KV store saves."""
+        n, c = num_tokens, num_cached_tokens
+        flops = self._flops_per_token * n + self._flops_per_token_pair * (n * c + n * (n + 1) // 2)
+        return flops / (self.hardware.flops * self.flops_efficiency)
+
     def step_time_of(self, tokens: int, pairs: int, kv_tokens: int) -> float:
         """The time of a step from its totals: ``tokens`` new tokens,
         ``pairs`` causal (query, key) pairs they attend to, ``kv_tokens``
@@ -122,3 +130,48 @@ class CostModel:
         compute = flops / (self.hardware.flops * self.flops_efficiency)
         memory = bytes_moved / (self.hardware.bandwidth * self.bandwidth_efficiency)
         return max(compute, memory) + self.step_overhead_s
+
+
+@frozen
+class Link:
+    """What a KV store's loads cross to reach the device: sustained bytes/s
+    and the latency of one read. Presets, not measurements of this
+    machine: docs/benchmarks/tiers.md measures real copies beside them."""
+
+    name: str
+    bandwidth: float
+    latency_s: float
+
+
+LINKS = {
+    link.name: link
+    for link in (
+        # Pinned host memory to an H100 over PCIe Gen5 x16 (64 GB/s a way on
+        # paper); paged block copies reach about 25 GB/s.
+        Link("pcie", 25e9, 10e-6),
+        # A local NVMe SSD (PCIe Gen4): sequential reads near 6 GB/s, 100 µs a read.
+        Link("nvme", 5e9, 100e-6),
+        # A store shared by instances over 25 GbE (Redis, Mooncake Store): 3 GB/s, a round trip of 0.5 ms.
+        Link("network", 3e9, 500e-6),
+    )
+}
+
+
+@frozen
+class ModeledCosts:
+    """Load and recompute times from the cost model (``LoadCosts``): a
+    load is its link's latency plus the model's KV bytes at the link's
+    bandwidth; a store with no link loads in no time."""
+
+    cost: CostModel
+    links: Mapping[str, Link]
+    block_size: int
+
+    def load_s(self, tier: str, num_blocks: int) -> float:
+        link = self.links.get(tier)
+        if link is None:
+            return 0.0
+        return link.latency_s + num_blocks * self.block_size * self.cost.model.kv_bytes_per_token / link.bandwidth
+
+    def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
+        return self.cost.prefill_compute_s(num_tokens, num_cached_tokens)

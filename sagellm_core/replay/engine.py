@@ -24,8 +24,9 @@ from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.serial import serve_serially
 from sagellm_core.drivers.step_engine import StepEngine
 from sagellm_core.drivers.step_scheduler import PackedStep
+from sagellm_core.errors import ConfigError
 from sagellm_core.registry import PluginContext
-from sagellm_core.replay.costmodel import HARDWARE, MODELS, CostModel
+from sagellm_core.replay.costmodel import HARDWARE, LINKS, MODELS, CostModel, ModeledCosts
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import PoolUsage, Request, SequenceState
 
@@ -50,6 +51,16 @@ class ReplaySettings:
     #: that finish, as a user waits for the answer before writing again.
     #: Off, turns arrive when the workload says, answered or not.
     closed_loop: bool = field(default=False, validator=validators.instance_of(bool))
+    #: timed: the link each KV store's loads cross, by store name (``pcie``,
+    #: ``nvme``, ``network``: :data:`~sagellm_core.replay.costmodel.LINKS`),
+    #: so a load takes time (TTFT includes it) and load-or-recompute weighs
+    #: it against the prefill it saves; a store not named loads in no time.
+    tier_links: dict[str, str] = field(
+        factory=dict,
+        validator=validators.deep_mapping(
+            validators.instance_of(str), validators.in_(sorted(LINKS)), validators.instance_of(dict)
+        ),
+    )
 
 
 @contextmanager
@@ -142,6 +153,16 @@ class TimedReplay(StepEngine):
         super().__init__(rt, settings.max_num_batched_tokens, settings.max_num_seqs)
         self.cost = cost
         self.simulated_s = 0.0
+        self._load_s = 0.0  # the stores' load seconds charged to steps so far
+        if settings.tier_links:
+            stores = [s.selection.name for s in rt.host.plugins.get("kv_stores", ())]
+            unknown = sorted(set(settings.tier_links) - set(stores))
+            if unknown:
+                raise ConfigError(
+                    f"{rt.settings.path}: [engine] tier_links names {unknown}, not among [kv_stores] tiers = {stores}"
+                )
+            links = {tier: LINKS[name] for tier, name in settings.tier_links.items()}
+            rt.set_load_costs(ModeledCosts(cost, links, rt.block_size))
 
     def add_request(self, request: Request) -> None:
         """``request`` arrives at its ``arrival_s`` (due on this clock)."""
@@ -155,4 +176,8 @@ class TimedReplay(StepEngine):
         self.simulated_s = when_s
 
     def execute(self, step: PackedStep) -> None:
+        # The step waits for the loads its admissions made (their modelled time).
+        loads = sum(tier.load_s for tier in self.rt.counters.tiers.values())
+        self.simulated_s += loads - self._load_s
+        self._load_s = loads
         self.simulated_s += self.cost.step_time_of(step.num_batched_tokens, step.attention_pairs, step.kv_tokens)

@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sagellm_core.drivers.recorder import Recorder
-from sagellm_core.parts.timing import summarise
 from sagellm_core.runtime import Runtime
+from sagellm_core.timing import summarise
 
 
 def _percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -56,12 +56,14 @@ def build(
         "config": rt.settings.path,
         "mode": mode,
         "workload": rt.settings.workload.path or "generator",
-        "plugins": {section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.plugins.items()},
+        "plugins": {
+            section: ", ".join(p.selection.name for p in loaded) for section, loaded in rt.host.plugins.items()
+        },
         "block_size": rt.block_size,
         "num_blocks": rt.num_blocks,
         "plugin_distributions": {
             section: ", ".join(f"{p.info.distribution} {p.info.version}" for p in loaded)
-            for section, loaded in rt.plugins.items()
+            for section, loaded in rt.host.plugins.items()
         },
         #: Requests the workload yielded: each is finished or rejected.
         "requests_read": c.requests_finished + c.requests_rejected if read is None else read,
@@ -115,9 +117,10 @@ def build(
             "failures": c.transfer_failures,
             "blocks": c.transferred_blocks,
             "bytes": c.transferred_bytes,
-            "bypassed_blocks": c.host_bypassed_blocks,
             "bytes_per_s": round(c.transferred_bytes / c.transfer_s) if c.transfer_s > 0 else None,
         },
+        #: Per KV store: what it was offered and wrote, read back, failed its check.
+        "kv_stores": rt.stores.report(),
         "hooks": summarise(rt.timer) if rt.timer else {},
         **({"cluster": recorder.cluster} if recorder.cluster is not None else {}),
     }

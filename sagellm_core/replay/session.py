@@ -105,7 +105,7 @@ def _account(rt: Runtime, recorder: Recorder, read: int, engine: str) -> None:
         assert not rt.in_flight, f"{rt.in_flight} requests still hold blocks"
         rt.check_invariants()
     except AssertionError as exc:
-        plugins = " / ".join(str(p) for loaded in rt.plugins.values() for p in loaded)
+        plugins = " / ".join(str(p) for loaded in rt.host.plugins.values() for p in loaded)
         raise PluginError(f"the run ended with its block accounting broken ({exc}); plugins: {plugins}") from None
 
 

@@ -38,8 +38,12 @@ passes = ["fcfs", "prefix-aware"]
 max_queue = 8
 [transport]
 plugin = "local"
-offload_evicted = true
 host_blocks = 10
+[kv_stores]
+tiers = ["host"]
+bytes_per_block = 64
+[kv_stores.host]
+capacity_blocks = 100
 [workload]
 source = "generator"
 tenants = 2
@@ -52,7 +56,9 @@ def test_good_config_is_typed():
     assert s.engine.name == "replay" and s.engine.params == {"mode": "cache-only"}
     assert [p.name for p in s.passes] == ["fcfs", "prefix-aware"]
     assert s.passes[1].params == {"max_queue": 8}
-    assert s.transport.params == {"host_blocks": 10} and s.offload_evicted is True
+    assert s.transport.params == {"host_blocks": 10}
+    assert [(t.name, t.params) for t in s.kv_stores.tiers] == [("host", {"capacity_blocks": 100})]
+    assert s.kv_stores.bytes_per_block == 64 and s.kv_stores.tiers[0].where == "good.toml: [kv_stores.host]"
     assert s.workload.options.tenants == 2 and s.workload.options.turns == 4  # the generator's keys
 
 
@@ -95,9 +101,15 @@ def test_good_config_is_typed():
             ('passes = ["fcfs", "prefix-aware"]', 'passes = ["fcfs"]'),
             "good.toml: [scheduler]: unknown key 'prefix-aware'",
         ),
+        (('tiers = ["host"]', 'tiers = "host"'), "good.toml: [kv_stores] tiers = 'host': a list of store names"),
         (
-            ("offload_evicted = true", 'offload_evicted = "yes"'),
-            "good.toml: [transport] offload_evicted = 'yes': true or false",
+            ('tiers = ["host"]', 'tiers = ["host", "host"]'),
+            "good.toml: [kv_stores] tiers = ['host', 'host']: each store at most once",
+        ),
+        (('tiers = ["host"]', "tiers = []"), "good.toml: [kv_stores]: [kv_stores.host] is not among tiers = []"),
+        (
+            ("bytes_per_block = 64", "bytes_per_block = 0"),
+            "good.toml: [kv_stores] bytes_per_block = 0: a positive number of bytes",
         ),
         (('[eviction]\nplugin = "lru"', ""), "good.toml: [prefix_cache] is set but [eviction] is missing"),
     ],

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sagellm_core import hookspecs
+from sagellm_core.dispatch import Dispatch, PluginManager
 from sagellm_core.hookspecs import hookimpl
-from sagellm_core.parts.dispatch import Dispatch, PluginManager
-from sagellm_core.parts.timing import HookTimer
+from sagellm_core.timing import HookTimer
 
 
 def manager() -> PluginManager:

@@ -5,6 +5,7 @@ rule that no driver reaches into the runtime (a scan of the sources)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def rt(tmp_path):
     declare_plugins(tmp_path, {"sagellm.eviction": {"oldest": "sagellm_core.kit.testing:OldestFirstPreemption"}})
     runtime = Runtime(settings_from_toml(CONFIG), engine_owns=("prefix_cache", "kv_pool"))
     runtime.observations = Observations()
-    runtime.pm.register(runtime.observations, name="test:observations")
+    runtime.host.pm.register(runtime.observations, name="test:observations")
     return runtime
 
 
@@ -198,7 +199,7 @@ def test_an_engine_that_matched_itself_may_give_only_the_length(rt):
     state = rt.arrive(Request("r0", list(range(12)), 1), match=2)
     assert state.cached_tokens_hint == 2 * rt.block_size
     seen = ArrivalsSeen()
-    rt.pm.register(seen, name="test:arrivals")
+    rt.host.pm.register(seen, name="test:arrivals")
     assert rt.observes_arrivals
     with pytest.raises(RequestError, match="'r1': arrival observers need the matched blocks"):
         rt.arrive(Request("r1", list(range(12)), 1), match=2)
@@ -215,7 +216,7 @@ def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
     )
     runtime.arrive(Request("r0", list(range(12)), 1), match=PrefixMatch())
     assert runtime.timer.stats["sagellm_request_arrived"].calls == 0
-    runtime.pm.register(ArrivalsSeen(), name="test:arrivals")  # seen from the next call on
+    runtime.host.pm.register(ArrivalsSeen(), name="test:arrivals")  # seen from the next call on
     runtime.arrive(Request("r1", list(range(12)), 1), match=PrefixMatch())
     assert runtime.timer.stats["sagellm_request_arrived"].calls == 1
 
@@ -224,7 +225,7 @@ def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
 
 #: The only modules that may write counters, call the private hook calls or
 #: set the clock's field: the runtime and its checked hook calls.
-OWNERS = {ROOT / "sagellm_core" / "runtime.py", ROOT / "sagellm_core" / "plugin_host.py"}
+OWNERS = {ROOT / "sagellm_core" / name for name in ("runtime.py", "plugin_host.py", "stores.py")}
 #: The runtime's hooks (the CLI's own plugin manager calls sagellm_register_commands).
 RUNTIME_HOOKS = {name for name in dir(hookspecs) if name.startswith("sagellm_") and name != "sagellm_register_commands"}
 
@@ -349,3 +350,18 @@ def drive(rt, state, blocks, pm, sub):
     state.first_token_s = rt.now_s
 """
     assert reaches_into_the_runtime(source) == []
+
+
+GUIDE = ROOT / "docs" / "plugin-guide.md"
+
+
+def test_the_runtime_s_public_names_are_the_plugin_guide_s_table():
+    """The drivers' facade is exactly what docs/plugin-guide.md lists: a
+    name added to Runtime without the table (or the reverse) fails here."""
+    text = GUIDE.read_text()
+    table = text[text.index("| the engine | calls |") :]
+    table = table[: table.index("\n\n")]
+    listed = set(re.findall(r"`(?:state = )?rt\.(\w+)", table))
+    rt = Runtime(settings_from_toml('[kv_pool]\nplugin = "paged"\nnum_blocks = 8\n'), hook_timing=False)
+    public = {name for name in [*dir(type(rt)), *vars(rt)] if not name.startswith("_")}
+    assert listed == public, f"not in the table: {sorted(public - listed)}; not in Runtime: {sorted(listed - public)}"

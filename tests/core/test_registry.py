@@ -26,9 +26,9 @@ def runtime(name, params=""):
 
 def test_selected_plugins_are_registered_and_answer(sample_plugins):
     rt = runtime("fixed", "tokens = 7")
-    assert [p.selection.name for p in rt.plugins["lifetime"]] == ["fixed"]
-    assert rt.plugins["lifetime"][0].info.distribution == "sagellm-sample-plugins"
-    assert rt.hook.sagellm_predict_lifetime(request=None).output_tokens == 7
+    assert [p.selection.name for p in rt.host.plugins["lifetime"]] == ["fixed"]
+    assert rt.host.plugins["lifetime"][0].info.distribution == "sagellm-sample-plugins"
+    assert rt.host.hook.sagellm_predict_lifetime(request=None).output_tokens == 7
 
 
 def test_only_selected_plugins_are_imported(sample_plugins):
@@ -105,9 +105,9 @@ def test_misspelt_hook_is_rejected(sample_plugins):
 
 
 def test_every_plugin_is_told_its_instance_colocated_by_default(sample_plugins):
-    assert (runtime("fixed").plugins["lifetime"][0].instance.context.role) == "colocated"
+    assert (runtime("fixed").host.plugins["lifetime"][0].instance.context.role) == "colocated"
     text = BASE.format(name="fixed", params="") + '[instance]\nid = "decode-1"\nrole = "decode"\n'
-    context = Runtime(settings_from_toml(text, "cfg.toml")).plugins["lifetime"][0].instance.context
+    context = Runtime(settings_from_toml(text, "cfg.toml")).host.plugins["lifetime"][0].instance.context
     assert (context.instance_id, context.role) == ("decode-1", "decode")
 
 

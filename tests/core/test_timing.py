@@ -3,7 +3,7 @@ uniform sample for percentiles."""
 
 import pytest
 
-from sagellm_core.parts.timing import RESERVOIR, HookStats
+from sagellm_core.timing import RESERVOIR, HookStats
 
 
 def test_counts_and_totals_are_exact_and_the_sample_is_bounded():

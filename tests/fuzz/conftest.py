@@ -76,9 +76,8 @@ plugin = "lru"
 plugin = "stat"
 [scheduler]
 passes = ["fcfs"]
-[transport]
-plugin = "local"
-offload_evicted = true
+[kv_stores]
+tiers = ["host"]
 """
 
 

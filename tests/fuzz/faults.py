@@ -1,7 +1,8 @@
 """Fault-injection plugins: the first-party plugins of each section, made to
 misbehave in one hook, one way, from their ``after``-th call of it on.
 
-``[SECTION] plugin = "faulty-..."`` with ``hook = "sagellm_..."`` and
+``[SECTION] plugin = "faulty-..."`` with ``hook = "sagellm_..."`` (or,
+for a KV store, ``[kv_stores.faulty-host] hook = "put"``, a method) and
 ``fault`` one of:
 
 * ``raise``: a RuntimeError whose message spans lines;
@@ -9,7 +10,8 @@ misbehave in one hook, one way, from their ``after``-th call of it on.
 * ``hang``: sleeps an hour (run with ``[limits] hook_time_limit_s``);
 * ``type``: an answer of the wrong type (``42``);
 * ``contents``: an answer of the right type with bad contents (``None``
-  inside, a generator, a string budget, negative counts);
+  inside, a generator, a string budget, negative counts, a store's read
+  of fewer blocks than asked);
 * ``mutate``: edits what it was given (the states a pass reads, the running
   list a preemption choice reads), then answers as the plugin would.
 
@@ -27,7 +29,7 @@ import time
 from attrs import field, frozen, validators
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_kv_pool.paged import PagedPool
-from sagellm_plugin_kv_transport.local import LocalSettings, LocalTransport
+from sagellm_plugin_kv_stores.host import HostSettings, HostStore
 from sagellm_plugin_lifetime.stat import StatLifetime, StatSettings
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from sagellm_plugin_scheduler_ir.passes import FCFSPass
@@ -43,7 +45,8 @@ from sagellm_core.types import (
     PreemptionDecision,
     PrefixInsert,
     PrefixMatch,
-    TransferResult,
+    StoredBlocks,
+    completed,
 )
 
 FAULTS = ("raise", "exit", "hang", "type", "contents", "mutate")
@@ -86,8 +89,11 @@ def _bad_contents(hook: str, kwargs: dict, answer):
     if hook == "sagellm_schedule_pass":
         kwargs["ir"].token_budget = "8192"
         return None
-    if hook == "sagellm_transfer_blocks":
-        return TransferResult(True, -1, -4096, math.inf)
+    if hook in ("contains", "put"):  # a KV store's
+        return -1 if hook == "contains" else completed(-1)
+    if hook == "get":
+        stored = answer.result()
+        return completed(StoredBlocks(stored.source, stored.row_ids[:-1], stored.views, stored.checksums))
     if hook == "sagellm_admit_request":
         return AdmissionDecision("admit", None)
     return answer  # observations: no answer to spoil
@@ -197,8 +203,8 @@ class FaultyQuota(TenantQuota):
         install_fault(self, settings)
 
 
-class FaultyLocal(LocalTransport):
-    Settings = _fault_fields(LocalSettings)
+class FaultyHost(HostStore):
+    Settings = _fault_fields(HostSettings)
 
     def __init__(self, settings, context):
         super().__init__(settings, context)
@@ -265,5 +271,6 @@ FAULTY = {
     ),
     "scheduler": ("faulty-fcfs", "FaultyFCFS", ("sagellm_schedule_pass",)),
     "admission": ("faulty-quota", "FaultyQuota", ("sagellm_admit_request",)),
-    "transport": ("faulty-local", "FaultyLocal", ("sagellm_transfer_blocks",)),
+    # A KV store's methods (not hooks): faults in them are named the same way.
+    "kv_stores": ("faulty-host", "FaultyHost", ("contains", "put", "get")),
 }

@@ -65,8 +65,17 @@ def fault(folder: Path, name: str, section: str, plugin: str, params: str, extra
     if section == "scheduler":
         text += f'[scheduler]\npasses = ["{plugin}"]\n[scheduler.{plugin}]\n{params}\n'
     else:
-        first = {"prefix_cache": "radix", "kv_pool": "paged", "eviction": "lru", "transport": "local"}[section]
+        first = {"prefix_cache": "radix", "kv_pool": "paged", "eviction": "lru", "kv_stores": "host"}[section]
         text = text.replace(f'plugin = "{first}"\n', f'plugin = "{plugin}"\n{params}\n', 1)
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def store_fault(folder: Path, name: str, params: str) -> str:
+    """A timed replay whose one KV store is the faulty host store."""
+    text = Path(config(folder, name, mode="timed")).read_text()
+    text += f'[kv_stores]\ntiers = ["faulty-host"]\n[kv_stores.faulty-host]\n{params}\n'
     path = folder / f"{name}.toml"
     path.write_text(text)
     return str(path)
@@ -158,37 +167,17 @@ def examples(folder: Path):
         {},
         "error",
     )
-    transport = '[transport]\nplugin = "local"\noffload_evicted = true\n'
     yield (
         3,
-        "a transport raises",
-        [
-            "replay",
-            "--quiet",
-            "--config",
-            fault(
-                f, "traise", "transport", "faulty-local", 'hook = "sagellm_transfer_blocks"\nfault = "raise"', transport
-            ),
-        ],
+        "a KV store raises",
+        ["replay", "--quiet", "--config", store_fault(f, "sraise", 'hook = "put"\nfault = "raise"')],
         {},
         "error",
     )
     yield (
         3,
-        "a transport returns negative counts",
-        [
-            "replay",
-            "--quiet",
-            "--config",
-            fault(
-                f,
-                "tneg",
-                "transport",
-                "faulty-local",
-                'hook = "sagellm_transfer_blocks"\nfault = "contents"',
-                transport,
-            ),
-        ],
+        "a KV store returns negative counts",
+        ["replay", "--quiet", "--config", store_fault(f, "sneg", 'hook = "put"\nfault = "contents"')],
         {},
         "error",
     )
@@ -529,7 +518,7 @@ def main() -> int:
             "sagellm.eviction": {"faulty-lru": "faults:FaultyLRU"},
             "sagellm.kv_pool": {"faulty-paged": "faults:FaultyPaged"},
             "sagellm.scheduler_passes": {"faulty-fcfs": "faults:FaultyFCFS"},
-            "sagellm.transport": {"faulty-local": "faults:FaultyLocal"},
+            "sagellm.kv_stores": {"faulty-host": "faults:FaultyHost"},
             "sagellm.prefix_cache": {"lying-radix": "faults:LyingRadix"},
             "sagellm.workloads": {"duplicates": "dup_workload:load"},
         }

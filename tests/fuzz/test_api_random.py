@@ -36,11 +36,11 @@ num_blocks = 32
 plugin = "{policy}"
 [lifetime]
 plugin = "stat"
-[transport]
-plugin = "local"
-offload_evicted = true
-host_blocks = 12
+[kv_stores]
+tiers = ["host"]
 bytes_per_block = 16
+[kv_stores.host]
+capacity_blocks = 12
 """
 BASES = [list(range(b * 1000, b * 1000 + 48)) for b in range(4)]
 
@@ -145,7 +145,7 @@ def test_class4_a_long_random_run_of_the_public_api_with_pinning_finds_nothing(p
         print(f"SAGELLM_FUZZ_SEED={seed} reproduces this run")
         raise
     c = rt.counters
-    assert rt.in_flight == 0 and rt._in_use == rt._cached
+    assert rt.in_flight == 0 and rt.ledger.in_use == rt.ledger.cached
     assert c.requests_finished + c.requests_rejected == driver.serial  # every request ended one way or the other
     assert driver.operations > 100 and c.requests_finished > 10 and c.evicted_blocks > 0
     tally = TALLY["4: random API run (operations)"]

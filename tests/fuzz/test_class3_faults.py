@@ -16,7 +16,7 @@ from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import session, workloads
 
 #: A timed replay small enough to take a fraction of a second and tight
-#: enough that every hook is called: evictions, preemptions, the host tier.
+#: enough that every hook is called: evictions, preemptions, the host store.
 #: The admission quota never binds (it is asked, and packs as without it).
 CONFIG = """
 [engine]
@@ -48,10 +48,10 @@ passes = ["{scheduler}"]
 [admission]
 plugin = "{admission}"
 max_blocks = 100000
-[transport]
-plugin = "{transport}"
-offload_evicted = true
-host_blocks = 64
+[kv_stores]
+tiers = ["{kv_stores}"]
+[kv_stores.{kv_stores}]
+capacity_blocks = 64
 [limits]
 hook_time_limit_s = 0.3
 """
@@ -62,7 +62,7 @@ FIRST_PARTY = {
     "lifetime": "stat",
     "scheduler": "fcfs",
     "admission": "tenant-quota",
-    "transport": "local",
+    "kv_stores": "host",
 }
 #: Faults whose answer the runtime does not read (the pool's free, a
 #: pass's return, observations): those runs must be correct instead.
@@ -84,6 +84,9 @@ def config(section: str, hook: str, fault: str, after: int = 0) -> str:
     params = f'hook = "{hook}"\nfault = "{fault}"\nafter = {after}\n'
     if section == "scheduler":
         return text + f"{header}\n{params}"
+    if section == "kv_stores":
+        table = f"[kv_stores.{names[section]}]\n"
+        return text.replace(table, table + params, 1)
     return text.replace(f'plugin = "{names[section]}"\n', f'plugin = "{names[section]}"\n{params}', 1)
 
 
@@ -108,14 +111,15 @@ def expect_error(hook: str, fault: str) -> bool:
 
 def test_class3_every_hook_is_called_by_the_fault_config(fault_plugins):
     """The faults below mean something only if the run calls every hook."""
-    from sagellm_core.parts.timing import HOOK_NAMES
+    from sagellm_core.timing import HOOK_NAMES
 
     result = session.run(settings_from_toml(config("eviction", "", "raise")))
     called = {name for name, stats in result.report["hooks"].items() if stats["calls"]}
-    wanted = {h for _, _, hooks in FAULTY.values() for h in hooks}
+    wanted = {h for section, (_, _, hooks) in FAULTY.items() if section != "kv_stores" for h in hooks}
     assert wanted <= called, sorted(wanted - called)
     assert wanted <= set(HOOK_NAMES)
-    assert result.report["preemptions"] and result.report["evicted_blocks"] and result.report["transfers"]["count"]
+    assert result.report["preemptions"] and result.report["evicted_blocks"]
+    assert result.report["kv_stores"]["host"]["get_rounds"]  # (a get follows contains; put each eviction)
 
 
 @pytest.mark.parametrize("section, hook, fault", list(cases()))
@@ -172,14 +176,14 @@ def runtime_consistent(rt) -> None:
     from collections import Counter
 
     private, holders = set(), Counter()
-    for state in rt._active.values():
+    for state in rt.ledger.active.values():
         assert not private & state.private_block_ids
         private |= state.private_block_ids
         holders.update(b for b in state.block_ids if b not in state.private_block_ids)
-        assert set(state.block_ids) <= rt._in_use
-    assert not private & rt._cached
-    assert private | rt._cached == rt._in_use
-    assert dict(holders) == {b: n for b in rt._taken if (n := rt.holders(b))}
+        assert set(state.block_ids) <= rt.ledger.in_use
+    assert not private & rt.ledger.cached
+    assert private | rt.ledger.cached == rt.ledger.in_use
+    assert dict(holders) == {b: n for b in rt.ledger.taken if (n := rt.ledger.holders(b))}
 
 
 def test_class3_a_plugin_that_exits_while_starting_is_named(fault_plugins, tmp_path):

@@ -79,7 +79,7 @@ def test_a_tenant_at_its_quota_waits_and_the_tenant_behind_it_is_admitted():
     e.step()
     assert [s.request_id for s in e.running] == ["a0", "b0"]  # b0 is not held behind a1, a2
     assert [s.request_id for s in e.waiting] == ["a1", "a2"]  # the deferred keep their order
-    assert dict(e.rt.tenant_ledger.blocks) == {"a": 10, "b": 10} and e.rt.counters.admission_deferrals == 2
+    assert dict(e.rt.ledger.tenants.blocks) == {"a": 10, "b": 10} and e.rt.counters.admission_deferrals == 2
     ended = drain(e)
     assert sorted(ended) == [("a0", "length"), ("a1", "length"), ("a2", "length"), ("b0", "length")]
     assert ended.index(("b0", "length")) < ended.index(("a1", "length"))

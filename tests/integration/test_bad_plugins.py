@@ -42,7 +42,7 @@ def fill_cache(rt):
 
 
 def snapshot(rt):
-    return (set(rt._in_use), set(rt._cached), dict(rt._active), rt.pool_usage(), len(rt.evictable()))
+    return (set(rt.ledger.in_use), set(rt.ledger.cached), dict(rt.ledger.active), rt.pool_usage(), len(rt.evictable()))
 
 
 def admit_fails(rt, match):
@@ -123,13 +123,13 @@ def test_prefix_cache_adopting_a_block_it_was_not_given(bad_plugins):
     state = rt.arrive(request("a", list(range(9))))
     assert rt.admit(state, 64) == 9
     state.num_computed_tokens = 9
-    before = set(rt._cached)
+    before = set(rt.ledger.cached)
     with pytest.raises(
         PluginError,
         match=r"^prefix_cache plugin 'adopting-strangers' .* sagellm_insert_prefix adopted \[0, 1, 777\] .* it was not given or that were cached$",
     ):
         rt.cache(state)
-    assert rt._cached == before  # nothing recorded as cached
+    assert rt.ledger.cached == before  # nothing recorded as cached
 
 
 def test_plugin_that_raises_is_named(bad_plugins):

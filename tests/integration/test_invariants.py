@@ -29,11 +29,11 @@ num_blocks = 20
 plugin = "{policy}"
 [lifetime]
 plugin = "stat"
-[transport]
-plugin = "local"
-offload_evicted = true
-host_blocks = 8
+[kv_stores]
+tiers = ["host"]
 bytes_per_block = 16
+[kv_stores.host]
+capacity_blocks = 8
 """
 
 
@@ -47,7 +47,7 @@ def machine(policy: str, cache: str = "radix"):
                 settings_from_toml(CONFIG.format(policy=policy, cache=cache, cache_params=cache_params)),
                 hook_timing=False,
             )
-            self.cache = self.rt.plugins["prefix_cache"][0].instance
+            self.cache = self.rt.host.plugins["prefix_cache"][0].instance
             self.running = []
             self.waiting = []
             self.serial = 0
@@ -123,9 +123,9 @@ def machine(policy: str, cache: str = "radix"):
         @invariant()
         def refcounts_match_holders(self):
             holders = Counter(b for s in self.running for b in s.block_ids if b not in s.private_block_ids)
-            for block_id in self.rt._cached:
+            for block_id in self.rt.ledger.cached:
                 assert self.cache.refcount(block_id) == holders[block_id], block_id
-            assert len(self.cache) == len(self.rt._cached)
+            assert len(self.cache) == len(self.rt.ledger.cached)
 
         @invariant()
         def tables_cover_computed_tokens(self):

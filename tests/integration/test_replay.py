@@ -52,7 +52,9 @@ def test_timed_replay_serves_every_request_with_latencies():
     assert r["hooks"]["sagellm_schedule_pass"]["calls"] == r["steps"]
     assert r["hooks"]["sagellm_predict_lifetime"]["calls"] == 54
     result.runtime.check_invariants()
-    assert result.runtime._in_use == result.runtime._cached  # all requests done: only the cache holds blocks
+    assert (
+        result.runtime.ledger.in_use == result.runtime.ledger.cached
+    )  # all requests done: only the cache holds blocks
 
 
 def test_replay_is_deterministic():
@@ -158,8 +160,7 @@ def test_host_tier_loads_evicted_prefixes_back():
     device_only = session.run(settings_from_toml(HOST_TIER)).report
     with_host = session.run(
         settings_from_toml(
-            HOST_TIER
-            + '[transport]\nplugin = "local"\noffload_evicted = true\nhost_blocks = 4096\nbytes_per_block = 8\n'
+            HOST_TIER + '[kv_stores]\ntiers = ["host"]\nbytes_per_block = 8\n[kv_stores.host]\ncapacity_blocks = 4096\n'
         )
     )
     report = with_host.report
@@ -227,7 +228,7 @@ def test_closed_loop_sends_a_turn_only_after_the_previous_one_finished():
         )
         engine, _ = build_engine(settings)
         rt, outcomes = Runtime(settings), Outcomes()
-        rt.pm.register(outcomes)
+        rt.host.pm.register(outcomes)
         engine.run(rt, workloads.load(settings.workload))
         return outcomes.seen
 

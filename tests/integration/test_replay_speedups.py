@@ -57,13 +57,13 @@ def test_a_prompt_goes_to_the_prefix_cache_uncopied_unless_whole_blocks_are_cut(
     result = session.run(settings_from_toml(CACHE_ONLY.format(blocks=1000)))
     rt = result.runtime
     seen = []
-    insert = rt.insert_prefix
+    insert = rt.host.insert_prefix
 
     def spy(request, token_ids, block_ids):
         seen.append((request, token_ids, len(block_ids)))
         return insert(request, token_ids, block_ids)
 
-    rt.insert_prefix = spy
+    rt.host.insert_prefix = spy
     request = Request("fresh", list(range(10_000, 10_000 + 100)), 1)  # 6 full blocks and 4 tokens
     state = SequenceState(request)
     assert rt.admit(state, state.num_tokens) > 0
@@ -74,5 +74,5 @@ def test_a_prompt_goes_to_the_prefix_cache_uncopied_unless_whole_blocks_are_cut(
         assert token_ids is request.prompt_token_ids and num_blocks == 6  # the partial block stays, unread
     else:  # 80 tokens computed: the blocks past them are cut off
         assert num_blocks == 5 and list(token_ids) == list(request.prompt_token_ids[:80])
-    rt.release(state)
+    rt.finish(state)
     rt.check_invariants()

@@ -120,7 +120,7 @@ def checked_replay(
     replay, _ = build_engine(settings)
     rt = session.build_runtime(settings, replay)
     if preemption is not None:
-        rt.pm.register(preemption, name="test:preemption")
+        rt.host.pm.register(preemption, name="test:preemption")
     recorder = replay.run(rt, workloads.load(settings.workload))
     rt.check_invariants()
     return build(rt, recorder, "timed", 0.0, "t", recorder.finished), seen

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from sagellm_core import hookimpl
-from sagellm_core.types import CachedBlock, TransferPlan, TransferResult
+from sagellm_core.types import CachedBlock
 
 DEVICE = "GPU"
 HOST = "CPU"
@@ -159,9 +159,9 @@ Sink = Callable[[int, bytes], None]
 
 class KVEventPublisher:
     """An instance's KV events, from its runtime's block observations (the
-    engine registers it with the instance's plugins) and the host tier's
-    transfers (a wrapper of ``sagellm_transfer_blocks``, which sees each
-    offload's result). Events gather until :meth:`flush` (once a step)
+    engine registers it with the instance's plugins): the device cache's
+    blocks (``GPU``). The KV stores below the device do not report what
+    they hold, so no ``CPU`` events are published yet. Events gather until :meth:`flush` (once a step)
     makes them one numbered batch, sent to ``sink`` and kept for
     :meth:`replay`."""
 
@@ -173,8 +173,6 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         #: Device blocks by id -> content key, for a stored run's parent key.
         self._keys: dict[int, int] = {}
-        #: Host-tier slot -> the key it holds (a reused slot removes its old key).
-        self._host_slots: dict[int, int] = {}
 
     # -------------------------------------------------- block observations --
 
@@ -204,31 +202,9 @@ class KVEventPublisher:
             keys.pop(block.block_id, None)
         self._pending.append(BlockRemoved([b.key for b in blocks], DEVICE))
 
-    @hookimpl(wrapper=True)
-    def sagellm_transfer_blocks(self, plan: TransferPlan):  # type: ignore[no-untyped-def]
-        result: TransferResult | None = yield
-        if plan.dst_tier == "host" and result is not None and result.ok and plan.block_keys:
-            self._offloaded(plan.block_keys, result.dst_block_ids)
-        return result
-
-    def _offloaded(self, keys: Sequence[Any], slots: Sequence[int]) -> None:
-        removed: list[int | bytes] = []
-        stored: list[int | bytes] = []
-        for key, slot in zip(keys, slots):
-            old = self._host_slots.get(slot)
-            if old is not None and old != key:
-                removed.append(old)
-            self._host_slots[slot] = key
-            stored.append(key)
-        if removed:
-            self._pending.append(BlockRemoved(removed, HOST))
-        # Host blocks are found by key alone: each its own run, no parent.
-        self._pending.append(BlockStored(stored, None, [], self.block_size, None, HOST, None))
-
     def cleared(self) -> None:
         """The instance (re)started with an empty cache."""
         self._keys.clear()
-        self._host_slots.clear()
         self._pending.append(AllBlocksCleared())
 
     # ------------------------------------------------------------ batches --

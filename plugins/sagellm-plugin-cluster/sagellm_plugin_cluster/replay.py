@@ -45,8 +45,8 @@ from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.router import Router
 from sagellm_core.drivers.step_scheduler import PackedStep
 from sagellm_core.errors import ConfigError, PluginError
-from sagellm_core.parts.counters import Counters
-from sagellm_core.parts.timing import summarise
+from sagellm_core.counters import Counters
+from sagellm_core.timing import summarise
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import CostModel
 from sagellm_core.replay.engine import ReplaySettings, TimedReplay, cost_model
@@ -207,7 +207,7 @@ class ClusterRun:
         engine_cls = DecodeReplay if role == "decode" else TimedReplay
         engine = engine_cls(rt, self.replay, self.cost)
         publisher = KVEventPublisher(rt.block_size, lambda seq, payload: self._deliver(instance_id, seq, payload))
-        rt.pm.register(publisher, name="cluster:kv-events")
+        rt.host.pm.register(publisher, name="cluster:kv-events")
         return Instance(instance_id, role, rt, engine, publisher)
 
     # ------------------------------------------------------------- events --
@@ -373,7 +373,7 @@ class ClusterRun:
         request, size = flight.request, decode.rt.block_size
         # Full blocks only, at least one token left to compute (vLLM's decode side recomputes the tail).
         full_tokens = (request.num_prompt_tokens - 1) // size * size
-        local = decode.rt.lookup(request).num_blocks * size
+        local = decode.rt.host.lookup(request).num_blocks * size
         pulled_blocks = max(0, full_tokens - local) // size
         num_bytes = pulled_blocks * size * self.cost.model.kv_bytes_per_token
         seconds = self.link.seconds(num_bytes, prefill_s)

@@ -75,17 +75,6 @@ def test_kv_aware_routing_finds_more_of_the_prompts_cached_than_round_robin():
     assert aware["block_hit_rate"] > blind["block_hit_rate"]
 
 
-def test_blocks_offloaded_to_the_host_tier_reach_the_router_as_a_lower_tier():
-    host = '[transport]\nplugin = "local"\noffload_evicted = true\nhost_blocks = 4000\n'
-    without = run("colocated = 2", requests=200, blocks=600)["cluster"]["routing"]
-    text = BASE.format(engine="cluster", requests=200, blocks=600) + host
-    text += '[router]\nplugin = "kv-aware"\n[cluster]\ncolocated = 2\n'
-    report = session.run(settings_from_toml(text)).report
-    routing = report["cluster"]["routing"]
-    assert report["host_hit_rate"] > 0 and routing["lower_tier"] > 0
-    assert without["lower_tier"] == 0 and without["cached"] > 0
-
-
 def test_lost_event_batches_degrade_the_index_until_replayed_and_every_request_ends():
     report = run("colocated = 3\nevent_loss = 0.3\nevent_replay_s = 0.5", requests=200)
     events = report["cluster"]["events"]

@@ -5,9 +5,10 @@ Scheduler side (one instance, handed to ``Scheduler(kv_connector=...)``, or
 built by the patched ``build_kv_connector``, see :mod:`install`):
 
 * every step, the full blocks the batch will have computed and that are not
-  on the host yet are offloaded: ``sagellm_transfer_blocks(device -> host)``
-  places them (the ``local`` transport reuses its oldest slot when full), and
-  a save lease pins their logical blocks until the workers have copied them;
+  on the host yet are offloaded: each takes a host slot (the slot written
+  longest ago once the tier is full, :class:`~sagellm_core.kit.slots.SlotIndex`),
+  the copy is reported through ``sagellm_transfer_blocks(device -> host)``,
+  and a save lease pins their logical blocks until the workers have copied them;
 * a waiting request whose prompt continues on the host past its device hit
   loads those blocks back (``host -> device`` into the blocks LMDeploy
   allocated), asynchronously as LMDeploy's load protocol is: the request
@@ -25,7 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from sagellm_core.parts.tiers import HostTierIndex
+from sagellm_core.kit.slots import SlotIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import ROOT_KEY, TransferPlan, chain_key
 from sagellm_plugin_lmdeploy.compat import (
@@ -76,7 +77,7 @@ class SagellmConnector(KVConnectorBase):
         self._num_device_blocks = cache_config.num_gpu_blocks
         # Scheduler side.
         self.runtime = runtime
-        self.host = HostTierIndex(self.host_blocks)  # by chained content key
+        self.host = SlotIndex(self.host_blocks)  # by chained content key
         self._offered: dict[int, int] = {}  # request -> blocks already considered for saving
         self._loads: list[tuple[int, list[int], list[int]]] = []
         self._loading: set[int] = set()
@@ -144,15 +145,19 @@ class SagellmConnector(KVConnectorBase):
             if not todo:
                 continue
             device = [int(block_ids[i]) for i in todo]
-            plan_keys = tuple(keys[i].to_bytes(8, "little") for i in todo)
+            todo_keys = [keys[i] for i in todo]
+            slots = self.host.place(todo_keys)
+            if slots is None:
+                continue  # more blocks than the host tier holds
+            plan_keys = tuple(key.to_bytes(8, "little") for key in todo_keys)
             result = self._runtime().transfer(
-                TransferPlan("device", "host", tuple(device), self.block_size, (), plan_keys)
+                TransferPlan("device", "host", tuple(device), self.block_size, tuple(slots), plan_keys)
             )
             if result is None or not result.ok:
+                self.host.forget(todo_keys)
                 continue  # no transport, or it failed (counted by the runtime): not offloaded
-            self.host.record([keys[i] for i in todo], result.dst_block_ids)
             operation = next(self._operations)
-            saves.append((operation, device, list(result.dst_block_ids)))
+            saves.append((operation, device, slots))
             leases.append(KVSaveBlockLease(operation, tuple(int(logical_ids[i]) for i in todo)))
         loads, self._loads = self._loads, []
         if not saves and not loads:

@@ -64,7 +64,7 @@ class PluginMatcher:
         return self.request(seq, seq.get_prefix_cache_max_match_step() + 1)
 
     def lookup(self, seq) -> PrefixMatch:
-        return self.runtime.lookup(self._query(seq)) if self.reusable(seq) else EMPTY
+        return self.runtime.host.lookup(self._query(seq)) if self.reusable(seq) else EMPTY
 
     def match(self, seq) -> list[CachedBlock]:
         """The cached blocks ``seq`` reuses after the blocks it holds: none
@@ -76,8 +76,8 @@ class PluginMatcher:
             return []
         request = self._query(seq)
         # Acquired, not looked up, so the plugin counts the hit (pinning).
-        match = self.runtime.acquire_prefix(request)
-        self.runtime.release_prefix(request)
+        match = self.runtime.host.acquire_prefix(request)
+        self.runtime.host.release_prefix(request)
         if match.num_blocks <= held:
             return []
         if held and match.block_ids[:held] != tuple(seq.logical_blocks.get_real_blocks()[:held].tolist()):
@@ -97,8 +97,8 @@ class PluginMatcher:
             return None
         block_ids = seq.logical_blocks.get_real_blocks()[:num_full].tolist()
         request = self.request(seq, num_full * self.block_size)
-        result = self.runtime.insert_prefix(request, request.prompt_token_ids, block_ids)
-        self.runtime.release_prefix(request)
+        result = self.runtime.host.insert_prefix(request, request.prompt_token_ids, block_ids)
+        self.runtime.host.release_prefix(request)
         if result is None:
             return None
         return result, {block_id: i for i, block_id in enumerate(block_ids)}

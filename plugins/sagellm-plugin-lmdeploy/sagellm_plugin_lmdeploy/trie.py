@@ -141,11 +141,11 @@ class SagellmPhysicalAllocator:
     def allocate(self, num_blocks: int):
         if self.get_num_free_blocks() < num_blocks:
             raise MemoryError("No enough free memory blocks.")  # as LMDeploy's allocator says it
-        return numpy.asarray(self.runtime.allocate_blocks(num_blocks, None), dtype=numpy.int64) + self.offset
+        return numpy.asarray(self.runtime.host.allocate_blocks(num_blocks, None), dtype=numpy.int64) + self.offset
 
     def free(self, blocks):
         blocks = numpy.asarray(blocks, dtype=numpy.int64)
-        self.runtime.free_blocks((blocks - self.offset).tolist())
+        self.runtime.host.free_blocks((blocks - self.offset).tolist())
         return blocks
 
     def get_num_free_blocks(self) -> int:
@@ -229,14 +229,15 @@ class SagellmBlockTrie(BlockTrie):
         if "prefix_cache" not in runtime.engine_owns:
             if checkpoint_state_manager is not None:
                 raise ConfigError(
-                    f"sagellm-plugin-lmdeploy: {runtime.who('prefix_cache')} matches token blocks, and this model"
+                    f"sagellm-plugin-lmdeploy: {runtime.host.who('prefix_cache')} matches token blocks, and this model"
                     " reuses SSM state checkpoints, which only LMDeploy's trie matches: leave out"
                     " [prefix_cache] plugin"
                 )
             if runtime.block_size != block_size:  # its pages would not be LMDeploy's blocks
                 raise ConfigError(
                     f"sagellm-plugin-lmdeploy: [prefix_cache] block_size is {runtime.block_size} and LMDeploy's"
-                    f" block size is {block_size}: {runtime.who('prefix_cache')} must page prompts as LMDeploy does"
+                    f" block size is {block_size}: {runtime.host.who('prefix_cache')} must page prompts"
+                    " as LMDeploy does"
                 )
             self.matcher = PluginMatcher(runtime, block_size)
         super().__init__(
@@ -373,12 +374,12 @@ class SagellmBlockTrie(BlockTrie):
         return evicted + len(removed)
 
     def _remove_from_plugin(self, victims) -> list[CachedBlock]:
-        gone = self.sagellm.runtime.remove_cached(victims)
+        gone = self.sagellm.runtime.host.remove_cached(victims)
         held = [b.block_id for b, refs in zip(gone, self._refs([b.block_id for b in gone])) if refs != 1]
         if held:
             # Checked before any is freed: LMDeploy's sequences would read freed KV.
             raise PluginError(
-                f"{self.sagellm.runtime.who('prefix_cache')} removed blocks that sequences hold: {held[:8]}"
+                f"{self.sagellm.runtime.host.who('prefix_cache')} removed blocks that sequences hold: {held[:8]}"
             )
         return [self.sagellm.evict(b.block_id) for b in gone]
 

@@ -235,7 +235,7 @@ def test_the_passes_order_lmdeploys_prefills():
         def sagellm_request_arrived(self, request, match):
             self.matches[request.request_id] = match.block_ids
 
-    rt.pm.register(arrivals := Arrivals())
+    rt.host.pm.register(arrivals := Arrivals())
     with installed(rt):
         scheduler = build_scheduler(64, 16, max_batches=1)
         assert isinstance(scheduler.block_trie, SagellmBlockTrie)
@@ -295,7 +295,7 @@ def test_lmdeploys_requests_are_observed_arriving_and_finishing():
             seq.update_token_ids(np.array([1]), mode=lm.UpdateTokenMode.DECODE)
         seq.finish()
 
-    rt.pm.register(seen := Requests())
+    rt.host.pm.register(seen := Requests())
     seqs = []
     with installed(rt):
         scheduler = build_scheduler(64, 16, max_batches=2)
@@ -422,4 +422,6 @@ def test_the_kv_pool_plugin_picks_lmdeploys_physical_blocks():
         scheduler.schedule(is_prefill=True, prealloc_size=16)
     table = scheduler.get_block_tables([seq])[0]
     assert len(table) == 4 and rt.pool_usage().num_free_blocks == 12
-    assert set(table.tolist()) == set(range(16)) - set(rt.plugins["kv_pool"][0].instance._free)  # the paged pool's ids
+    assert set(table.tolist()) == set(range(16)) - set(
+        rt.host.plugins["kv_pool"][0].instance._free
+    )  # the paged pool's ids

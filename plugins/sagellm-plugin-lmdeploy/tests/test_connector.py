@@ -1,7 +1,7 @@
 """SagellmConnector end to end on the CPU: LMDeploy's real scheduler with the
 scheduler-side connector (its load and save-lease protocol), a worker-side
 connector over real (small) KV tensors, and sagellm's local transport
-choosing host slots."""
+reporting the copies."""
 
 from __future__ import annotations
 

@@ -84,5 +84,5 @@ def test_trie_stays_consistent(requests, policy, pool, matching):
             scheduler.end_session(number)
             check(scheduler, rt)
     event("evicted" if rt.counters.evicted_blocks else "nothing evicted")
-    if "prefix_cache" in rt.plugins:
+    if "prefix_cache" in rt.host.plugins:
         event("pinned" if rt.pinned_blocks() else "nothing pinned")

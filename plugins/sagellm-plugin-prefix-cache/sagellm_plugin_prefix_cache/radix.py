@@ -121,7 +121,7 @@ class _KeyReads:
     edge in ``SAMPLE_EVERY``, which stays lazy so the share is still
     measured). Both counts halve past ``WINDOW`` blocks, so the share
     follows the run as it goes (a host tier that stops taking every evicted
-    block, :mod:`sagellm_core.parts.tiers`, turns the tree lazy again)."""
+    block turns the tree lazy again)."""
 
     SAMPLE_EVERY = 8
     WINDOW = 1 << 16

@@ -169,8 +169,8 @@ def reload_run(folder: Path, prefix: list[int], filler: list[int], offload: bool
         "evicted_blocks": evicted,
         "host_blocks_loaded": reloaded,
         "device_hit_blocks": device_hits,
-        "bytes_moved": c.transferred_bytes,
-        "transfer_s": c.transfer_s,
+        "bytes_moved": sum(t.bytes_written + t.bytes_read for t in c.tiers.values()),
+        "transfer_s": sum(t.seconds for t in c.tiers.values()),
     }
 
 

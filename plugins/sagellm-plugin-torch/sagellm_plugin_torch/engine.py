@@ -15,7 +15,7 @@ the outputs applied), and this engine is its executor:
   stop token.
 
 A block id is a row of the real KV tensor; evictions, host offload and
-reload (``[transport] offload_evicted``) move real K/V bytes.
+reload (``[kv_stores]``) move real K/V bytes.
 """
 
 from __future__ import annotations
@@ -123,6 +123,15 @@ def auto_pool_blocks(device: TorchDevice, settings: TorchSettings, block_size: i
     return blocks
 
 
+def weights_identity(spec: str) -> str:
+    """The model's weights as the KV stores' fingerprint names them: each
+    weights file's path, size and modification time (a checkpoint replaced
+    in place is another model to a store that outlives the process)."""
+    files = models.resolve(spec)
+    paths = [files.folder / files.gguf_file] if files.gguf_file else sorted(files.folder.glob("*.safetensors"))
+    return ";".join(f"{p}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in paths) or str(files.folder)
+
+
 class EngineCore(StepEngine):
     """The step loop on one runtime and one model. Not thread-safe: one
     caller drives it (the replay loop, a test, the server's engine thread)."""
@@ -156,7 +165,8 @@ class EngineCore(StepEngine):
             max_model_len=self.max_model_len,
             graphs=settings.cuda_graphs,
         )
-        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks))
+        identity = weights_identity(settings.model)  # in the KV fingerprint: never another model's blocks
+        rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks, identity))
         self.sampler = Sampler(self.runner.vocab_size)
         #: The sampled tokens' log-probabilities of the step being applied, in step order.
         self._step_logprobs: list[TokenLogprobs | None] = []

@@ -68,6 +68,7 @@ def write_config(
 ) -> Path:
     # Without a plugin, [prefix_cache] only sets the block size: no caching.
     cache = f"[prefix_cache]\nblock_size = {block_size}\n" + ('plugin = "radix"\n' if prefix_cache else "")
+    stores = f'[kv_stores]\ntiers = ["host"]\n[kv_stores.host]\ncapacity_blocks = {host_blocks}\n' if offload else ""
     text = f"""
 [engine]
 name = "torch"
@@ -86,10 +87,7 @@ plugin = "{eviction}"
 [scheduler]
 passes = ["fcfs"]
 
-[transport]
-plugin = "local"
-offload_evicted = {str(offload).lower()}
-host_blocks = {host_blocks}
+{stores}
 {extra}
 """
     path = folder / f"torch-{num_blocks}-{int(prefix_cache)}-{int(offload)}-{max_num_seqs}.toml"

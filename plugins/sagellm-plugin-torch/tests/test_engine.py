@@ -1,5 +1,5 @@
 """The engine's edges: bad input is one line and changes nothing, the host
-tier moves real K/V bytes, the CLI runs the engine."""
+KV store moves real K/V bytes, the CLI runs the engine."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ from sagellm_plugin_torch import testing as helpers
 from sagellm_plugin_torch.devices import load_device
 
 from sagellm_core.errors import ConfigError, RequestError
-from sagellm_core.types import Request, TransferPlan
+from sagellm_core.types import CachedBlock, Request
 
 
 @pytest.fixture
@@ -119,16 +119,16 @@ def test_a_pool_sized_from_memory_needs_a_gpu(tmp_path, tiny_model_dir, capsys):
     )
 
 
-def test_host_tier_moves_real_kv_bytes(tiny_core):
+def test_the_host_store_moves_real_kv_bytes(tiny_core):
     rt, kv = tiny_core.rt, tiny_core.runner.kv
     kv[:, :, 3].fill_(1.5)
     kv[:, :, 5].fill_(-2.0)
-    saved = rt.transfer(TransferPlan("device", "host", (3, 5), rt.block_size, block_keys=(11, 12)))
-    assert saved.ok and saved.num_bytes == 2 * kv[:, :, 0].numel() * kv.element_size()
+    rt.stores.offload((CachedBlock(3, 0, None, key=11), CachedBlock(5, 1, 3, key=12)))
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    assert rt.counters.tiers["host"].bytes_written == 2 * block_bytes
     kv[:, :, 3].zero_()
     kv[:, :, 5].zero_()
-    loaded = rt.transfer(TransferPlan("host", "device", saved.dst_block_ids, rt.block_size, dst_block_ids=(7, 3)))
-    assert loaded.ok
+    assert rt.stores.load("r", rt.stores.runs((11, 12)), [7, 3], 0.0) == (2, 2)  # each block's checksum checked first
     assert torch.all(kv[:, :, 7] == 1.5) and torch.all(kv[:, :, 3] == -2.0) and torch.all(kv[:, :, 5] == 0)
 
 

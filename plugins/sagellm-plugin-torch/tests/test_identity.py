@@ -1,7 +1,8 @@
 """Token-identical greedy outputs (fp32, CPU) on 32 multi-turn chats with
 shared system prompts: the engine against transformers' own generate, and
 against itself with the prefix cache off, with evictions and host-tier
-reloads forced, under preemption, and one request at a time. Each run
+reloads forced, with reloads from a disk tier and after a restart that
+reloads it, under preemption, and one request at a time. Each run
 asserts that it did what its name says (it evicted, it reloaded, it
 preempted), so no row passes by doing nothing."""
 
@@ -49,6 +50,19 @@ def test_evictions_and_host_tier_reloads(tmp_path, chats, reference):
     assert counters.host_hit_blocks > 0, "evicted blocks were meant to be reloaded from the host tier"
     assert counters.transfer_failures == 0 and counters.preemptions == 0
     assert outputs == reference
+
+
+def test_disk_tier_reloads_then_a_restart_that_reloads_the_disk(tmp_path, chats, reference):
+    disk = f'[kv_stores]\ntiers = ["disk"]\n[kv_stores.disk]\npath = "{tmp_path / "kv"}"\n'
+    outputs, counters = run(tmp_path, chats, num_blocks=24, max_num_seqs=4, extra=disk)
+    assert counters.evicted_blocks > 0 and counters.host_hit_blocks > 0, "blocks were meant to come back from disk"
+    assert outputs == reference
+    # A new engine and runtime on the same folder: each chat's prefix is on disk.
+    (tmp_path / "again").mkdir()
+    core = helpers.engine_core(helpers.write_config(tmp_path / "again", num_blocks=24, max_num_seqs=4, extra=disk))
+    results = core.generate(helpers.requests(chats, MAX_TOKENS))
+    assert core.rt.stores.report()["disk"]["store"]["recovered"] > 0 and core.rt.counters.host_hit_blocks > 0
+    assert [results[f"r{i}"] for i in range(len(chats))] == reference
 
 
 def test_preemption_and_recompute(tmp_path, chats, reference):

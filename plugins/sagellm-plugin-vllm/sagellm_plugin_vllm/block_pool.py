@@ -172,7 +172,7 @@ class PoolObserver(BlockObserver):
         victims = self.select_victims(num_blocks)
         if not victims:
             raise PluginError(
-                f"{self.runtime.who('eviction')} sagellm_select_victims chose no victim among"
+                f"{self.runtime.host.who('eviction')} sagellm_select_victims chose no victim among"
                 f" {len(self.evictable)} evictable blocks while vLLM needs {num_blocks}"
             )
         return self.with_descendants(victims)

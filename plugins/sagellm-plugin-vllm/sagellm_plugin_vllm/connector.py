@@ -5,8 +5,9 @@ A vLLM v1 KV connector (``--kv-transfer-config '{"kv_connector":
 entry point registers the name). Scheduler side:
 
 * when a request finishes, its full blocks not yet on the host are offloaded:
-  ``sagellm_transfer_blocks(device -> host)`` chooses the host slots (the
-  ``local`` transport reuses its oldest slot when full), and the blocks stay
+  each takes a host slot (the slot written longest ago once the tier is
+  full, :class:`~sagellm_core.kit.slots.SlotIndex`), the copy is reported
+  through ``sagellm_transfer_blocks(device -> host)``, and the blocks stay
   held until the worker has copied them (``finished_sending``);
 * when a request arrives, the blocks of its prompt found on the host after
   the device-cache hit are loaded back: ``sagellm_transfer_blocks(host ->
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sagellm_core.parts.tiers import HostTierIndex
+from sagellm_core.kit.slots import SlotIndex
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import TransferPlan
 from sagellm_plugin_vllm.compat import (
@@ -63,7 +64,7 @@ class SagellmConnector(KVConnectorBase_V1):
         self._num_device_blocks = kv_cache_config.num_blocks - 1 if kv_cache_config else 0
         # Scheduler side.
         self.runtime: Runtime | None = None
-        self.host = HostTierIndex(self.host_blocks)  # by vLLM block hash
+        self.host = SlotIndex(self.host_blocks)  # by vLLM block hash
         self._local_hit: dict[str, int] = {}
         self._meta = SagellmConnectorMetadata()
         # Worker side.
@@ -137,13 +138,16 @@ class SagellmConnector(KVConnectorBase_V1):
             return False, None
         device = tuple(b for b, _ in todo)
         keys = tuple(k for _, k in todo)
+        slots = self.host.place(keys)
+        if slots is None:
+            return False, None  # more blocks than the host tier holds
         result = self._runtime().transfer(
-            TransferPlan("device", "host", _sagellm_ids(device), self.block_size, (), keys)
+            TransferPlan("device", "host", _sagellm_ids(device), self.block_size, tuple(slots), keys)
         )
-        if result is None or not result.ok or len(result.dst_block_ids) != len(device):
+        if result is None or not result.ok:
+            self.host.forget(keys)
             return False, None  # no transport, or it failed (counted by the runtime): nothing offloaded
-        self.host.record(keys, result.dst_block_ids)
-        self._meta.saves[request.request_id] = (list(device), list(result.dst_block_ids))
+        self._meta.saves[request.request_id] = (list(device), slots)
         return True, None  # keep the blocks until the worker has copied them
 
     # ---------------------------------------------------------- worker side --

@@ -175,7 +175,7 @@ class SagellmDecisions:
         self._limits = (self.max_num_scheduled_tokens, self.max_num_running_reqs)
         #: Without scheduling passes nothing reads the ScheduleIR: no state
         #: is mapped or refreshed per step (first tokens are still stamped).
-        self._has_passes = bool(self.sagellm.plugins.get("scheduler"))
+        self._has_passes = bool(self.sagellm.host.plugins.get("scheduler"))
         #: Requests whose first token is not stamped yet (by id): each step
         #: looks only at those of them that run.
         self._awaiting_first_token: set[str] = set()

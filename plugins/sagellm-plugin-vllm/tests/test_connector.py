@@ -1,6 +1,6 @@
 """SagellmConnector end to end on the CPU: vLLM's real scheduler with the
 scheduler-side connector, a worker-side connector over real (small) KV
-tensors, and sagellm's local transport choosing host slots."""
+tensors, and sagellm's local transport reporting the copies."""
 
 from __future__ import annotations
 

@@ -11,6 +11,39 @@ if TYPE_CHECKING:
 
 
 @attrs.define
+class TierCounters:
+    """What the runtime counted of one KV store."""
+
+    #: Eviction rounds offered to it, and the blocks it wrote or declined of them.
+    put_rounds: int = 0
+    written_blocks: int = 0
+    declined_blocks: int = 0
+    #: Reads, and the blocks of them that entered the device pool.
+    get_rounds: int = 0
+    loaded_blocks: int = 0
+    #: Blocks read back whose bytes failed their checksum (dropped, recomputed).
+    corrupt_blocks: int = 0
+    #: Blocks it held that load-or-recompute computed instead (the load was slower).
+    recomputed_blocks: int = 0
+    #: Prefetches started, their blocks, and those not ready when their
+    #: request was admitted (late: waited for, or given up past the time
+    #: limit) or never loaded (wasted).
+    prefetch_rounds: int = 0
+    prefetched_blocks: int = 0
+    late_prefetches: int = 0
+    wasted_prefetched_blocks: int = 0
+    #: Seconds the engine's costs charge for its loads (replay adds them to the steps).
+    load_s: float = 0.0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    #: Seconds in its put and get calls (a copy it overlaps is not in them).
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, int | float]:
+        return {**attrs.asdict(self), "seconds": round(self.seconds, 6), "load_s": round(self.load_s, 6)}
+
+
+@attrs.define
 class Counters:
     """What the runtime itself counts; the report is built from these."""
 
@@ -37,12 +70,12 @@ class Counters:
     transferred_blocks: int = 0
     transferred_bytes: int = 0
     transfer_s: float = 0.0
-    #: Blocks found on the host tier after the device-cache hit (loaded back
-    #: by an engine's KV connector instead of recomputed), first admissions.
+    #: Blocks found below the device after its cache hit (loaded back from
+    #: a KV store, or by an engine's KV connector, instead of recomputed),
+    #: first admissions.
     host_hit_blocks: int = 0
-    #: Evicted blocks not offloaded because the host tier was bypassed
-    #: (nothing read back from it for a whole turnover; :mod:`.tiers`).
-    host_bypassed_blocks: int = 0
+    #: KV store name -> what was counted of it.
+    tiers: dict[str, TierCounters] = attrs.field(factory=dict)
     lifetime_abs_error: float = 0.0
     lifetime_predictions: int = 0
     #: Predictions the fallback made because the picked predictor failed,

@@ -13,14 +13,15 @@ code that does not return to the interpreter is not interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from sagellm_core.hookspecs import PROJECT, hookimpl
-from sagellm_core.parts.timing import HOOK_NAMES
+from sagellm_core.timing import HOOK_NAMES
 
 
 class HookTimeout(BaseException):
@@ -30,11 +31,8 @@ class HookTimeout(BaseException):
 
 def _make_wrapper(name: str) -> Callable[..., Any]:
     def wrapper(self: Any) -> Generator[None, Any, Any]:
-        previous = signal.setitimer(signal.ITIMER_REAL, self.limit_s)
-        try:
+        with self.armed():
             return (yield)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, *previous)
 
     wrapper.__name__ = name
     return hookimpl(wrapper=True, tryfirst=True)(wrapper)
@@ -53,6 +51,15 @@ class Watchdog:
 
         signal.signal(signal.SIGALRM, expired)
 
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The limit on one call: a hook's (as a wrapper), or a KV store's method's."""
+        previous = signal.setitimer(signal.ITIMER_REAL, self.limit_s)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, *previous)
+
 
 for _name in HOOK_NAMES:
     if _name != "sagellm_register_commands":
@@ -67,7 +74,7 @@ def guard_observations(instance: Any, on_failure: Callable[[BaseException, str],
     marker = f"{PROJECT}_impl"
     for name in HOOK_NAMES:
         method = getattr(instance, name, None)
-        if name == "sagellm_predict_lifetime" or getattr(method, marker, None) is None:
+        if method is None or name == "sagellm_predict_lifetime" or getattr(method, marker, None) is None:
             continue
 
         def guarded(*args: Any, __method: Any = method, __name: str = name, **kwargs: Any) -> Any:

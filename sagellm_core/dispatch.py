@@ -23,7 +23,7 @@ from typing import Any
 
 import pluggy
 
-from sagellm_core.parts.timing import HookTimer
+from sagellm_core.timing import HookTimer
 
 #: One implementation: its function and the hook arguments it takes, in order.
 Impl = tuple[Callable[..., Any], tuple[str, ...]]

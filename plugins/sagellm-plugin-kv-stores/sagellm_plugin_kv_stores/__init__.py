@@ -1,0 +1,1 @@
+"""sagellm KV stores: tiers of KV blocks below the device pool."""
