@@ -11,10 +11,10 @@ from pathlib import Path
 
 from sagellm_core import hookspecs
 from sagellm_core.config import Settings
-from sagellm_core.errors import ConfigError, PluginError, PluginStartError, SagellmError
 from sagellm_core.dispatch import Dispatch, PluginManager
-from sagellm_core.timing import HookTimer
+from sagellm_core.errors import ConfigError, PluginError, PluginStartError, SagellmError
 from sagellm_core.registry import PluginContext, build_settings, load_class
+from sagellm_core.timing import HookTimer
 from sagellm_core.types import InstanceLoad, Request, RouteDecision
 
 HOOK = "sagellm_route_request"

@@ -40,17 +40,17 @@ from typing import Any
 import attrs
 
 from sagellm_core.config import InstanceSettings, Settings
+from sagellm_core.counters import Counters
 from sagellm_core.drivers.arrivals import Arrivals
 from sagellm_core.drivers.recorder import Recorder
 from sagellm_core.drivers.router import Router
 from sagellm_core.drivers.step_scheduler import PackedStep
 from sagellm_core.errors import ConfigError, PluginError
-from sagellm_core.counters import Counters
-from sagellm_core.timing import summarise
 from sagellm_core.registry import PluginContext
 from sagellm_core.replay.costmodel import CostModel
 from sagellm_core.replay.engine import ReplaySettings, TimedReplay, cost_model
 from sagellm_core.runtime import Runtime
+from sagellm_core.timing import summarise
 from sagellm_core.types import InstanceLoad, PoolUsage, Request, RouteDecision
 
 from .events import KVEventPublisher
