@@ -11,7 +11,7 @@ lifecycle (:mod:`sagellm_core.runtime`) is built on these calls.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +214,9 @@ class PluginHost:
             raise PluginError(f"{who} raised in {hook_name}: {type(exc).__name__}: {message}") from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
-        return PluginError(f"{self.who(section)} {hook_name} {what}")
+        """Names every plugin that implements the hook: one of another section may answer first."""
+        answering = [str(p) for ps in self.plugins.values() for p in ps if callable(getattr(p.instance, hook_name, 0))]
+        return PluginError(f"{' / '.join(answering) or self.who(section)} {hook_name} {what}")
 
     def _observe(self, hook_name: str, **kwargs: Any) -> None:
         if self.dispatch.implemented(hook_name):
@@ -304,6 +306,14 @@ class PluginHost:
         )
         self._cached.difference_update(b.block_id for b in removed)
         return removed  # type: ignore[no-any-return]
+
+    def plugin_figures(self) -> dict[str, Any]:
+        """The plugins' own figures (``sagellm_report_figures``), merged."""
+        hook = "sagellm_report_figures"
+        answers_ = self._call("observer", hook) if self.dispatch.implemented(hook) else []
+        for bad in [a for a in answers_ if not (isinstance(a, Mapping) and all(isinstance(k, str) for k in a))]:
+            raise self._bad("observer", hook, f"returned {bad!r}, not figures by name")
+        return {name: figures for answer in answers_ for name, figures in answer.items()}
 
     def holders(self, block_id: int) -> int:
         """How many running requests hold the cached ``block_id``."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from sagellm_core.config import Settings
 from sagellm_core.errors import ConfigError, PluginError, RequestError
-from sagellm_core.parts import answers, invariants
+from sagellm_core.parts import answers, compaction, invariants
 from sagellm_core.parts.counters import Counters as Counters
 from sagellm_core.parts.tiers import HostTier
 from sagellm_core.plugin_host import PluginHost
@@ -81,6 +81,8 @@ class Runtime(PluginHost):
             MappingProxyType(self._tenant_blocks), MappingProxyType(self._tenant_requests)
         )
         self._host = HostTier(self) if settings.offload_evicted else None
+        #: Whether the pool compacts (``compact``, once a step).
+        self.compacts = compaction.compacts(self)
         if "kv_pool" in self.engine_owns:
             return
         usage = self.pool_usage()
@@ -188,6 +190,11 @@ class Runtime(PluginHost):
             self.blocks_evicted(removed)
         return len(ids)
 
+    def compact(self) -> int:
+        """Let a compacting pool move cached blocks to rejoin free runs (an
+        engine calls it once a step); return the blocks moved."""
+        return compaction.compact(self) if self.compacts else 0
+
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block, as the eviction policy orders
         them (offloaded with ``offload_evicted``); blocks that requests hold
@@ -221,13 +228,14 @@ class Runtime(PluginHost):
     def decide_admission(self, state: SequenceState) -> AdmissionDecision:
         """The admission plugin's decision for the waiting ``state``, checked
         and counted (``None`` admits)."""
-        hook = "sagellm_admit_request"
-        decision = self._call("admission", hook, state=state, ledger=self.tenant_ledger, now_s=self._now_s)
+        hook, available = "sagellm_admit_request", self._num_free() + len(self.evictable())
+        kwargs = {"ledger": self.tenant_ledger, "running": self._active.values(), "available_blocks": available}
+        decision = self._call("admission", hook, state=state, now_s=self._now_s, **kwargs)
         if decision is None:
             return ADMITTED
         self._checked("admission", hook, decision, answers.admission(decision))
         if decision.verdict is Admission.DEFER:
-            self.counters.admission_deferrals += 1
+            self.counters.count_deferral(state.request.tenant)
         elif decision.verdict is Admission.REJECT:
             self.counters.admission_rejections += 1
         return decision  # type: ignore[no-any-return]
@@ -247,7 +255,11 @@ class Runtime(PluginHost):
         match = self.acquire_prefix(request)
         cached = match.num_blocks * self.block_size
         host = self._host if state.num_preemptions == 0 else None
-        host_keys = host.keys_after(request, match) if host is not None else ()
+        try:
+            host_keys = host.keys_after(request, match) if host is not None else ()
+        except PluginError:  # nothing observed yet: the lock rolls back
+            self.release_prefix(request)
+            raise
         loaded = len(host_keys) * self.block_size
         num_new = min(state.num_tokens - cached - loaded, token_budget)
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks

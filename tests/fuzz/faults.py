@@ -25,13 +25,14 @@ import sys
 import time
 
 from attrs import field, frozen, validators
+from sagellm_plugin_admission.quota import QuotaAdmission, QuotaSettings
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_kv_pool.paged import PagedPool
+from sagellm_plugin_kv_pool.runs import RunsPool, RunsSettings
 from sagellm_plugin_kv_transport.local import LocalSettings, LocalTransport
 from sagellm_plugin_lifetime.stat import StatLifetime, StatSettings
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from sagellm_plugin_scheduler_ir.passes import FCFSPass
-from sagellm_plugin_scheduler_ir.quota import QuotaSettings, TenantQuota
 
 from sagellm_core import hookimpl
 from sagellm_core.types import (
@@ -90,7 +91,17 @@ def _bad_contents(hook: str, kwargs: dict, answer):
         return TransferResult(True, -1, -4096, math.inf)
     if hook == "sagellm_admit_request":
         return AdmissionDecision("admit", None)
+    if hook == "sagellm_plan_compaction":
+        return ((kwargs_first(kwargs["movable"]), -1),)  # onto a block that does not exist
+    if hook == "sagellm_move_blocks":
+        return (None,)
+    if hook == "sagellm_report_figures":
+        return {1: "not by name"}
     return answer  # observations: no answer to spoil
+
+
+def kwargs_first(movable) -> int:
+    return next(iter(movable), 0)
 
 
 def _mutate(hook: str, kwargs: dict) -> None:
@@ -157,6 +168,14 @@ class FaultyPaged(PagedPool):
         install_fault(self, settings)
 
 
+class FaultyRuns(RunsPool):
+    Settings = _fault_fields(RunsSettings)
+
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
+        install_fault(self, settings)
+
+
 class FaultyLRU(LRUEviction):
     Settings = _fault_fields(_NoSettings)
 
@@ -189,7 +208,7 @@ class FaultyFCFS(FCFSPass):
         install_fault(self, settings)
 
 
-class FaultyQuota(TenantQuota):
+class FaultyQuota(QuotaAdmission):
     Settings = _fault_fields(QuotaSettings)
 
     def __init__(self, settings, context):
@@ -239,12 +258,19 @@ FAULTY = {
             "sagellm_pinned_blocks",
             "sagellm_block_keys",
             "sagellm_remove_blocks",
+            "sagellm_move_blocks",
         ),
     ),
     "kv_pool": (
-        "faulty-paged",
-        "FaultyPaged",
-        ("sagellm_allocate_blocks", "sagellm_free_blocks", "sagellm_pool_usage"),
+        "faulty-runs",
+        "FaultyRuns",
+        (
+            "sagellm_allocate_blocks",
+            "sagellm_free_blocks",
+            "sagellm_pool_usage",
+            "sagellm_plan_compaction",
+            "sagellm_blocks_moved",
+        ),
     ),
     "eviction": (
         "faulty-lru",
@@ -256,6 +282,7 @@ FAULTY = {
             "sagellm_blocks_touched",
             "sagellm_blocks_released",
             "sagellm_blocks_evicted",
+            "sagellm_blocks_moved",
         ),
     ),
     "lifetime": (
@@ -264,6 +291,10 @@ FAULTY = {
         ("sagellm_predict_lifetime", "sagellm_request_arrived", "sagellm_request_finished"),
     ),
     "scheduler": ("faulty-fcfs", "FaultyFCFS", ("sagellm_schedule_pass",)),
-    "admission": ("faulty-quota", "FaultyQuota", ("sagellm_admit_request",)),
+    "admission": (
+        "faulty-quota",
+        "FaultyQuota",
+        ("sagellm_admit_request", "sagellm_select_victims", "sagellm_select_preemption", "sagellm_report_figures"),
+    ),
     "transport": ("faulty-local", "FaultyLocal", ("sagellm_transfer_blocks",)),
 }
