@@ -88,12 +88,21 @@ class Counters:
     #: was asked and deferred), and the rejections among ``rejections``.
     admission_deferrals: int = 0
     admission_rejections: int = 0
+    #: tenant -> its requests' deferrals.
+    tenant_deferrals: dict[str, int] = attrs.field(factory=dict)
+    #: Compaction rounds (``Runtime.compact``) and the cached blocks they moved.
+    compactions: int = 0
+    moved_blocks: int = 0
     #: tenant -> [query blocks, hit blocks], first admissions only.
     tenant_blocks: dict[str, list[int]] = attrs.field(factory=dict)
 
     def count_rejection(self, reason: str) -> None:
         self.requests_rejected += 1
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def count_deferral(self, tenant: str) -> None:
+        self.admission_deferrals += 1
+        self.tenant_deferrals[tenant] = self.tenant_deferrals.get(tenant, 0) + 1
 
     def count_finish(self, state: SequenceState) -> None:
         self.requests_finished += 1

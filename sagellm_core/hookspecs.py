@@ -22,7 +22,8 @@ omit arguments it does not need).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import pluggy
 
@@ -123,6 +124,13 @@ def sagellm_pinned_blocks() -> Collection[int] | None:
 
 
 @hookspec(firstresult=True)
+def sagellm_move_blocks(moves: tuple[tuple[int, int], ...]) -> tuple[CachedBlock, ...] | None:
+    """Optional: each evictable cached block ``src`` of ``moves`` is now block
+    ``dst`` (same KV, same key). Relabel; return every record that changed:
+    the moved blocks, and those whose ``parent_id`` moved."""
+
+
+@hookspec(firstresult=True)
 def sagellm_remove_blocks(block_ids: Sequence[int]) -> tuple[CachedBlock, ...] | None:
     """Drop evictable ``block_ids`` from the cache, with their cached
     descendants (a block is useless once its parent is gone). Return every
@@ -151,6 +159,17 @@ def sagellm_free_blocks(block_ids: Sequence[int]) -> bool | None:
 @hookspec(firstresult=True)
 def sagellm_pool_usage() -> PoolUsage | None:
     """Report the pool's size and free blocks."""
+
+
+@hookspec(firstresult=True)
+def sagellm_plan_compaction(movable: EvictionCandidates) -> tuple[tuple[int, int], ...] | None:
+    """Optional: moves ``(src, dst)`` that rejoin runs of free blocks: the
+    cached block ``src``, one of ``movable`` (no request holds them), to the
+    free block ``dst``; ``None`` or ``()`` when none is due. Asked once a
+    step (O(1) when none is due); the runtime checks the moves, then the
+    prefix cache relabels (:func:`sagellm_move_blocks`) and every plugin is
+    told (:func:`sagellm_blocks_moved`). Refused at start unless those
+    plugins implement them."""
 
 
 # --------------------------------------------------------------------------
@@ -200,18 +219,23 @@ def sagellm_schedule_pass(ir: ScheduleIR) -> None:
 
 
 @hookspec(firstresult=True)
-def sagellm_admit_request(state: SequenceState, ledger: TenantLedger, now_s: float) -> AdmissionDecision | None:
+def sagellm_admit_request(
+    state: SequenceState, ledger: TenantLedger, now_s: float, running: Collection[SequenceState], available_blocks: int
+) -> AdmissionDecision | None:
     """Decide whether the waiting request ``state`` may start in this step,
     before any block is taken for it: ``ADMIT`` (the step scheduler takes its
     blocks if memory allows, and admits no further request if not),
     ``DEFER`` (it keeps its place in the queue and the scheduler asks the
     next one: a tenant over its quota holds no other tenant back) or
     ``REJECT`` (it ends, rejected, counted under the decision's reason).
-    ``None`` admits. ``ledger`` says what each tenant's admitted requests
-    hold now. Asked in each step for every waiting request the scheduler
-    reaches, in the passes' order; served by a ``sagellm.admission`` plugin.
-    A deferral waits for running requests to end: in a step where nothing
-    runs, a deferred request is rejected (``deferred with nothing running``).
+    ``None`` admits. ``ledger``: what each tenant's admitted requests hold;
+    ``running``: those requests (a live read-only view); ``available_blocks``:
+    the free and evictable blocks, what admission and growth can take
+    without preempting. Asked in each step for every waiting request the
+    scheduler reaches, in the passes' order; served by a
+    ``sagellm.admission`` plugin. A deferral waits for running requests to
+    end: in a step where nothing runs, a deferred request is rejected
+    (``deferred with nothing running``).
     """
 
 
@@ -282,6 +306,20 @@ def sagellm_blocks_released(blocks: tuple[CachedBlock, ...], now_s: float, reque
 @hookspec
 def sagellm_blocks_evicted(blocks: tuple[CachedBlock, ...], now_s: float) -> None:
     """Blocks left the prefix cache (victims and their descendants)."""
+
+
+@hookspec
+def sagellm_blocks_moved(moves: tuple[tuple[int, int], ...], blocks: tuple[CachedBlock, ...], now_s: float) -> None:
+    """The pool compacted: cached block ``src`` of each ``(src, dst)`` is now
+    ``dst``, ``blocks`` the changed records (:func:`sagellm_move_blocks`).
+    Plugins that keep blocks by id relabel; the pool frees ``src``, takes
+    ``dst`` and copies the KV bytes where it holds the engine's tensors."""
+
+
+@hookspec
+def sagellm_report_figures() -> Mapping[str, Any] | None:
+    """Optional: a plugin's own figures, ``{name: figures}`` (JSON values),
+    for the run's report and a server's metrics; asked off the hot path."""
 
 
 @hookspec

@@ -12,7 +12,7 @@ lifecycle (:mod:`sagellm_core.runtime`) is built on these calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,9 @@ class PluginHost:
             raise PluginError(f"{who} raised in {hook_name}: {type(exc).__name__}: {message}") from exc
 
     def _bad(self, section: str, hook_name: str, what: str) -> PluginError:
-        return PluginError(f"{self.who(section)} {hook_name} {what}")
+        """Names every plugin that implements the hook: one of another section may answer first."""
+        answering = [str(p) for ps in self.plugins.values() for p in ps if callable(getattr(p.instance, hook_name, 0))]
+        return PluginError(f"{' / '.join(answering) or self.who(section)} {hook_name} {what}")
 
     def observe(self, hook_name: str, **kwargs: Any) -> None:
         """Tell every plugin that implements the observation ``hook_name``."""
@@ -316,6 +318,14 @@ class PluginHost:
         self.ledger.cached.difference_update(b.block_id for b in removed)
         return removed  # type: ignore[no-any-return]
 
+    def plugin_figures(self) -> dict[str, Any]:
+        """The plugins' own figures (``sagellm_report_figures``), merged."""
+        hook = "sagellm_report_figures"
+        answers_ = self._call("observer", hook) if self.dispatch.implemented(hook) else []
+        for bad in [a for a in answers_ if not (isinstance(a, Mapping) and all(isinstance(k, str) for k in a))]:
+            raise self._bad("observer", hook, f"returned {bad!r}, not figures by name")
+        return {name: figures for answer in answers_ for name, figures in answer.items()}
+
     def pool_usage(self) -> PoolUsage:
         usage = self._call("kv_pool", "sagellm_pool_usage")
         if (
@@ -399,10 +409,11 @@ class PluginHost:
             raise self._bad("scheduler", hook, "changed a SequenceState it was given; passes only read them")
         return frozenset(name for name, was in before.items() if getattr(ir, name) != was)
 
-    def admit_request(self, state: SequenceState, now_s: float) -> AdmissionDecision | None:
+    def admit_request(self, state: SequenceState, now_s: float, available_blocks: int) -> AdmissionDecision | None:
         """The admission plugin's decision for the waiting ``state``, checked."""
-        hook = "sagellm_admit_request"
-        decision = self._call("admission", hook, state=state, ledger=self.ledger.tenants, now_s=now_s)
+        hook, ledger = "sagellm_admit_request", self.ledger
+        kwargs = {"ledger": ledger.tenants, "running": ledger.active.values(), "available_blocks": available_blocks}
+        decision = self._call("admission", hook, state=state, now_s=now_s, **kwargs)
         if decision is None:
             return None
         checked: AdmissionDecision = self._checked("admission", hook, decision, checks.admission(decision))

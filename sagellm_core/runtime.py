@@ -34,6 +34,7 @@ from typing import Any
 
 from attrs import frozen
 
+from sagellm_core import compaction
 from sagellm_core.config import Settings
 from sagellm_core.counters import Counters
 from sagellm_core.errors import ConfigError, PluginError, RequestError
@@ -108,6 +109,8 @@ class Runtime:
         self.host = PluginHost(settings, self.ledger, self.counters, **kwargs)
         self.engine_owns = self.host.engine_owns
         self.stores = StoreTiers(self.host)
+        #: Whether the pool compacts (``compact``, once a step).
+        self.compacts = compaction.compacts(self.host)
         self._now_s = 0.0
         if "kv_pool" in self.engine_owns:
             if self.stores:
@@ -193,11 +196,11 @@ class Runtime:
     def decide_admission(self, state: SequenceState) -> AdmissionDecision:
         """The admission plugin's decision for the waiting ``state``, checked
         and counted (``None`` admits)."""
-        decision = self.host.admit_request(state, self._now_s)
+        decision = self.host.admit_request(state, self._now_s, self._num_free() + len(self.evictable()))
         if decision is None:
             return ADMITTED
         if decision.verdict is Admission.DEFER:
-            self.counters.admission_deferrals += 1
+            self.counters.count_deferral(state.request.tenant)
         elif decision.verdict is Admission.REJECT:
             self.counters.admission_rejections += 1
         return decision
@@ -260,6 +263,11 @@ class Runtime:
             c.transfer_failures += 1
         return result
 
+    def compact(self) -> int:
+        """Let a compacting pool move cached blocks to rejoin free runs (an
+        engine calls it once a step); return the blocks moved."""
+        return compaction.compact(self.host, self.ledger, self.counters, self._now_s) if self.compacts else 0
+
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block, as the eviction policy orders
         them (offered to the KV stores); blocks that requests hold stay.
@@ -312,8 +320,14 @@ class Runtime:
         external: tuple[ExternalRun, ...] = ()
         recomputed: tuple[ExternalRun, ...] = ()
         if self.stores and not state.num_preemptions:
-            held = self.stores.match(request, match.num_blocks)
-            external, recomputed = self.stores.worth_loading(request.request_id, held, match.num_blocks, self._now_s)
+            try:
+                held = self.stores.match(request, match.num_blocks)
+                external, recomputed = self.stores.worth_loading(
+                    request.request_id, held, match.num_blocks, self._now_s
+                )
+            except PluginError:  # nothing observed yet: the lock rolls back
+                host.release_prefix(request)
+                raise
         loaded = sum(len(run.keys) for run in external) * self.block_size
         num_new = min(state.num_tokens - cached - loaded, token_budget)
         need = blocks_for(cached + loaded + num_new + reserve_tokens, self.block_size) - match.num_blocks

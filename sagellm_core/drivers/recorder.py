@@ -23,6 +23,8 @@ class Recorder:
     prompt's tokens alive), and a timeline (at most ``max_samples`` points)."""
 
     ttft_s: array = attrs.field(factory=lambda: array("d"))
+    #: Tenant -> the TTFTs of its requests.
+    tenant_ttft_s: dict[str, array] = attrs.field(factory=dict)
     tpot_s: array = attrs.field(factory=lambda: array("d"))
     e2e_s: array = attrs.field(factory=lambda: array("d"))
     finished: int = 0
@@ -58,6 +60,10 @@ class Recorder:
         self.output_tokens += outcome.num_output_tokens
         self.first_arrival_s = min(self.first_arrival_s, outcome.arrival_s)
         self.ttft_s.append(outcome.ttft_s)
+        tenant = self.tenant_ttft_s.get(outcome.request.tenant)
+        if tenant is None:
+            tenant = self.tenant_ttft_s[outcome.request.tenant] = array("d")
+        tenant.append(outcome.ttft_s)
         deadline = outcome.request.deadline_s
         if deadline is not None:
             self.deadlines += 1

@@ -12,8 +12,9 @@ loop (:func:`.arrivals.serve_arrivals`) also moves a step engine's clock.
 replay engine's timed mode, the torch engine). Each step is vLLM's
 ``schedule``, execute, ``update_from_output``:
 
-1. the scheduling passes order the waiting and running requests
-   (``Runtime.schedule``);
+1. a compacting pool moves cached blocks to rejoin free runs
+   (``Runtime.compact``), then the scheduling passes order the waiting and
+   running requests (``Runtime.schedule``);
 2. the step scheduler packs the step under the token budget and memory
    (:func:`.step_scheduler.pack`), admitting, growing and preempting
    through the runtime;
@@ -176,6 +177,8 @@ class StepEngine:
         rt = self.rt
         now = self.clock()
         rt.set_time(now)
+        if rt.compacts:
+            rt.compact()  # before the step takes blocks: the moves' KV is copied before anything is written
         # The passes reorder these lists in place; pack returns new ones.
         ir = ScheduleIR(
             now_s=now,

@@ -115,6 +115,18 @@ class PriorityEviction:
             order.pop(block.block_id, None)
 
     @hookimpl
+    def sagellm_blocks_moved(self, moves: tuple[tuple[int, int], ...]) -> None:
+        """A compacting pool moved evictable blocks: the same order under the
+        new ids (O(evictable blocks), once a compaction round)."""
+        moved = dict(moves)
+        if self.monotone:
+            self._queue = OrderedDict((moved.get(b, b), None) for b in self._queue)
+            return
+        self._heap = [(p, n, moved.get(b, b)) for p, n, b in self._heap]  # the same order: ids only break no ties
+        self._live = {moved.get(b, b): n for b, n in self._live.items()}
+        self.uses = {moved.get(b, b): n for b, n in self.uses.items()}
+
+    @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         if self.monotone:
             return EvictionDecision(tuple(islice(filter(candidates.__contains__, self._queue), num_blocks)))

@@ -71,7 +71,15 @@ def build(
         "rejected": c.requests_rejected,
         "rejections": dict(sorted(c.rejections.items())),
         #: The admission decision's deferrals (a request each step it was deferred) and rejections.
-        "admission": {"deferrals": c.admission_deferrals, "rejections": c.admission_rejections},
+        "admission": {
+            "deferrals": c.admission_deferrals,
+            "rejections": c.admission_rejections,
+            "tenant_deferrals": dict(sorted(c.tenant_deferrals.items())),
+        },
+        #: A compacting pool's rounds and the cached blocks they moved.
+        "compaction": {"rounds": c.compactions, "moved_blocks": c.moved_blocks},
+        #: The plugins' own figures (``sagellm_report_figures``), by the name each gives.
+        "plugin_figures": rt.host.plugin_figures(),
         "block_hit_rate": round(c.hit_blocks / c.query_blocks, 6) if c.query_blocks else 0.0,
         "token_hit_rate": round(c.hit_tokens / c.query_tokens, 6) if c.query_tokens else 0.0,
         "hit_blocks": c.hit_blocks,
@@ -98,6 +106,7 @@ def build(
         if recorder.used_block_samples
         else 0.0,
         "ttft_s": _percentiles(recorder.ttft_s) if timed else None,
+        "tenant_ttft_s": {t: _percentiles(v) for t, v in sorted(recorder.tenant_ttft_s.items())} if timed else None,
         "tpot_s": _percentiles(recorder.tpot_s) if timed else None,
         "e2e_s": _percentiles(recorder.e2e_s) if timed else None,
         "slo_attainment": round(recorder.deadlines_met / recorder.deadlines, 6)
@@ -159,6 +168,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("jain_fairness", "Jain's fairness (tenant hit rates)", "{:.4f}"),
     ("evicted_blocks", "evicted blocks", "{:,}"),
     ("preemptions", "preemptions", "{:,}"),
+    ("admission.deferrals", "admission deferrals", "{:,}"),
+    ("compaction.moved_blocks", "blocks moved by compaction", "{:,}"),
     ("pool_utilisation_mean", "pool utilisation (mean)", "{:.1%}"),
     ("pool_utilisation_peak", "pool utilisation (peak)", "{:.1%}"),
     ("pool_fragmentation_mean", "free-list fragmentation (mean)", "{:.3f}"),

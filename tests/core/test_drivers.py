@@ -224,8 +224,9 @@ def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
 # ------------------------------------------- no driver reaches into the runtime --
 
 #: The only modules that may write counters, call the private hook calls or
-#: set the clock's field: the runtime and its checked hook calls.
-OWNERS = {ROOT / "sagellm_core" / name for name in ("runtime.py", "plugin_host.py", "stores.py")}
+#: set the clock's field: the runtime, its checked hook calls and its
+#: compaction round.
+OWNERS = {ROOT / "sagellm_core" / name for name in ("runtime.py", "plugin_host.py", "stores.py", "compaction.py")}
 #: The runtime's hooks (the CLI's own plugin manager calls sagellm_register_commands).
 RUNTIME_HOOKS = {name for name in dir(hookspecs) if name.startswith("sagellm_") and name != "sagellm_register_commands"}
 

@@ -32,13 +32,14 @@ LAYERS: dict[str, dict[str, str]] = {
     },
     "lifecycle": {
         "stores": "the KV stores below the device pool, as the runtime uses them (verified loads, prefetch)",
+        "compaction": "a compacting pool's moves, checked and carried out",
         "runtime": "the request lifecycle: the drivers' API",
     },
 }
 #: Lines per layer, docstrings included: a layer that outgrows its budget
 #: is doing a second thing, which belongs in a module of its own concept
 #: (or outside the kernel), not squeezed in.
-BUDGET = {"contract": 950, "settings": 750, "plugin host": 1300, "lifecycle": 850}
+BUDGET = {"contract": 1050, "settings": 750, "plugin host": 1300, "lifecycle": 950}
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
 
 

@@ -27,13 +27,14 @@ import sys
 import time
 
 from attrs import field, frozen, validators
+from sagellm_plugin_admission.quota import QuotaAdmission, QuotaSettings
 from sagellm_plugin_eviction.lru import LRUEviction
 from sagellm_plugin_kv_pool.paged import PagedPool
+from sagellm_plugin_kv_pool.runs import RunsPool, RunsSettings
 from sagellm_plugin_kv_stores.host import HostSettings, HostStore
 from sagellm_plugin_lifetime.stat import StatLifetime, StatSettings
 from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 from sagellm_plugin_scheduler_ir.passes import FCFSPass
-from sagellm_plugin_scheduler_ir.quota import QuotaSettings, TenantQuota
 
 from sagellm_core import hookimpl
 from sagellm_core.types import (
@@ -96,7 +97,17 @@ def _bad_contents(hook: str, kwargs: dict, answer):
         return completed(StoredBlocks(stored.source, stored.row_ids[:-1], stored.views, stored.checksums))
     if hook == "sagellm_admit_request":
         return AdmissionDecision("admit", None)
+    if hook == "sagellm_plan_compaction":
+        return ((kwargs_first(kwargs["movable"]), -1),)  # onto a block that does not exist
+    if hook == "sagellm_move_blocks":
+        return (None,)
+    if hook == "sagellm_report_figures":
+        return {1: "not by name"}
     return answer  # observations: no answer to spoil
+
+
+def kwargs_first(movable) -> int:
+    return next(iter(movable), 0)
 
 
 def _mutate(hook: str, kwargs: dict) -> None:
@@ -163,6 +174,14 @@ class FaultyPaged(PagedPool):
         install_fault(self, settings)
 
 
+class FaultyRuns(RunsPool):
+    Settings = _fault_fields(RunsSettings)
+
+    def __init__(self, settings, context):
+        super().__init__(settings, context)
+        install_fault(self, settings)
+
+
 class FaultyLRU(LRUEviction):
     Settings = _fault_fields(_NoSettings)
 
@@ -195,7 +214,7 @@ class FaultyFCFS(FCFSPass):
         install_fault(self, settings)
 
 
-class FaultyQuota(TenantQuota):
+class FaultyQuota(QuotaAdmission):
     Settings = _fault_fields(QuotaSettings)
 
     def __init__(self, settings, context):
@@ -245,12 +264,19 @@ FAULTY = {
             "sagellm_pinned_blocks",
             "sagellm_block_keys",
             "sagellm_remove_blocks",
+            "sagellm_move_blocks",
         ),
     ),
     "kv_pool": (
-        "faulty-paged",
-        "FaultyPaged",
-        ("sagellm_allocate_blocks", "sagellm_free_blocks", "sagellm_pool_usage"),
+        "faulty-runs",
+        "FaultyRuns",
+        (
+            "sagellm_allocate_blocks",
+            "sagellm_free_blocks",
+            "sagellm_pool_usage",
+            "sagellm_plan_compaction",
+            "sagellm_blocks_moved",
+        ),
     ),
     "eviction": (
         "faulty-lru",
@@ -262,6 +288,7 @@ FAULTY = {
             "sagellm_blocks_touched",
             "sagellm_blocks_released",
             "sagellm_blocks_evicted",
+            "sagellm_blocks_moved",
         ),
     ),
     "lifetime": (
@@ -270,7 +297,11 @@ FAULTY = {
         ("sagellm_predict_lifetime", "sagellm_request_arrived", "sagellm_request_finished"),
     ),
     "scheduler": ("faulty-fcfs", "FaultyFCFS", ("sagellm_schedule_pass",)),
-    "admission": ("faulty-quota", "FaultyQuota", ("sagellm_admit_request",)),
+    "admission": (
+        "faulty-quota",
+        "FaultyQuota",
+        ("sagellm_admit_request", "sagellm_select_victims", "sagellm_select_preemption", "sagellm_report_figures"),
+    ),
     # A KV store's methods (not hooks): faults in them are named the same way.
     "kv_stores": ("faulty-host", "FaultyHost", ("contains", "put", "get")),
 }

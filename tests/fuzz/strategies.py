@@ -162,13 +162,16 @@ KEYS = {
         "output_tokens",
         "session_rate",
         "think_time_s",
+        "document_rate",
+        "document_tokens",
+        "document_turns",
     ],
     "prefix_cache": ["plugin", "block_size", "pin_after_hits", "max_pinned_share", "isolate", "events"],
-    "kv_pool": ["plugin", "num_blocks"],
+    "kv_pool": ["plugin", "num_blocks", "compact", "max_fragmentation", "max_moves", "min_steps_between"],
     "eviction": ["plugin"],
     "lifetime": ["plugin", "fallback"],
     "scheduler": ["passes"],
-    "admission": ["plugin", "max_blocks", "tenants"],
+    "admission": ["plugin", "guarantees", "caps", "lend", "quantile", "max_wait_s", "default_output_tokens"],
     "transport": ["plugin", "host_blocks", "bytes_per_block"],
     "kv_stores": ["tiers", "bytes_per_block"],
     "report": ["hook_timing"],
@@ -178,9 +181,13 @@ KEYS = {
 config_values = st.one_of(
     hostile_scalars,
     st.sampled_from(
-        ["radix", "lru", "LRU", "paged", "tenant-quota", "../../etc/passwd", "events.jsonl", "/tmp/x", "generator"]
+        [
+            *("radix", "lru", "LRU", "paged", "runs", "quota", "footprint", "noisy-neighbour"),
+            *("../../etc/passwd", "events.jsonl", "/tmp/x", "generator"),
+        ]
     ),
     st.lists(st.sampled_from(["fcfs", "sjf", "nope", ""]), max_size=3),
+    st.dictionaries(st.sampled_from(["tenant-0", "", "docs"]), hostile_scalars, max_size=3),
 )
 
 

@@ -1,8 +1,10 @@
 """Classes 3 and 4: a long randomized run of the runtime's public API with
 radix pinning on (``pin_after_hits``), a host tier, and two policies: LRU
 and the plugin template's random policy (which follows the documented
-protocol to the letter, so a pinned block it names is the runtime's bug).
-After every operation the block accounting is checked whole.
+protocol to the letter, so a pinned block it names is the runtime's bug);
+and LRU over the compacting ``runs`` pool with the ``quota`` admission rule
+asked before each admission. After every operation the block accounting is
+checked whole.
 
 Seeded and time-boxed: ``SAGELLM_FUZZ_API_SECONDS`` per policy (3 by
 default, 600 nightly); the seed is printed on failure."""
@@ -21,7 +23,7 @@ from sagellm_core.errors import RequestError
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.registry import find
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import Request
+from sagellm_core.types import Admission, Request
 
 CONFIG = """
 [prefix_cache]
@@ -30,7 +32,7 @@ block_size = 4
 pin_after_hits = 2
 max_pinned_share = 0.25
 [kv_pool]
-plugin = "paged"
+{pool}
 num_blocks = 32
 [eviction]
 plugin = "{policy}"
@@ -41,7 +43,14 @@ tiers = ["host"]
 bytes_per_block = 16
 [kv_stores.host]
 capacity_blocks = 12
-"""
+{admission}"""
+POOLS = {
+    "paged": ('plugin = "paged"', ""),
+    "compacting": (
+        'plugin = "runs"\ncompact = true\nmax_fragmentation = 0.0\nmin_steps_between = 1',
+        '[admission]\nplugin = "quota"\nguarantees = {"0" = 0.3, "1" = 0.3}\ncaps = {"2" = 0.25}\nlend = 0.5\n',
+    ),
+}
 BASES = [list(range(b * 1000, b * 1000 + 48)) for b in range(4)]
 
 
@@ -62,9 +71,26 @@ class Driver:
             rng.randrange(50) for _ in range(rng.randrange(1, 9))
         ]
         outputs = [rng.randrange(60, 90) for _ in range(rng.randrange(1, 8))]
-        return Request(f"r{self.serial}", prompt, len(outputs), arrival_s=float(self.serial), output_token_ids=outputs)
+        tenant = str(rng.randrange(3))
+        return Request(
+            f"r{self.serial}",
+            prompt,
+            len(outputs),
+            arrival_s=float(self.serial),
+            output_token_ids=outputs,
+            tenant=tenant,
+        )
 
     def admit(self, state) -> None:
+        if self.rt.decides_admission:
+            verdict = self.rt.decide_admission(state).verdict
+            if verdict is Admission.REJECT:
+                self.rt.reject(state, "rejected at admission")
+                self.rejected += 1
+                return
+            if verdict is Admission.DEFER:
+                self.waiting.append(state)
+                return
         n = self.rt.admit(state, self.rng.randrange(1, 64))
         if n:
             state.num_computed_tokens += n
@@ -76,9 +102,8 @@ class Driver:
 
     def step(self) -> None:
         rt, rng = self.rt, self.rng
-        action = rng.choices(["arrive", "readmit", "advance", "preempt", "reset", "duplicate"], [5, 3, 8, 1, 0.2, 0.3])[
-            0
-        ]
+        actions = ["arrive", "readmit", "advance", "preempt", "reset", "duplicate", "compact"]
+        action = rng.choices(actions, [5, 3, 8, 1, 0.2, 0.3, 2])[0]
         if action == "arrive":
             self.admit(rt.arrive(self.new_request()))
         elif action == "readmit" and self.waiting:
@@ -110,6 +135,8 @@ class Driver:
             self.waiting.append(state)
         elif action == "reset":
             rt.reset_prefix_cache()
+        elif action == "compact":
+            rt.compact()
         elif action == "duplicate" and self.running:
             twin = rt.arrive(self.running[0].request)
             with pytest.raises(RequestError, match="is in flight"):
@@ -117,13 +144,14 @@ class Driver:
         self.operations += 1
 
 
-@pytest.mark.parametrize("policy", ["lru", "random"])
-def test_class4_a_long_random_run_of_the_public_api_with_pinning_finds_nothing(policy):
+@pytest.mark.parametrize("policy, pool", [("lru", "paged"), ("random", "paged"), ("lru", "compacting")])
+def test_class4_a_long_random_run_of_the_public_api_with_pinning_finds_nothing(policy, pool):
     if find("sagellm.eviction", policy, "-") is None:
         pytest.skip(f"eviction plugin {policy!r} is not installed")
     seed = int(os.environ.get("SAGELLM_FUZZ_SEED", "0")) or random.randrange(1 << 30)
     rng = random.Random(seed)
-    rt = Runtime(settings_from_toml(CONFIG.format(policy=policy)), hook_timing=False)
+    kv_pool, admission = POOLS[pool]
+    rt = Runtime(settings_from_toml(CONFIG.format(policy=policy, pool=kv_pool, admission=admission)), hook_timing=False)
     driver = Driver(rt, rng)
     deadline = time.monotonic() + API_SECONDS
     try:
@@ -148,6 +176,7 @@ def test_class4_a_long_random_run_of_the_public_api_with_pinning_finds_nothing(p
     assert rt.in_flight == 0 and rt.ledger.in_use == rt.ledger.cached
     assert c.requests_finished + c.requests_rejected == driver.serial  # every request ended one way or the other
     assert driver.operations > 100 and c.requests_finished > 10 and c.evicted_blocks > 0
+    assert pool == "paged" or c.moved_blocks > 0
     tally = TALLY["4: random API run (operations)"]
     tally["cases"] += driver.operations
     tally["correct runs"] += driver.operations

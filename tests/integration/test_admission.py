@@ -23,7 +23,7 @@ from sagellm_core.replay.engine import TimedReplay
 from sagellm_core.types import Admission, AdmissionDecision, Request
 
 ROOT = Path(__file__).resolve().parents[2]
-QUOTA = ROOT / "plugins" / "sagellm-plugin-scheduler-ir" / "sagellm_plugin_scheduler_ir" / "quota.py"
+EXAMPLE = Path(__file__).parent / "admission_example.py"
 GUIDE = ROOT / "docs" / "plugin-guide.md"
 
 CONFIG = """
@@ -41,7 +41,7 @@ plugin = "lru"
 [report]
 hook_timing = false
 """
-QUOTA_SECTION = '[admission]\nplugin = "tenant-quota"\nmax_blocks = {quota}\ntenants = ["a"]\n'
+QUOTA_SECTION = '[admission]\nplugin = "tenant-cap"\nmax_blocks = {quota}\ntenants = ["a"]\n'
 
 
 def engine(extra: str = "", budget: int = 512, blocks: int = 64) -> TimedReplay:
@@ -66,9 +66,25 @@ def drain(e: TimedReplay) -> list[tuple[str, str | None]]:
     return ended
 
 
-def test_the_plugin_guide_prints_the_quota_plugin_in_full_under_60_lines():
+@pytest.fixture(autouse=True, scope="module")
+def rules(tmp_path_factory):
+    """The example rule and the test rules below, declared as installed plugins."""
+    folder = tmp_path_factory.mktemp("rules")
+    rules = {
+        "tenant-cap": "admission_example:TenantCap",
+        "defer-all": "test_admission:DeferEverything",
+        "garbage": "test_admission:Garbage",
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(Path(__file__).parent))
+        patch.syspath_prepend(str(folder))
+        declare_plugins(folder, {"sagellm.admission": rules})
+        yield
+
+
+def test_the_plugin_guide_prints_the_example_rule_in_full_under_60_lines():
     source = re.search(r"## An admission rule.*?```python\n(.*?)```", GUIDE.read_text(), re.S).group(1)
-    assert source == QUOTA.read_text() and len(source.splitlines()) < 60
+    assert source == EXAMPLE.read_text() and len(source.splitlines()) < 60
 
 
 def test_a_tenant_at_its_quota_waits_and_the_tenant_behind_it_is_admitted():
@@ -100,7 +116,7 @@ def test_a_request_over_the_quota_alone_is_rejected_and_counted():
     outputs = e.step()
     assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [("a0", "rejected")]
     c = e.rt.counters
-    assert c.rejections == {"needs more blocks than its tenant's quota": 1} and c.admission_rejections == 1
+    assert c.rejections == {"needs more blocks than its tenant's cap": 1} and c.admission_rejections == 1
     assert drain(e) == [("b0", "length")]
 
 
@@ -124,16 +140,7 @@ class Garbage:
         return "admit"
 
 
-@pytest.fixture
-def rules(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    declare_plugins(
-        tmp_path,
-        {"sagellm.admission": {"defer-all": "test_admission:DeferEverything", "garbage": "test_admission:Garbage"}},
-    )
-
-
-def test_a_rule_that_defers_forever_cannot_stall_the_engine(rules):
+def test_a_rule_that_defers_forever_cannot_stall_the_engine():
     e = engine('[admission]\nplugin = "defer-all"\n')
     for i in range(3):
         e.add_request(request(f"r{i}", "a"))
@@ -142,7 +149,7 @@ def test_a_rule_that_defers_forever_cannot_stall_the_engine(rules):
     assert e.rt.counters.rejections == {"deferred with nothing running": 3}
 
 
-def test_an_admission_answer_that_is_not_a_decision_is_named_in_one_line(rules):
+def test_an_admission_answer_that_is_not_a_decision_is_named_in_one_line():
     e = engine('[admission]\nplugin = "garbage"\n')
     e.add_request(request("r0", "a"))
     with pytest.raises(PluginError) as err:
@@ -216,4 +223,4 @@ def test_every_request_ends_and_the_ledger_and_quota_hold_after_every_step(seed,
     assert set(ended.values()) <= {"length", "rejected"}
     c = e.rt.counters
     assert c.requests_finished + c.requests_rejected == len(sizes) and e.rt.in_flight == 0
-    assert set(c.rejections) <= {"never fits the pool", "needs more blocks than its tenant's quota"}
+    assert set(c.rejections) <= {"never fits the pool", "needs more blocks than its tenant's cap"}

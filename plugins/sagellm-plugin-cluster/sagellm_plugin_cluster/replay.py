@@ -264,7 +264,7 @@ class ClusterRun:
     def _route(self, request: Request, now: float) -> None:
         first = self.instances[0].rt
         full = request.num_prompt_tokens // first.block_size
-        keys = first.block_keys(request, 0, full) if full else ()
+        keys = first.host.block_keys(request, 0, full) if full else ()
         loads = [self._load(i, keys) for i in self.instances]
         self.decisions += 1
         self.degraded_decisions += not self.index.exact
@@ -432,7 +432,6 @@ class ClusterRun:
             "transferred_blocks",
             "transferred_bytes",
             "transfer_s",
-            "host_bypassed_blocks",
             "admission_deferrals",
             "admission_rejections",
             "requests_rejected",

@@ -16,7 +16,7 @@ from sagellm_plugin_cluster.events import (
     encode,
 )
 
-from sagellm_core.types import CachedBlock, TransferPlan, TransferResult
+from sagellm_core.types import CachedBlock
 
 
 # vLLM's subscriber example (examples/online_serving/kv_events_subscriber.py)
@@ -158,26 +158,6 @@ def test_evicted_blocks_become_removed(publisher, sent):
     publisher.sagellm_blocks_evicted(chain(1, 2))
     publisher.flush(0.0)
     assert sent[0][1].events[-1] == BlockRemoved([100, 200], "GPU")
-
-
-def test_host_offloads_are_stored_on_the_cpu_and_a_reused_slot_removes_its_old_block(publisher, sent):
-    def offload(keys, slots, ok=True):
-        wrapper = publisher.sagellm_transfer_blocks(TransferPlan("device", "host", (1,) * len(keys), 16, (), keys))
-        next(wrapper)
-        with pytest.raises(StopIteration) as done:
-            wrapper.send(TransferResult(ok, len(keys), 0, 0.0, slots))
-        return done.value.value
-
-    result = offload((100, 200), (0, 1))
-    assert result.dst_block_ids == (0, 1)  # the transport's answer goes on unchanged
-    offload((300,), (0,))
-    offload((400,), (2,), ok=False)  # a failed offload stored nothing
-    publisher.flush(0.0)
-    assert sent[0][1].events == [
-        BlockStored([100, 200], None, [], 16, None, "CPU", None),
-        BlockRemoved([100], "CPU"),
-        BlockStored([300], None, [], 16, None, "CPU", None),
-    ]
 
 
 def test_batches_are_numbered_and_kept_for_replay(publisher, sent):

@@ -76,6 +76,17 @@ class FairEviction:
             self._queues[tenant].pop(block.block_id, None)
 
     @hookimpl
+    def sagellm_blocks_moved(self, moves: tuple[tuple[int, int], ...]) -> None:
+        moved = dict(moves)
+        for src, dst in moves:
+            tenant = self._tenant.pop(src, None)
+            if tenant is not None:
+                self._tenant[dst] = tenant
+        for tenant, queue in self._queues.items():
+            if not moved.keys().isdisjoint(queue):
+                self._queues[tenant] = OrderedDict((moved.get(b, b), None) for b in queue)
+
+    @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         # Charge each pick to its tenant as if evicted, so k picks spread as
         # k evictions would (a victim's descendants may go too: a bound).

@@ -625,3 +625,32 @@ def test_continuation_orders_turns_by_value_then_age_whatever_it_is_asked_for(wa
     assert numpy.count_nonzero(values == values.min()) == least
     expected = numpy.lexsort((p._opened[:n], p._released_at[:n], values)).tolist()
     assert list(p._by_value(n, wanted)) == expected
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: LRUEviction(None, CTX), lambda: LFUEviction(None, CTX), lambda: FairEviction(FairSettings(), CTX)]
+)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=8),
+    st.lists(st.integers(0, 40), unique=True, max_size=12),
+)
+def test_a_policy_that_follows_moves_keeps_its_order_under_the_new_ids(make, releases, moved):
+    """After a compacting pool moves evictable blocks, the victims are the
+    same blocks in the same order, under their new ids."""
+    order, plain = make(), make()
+    block_id = 0
+    for tenant, length in releases:
+        chain = tuple(CachedBlock(block_id + i, i, None, block_id + i, "", f"t{tenant}") for i in range(length))
+        block_id += length
+        for policy in (order, plain):
+            policy.sagellm_blocks_cached(blocks=chain)
+            released = policy.sagellm_blocks_released  # with the arguments it names, as pluggy passes them
+            kwargs = {"blocks": chain, "now_s": float(block_id)}
+            released(**{k: v for k, v in kwargs.items() if k in inspect.signature(released).parameters})
+    moves = tuple((b, 1000 + b) for b in moved if b < block_id)
+    order.sagellm_blocks_moved(moves=moves)
+    renamed = dict(moves)
+    everything = set(range(block_id)) | {1000 + b for b in range(block_id)}
+    before = plain.sagellm_select_victims(num_blocks=block_id, candidates=everything).victim_ids
+    after = order.sagellm_select_victims(num_blocks=block_id, candidates=everything).victim_ids
+    assert after == tuple(renamed.get(b, b) for b in before)

@@ -268,6 +268,41 @@ class HashPrefixCache:
                 removed.append(block)
         return tuple(removed)
 
+    @hookimpl
+    def sagellm_move_blocks(self, moves: Sequence[tuple[int, int]]) -> tuple[CachedBlock, ...]:
+        for src, dst in moves:
+            if src not in self._free or dst in self._hash_of:
+                raise ValueError(f"block {src} is not an evictable cached block, or {dst} is cached")
+        moved = dict(moves)
+        affected = set(moved).union(*(self._children[src] for src in moved))
+        records = {b: self._by_hash[self._hash_of[b]] for b in affected}
+        hash_of, refs, children = self._hash_of, self._refs, self._children
+        kids = {b: children.pop(b) for b in moved}
+        for src, dst in moves:
+            hash_of[dst], refs[dst] = hash_of.pop(src), refs.pop(src)
+            children[dst] = {moved.get(c, c) for c in kids[src]}
+            parent = records[src].parent_id
+            if parent is not None and parent not in moved:
+                children[parent].discard(src)
+                children[parent].add(dst)
+        changed = []
+        for old_id, block in records.items():
+            new_id = moved.get(old_id, old_id)
+            record = CachedBlock(
+                new_id,
+                block.depth,
+                moved.get(block.parent_id, block.parent_id),
+                block.key,
+                block.namespace,
+                block.tenant,
+            )  # type: ignore[arg-type]
+            self._by_hash[hash_of[new_id]] = record
+            changed.append(record)
+        order = [moved.get(b, b) for b in self._free]
+        self._free.clear()  # in place: the evictable view reads this dict
+        self._free.update(dict.fromkeys(order))
+        return tuple(changed)
+
     # ------------------------------------------------------------ queries --
 
     def refcount(self, block_id: int) -> int:

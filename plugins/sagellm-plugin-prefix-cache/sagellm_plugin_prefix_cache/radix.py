@@ -580,6 +580,42 @@ class RadixPrefixCache:
             self._emit(type="removed", keys=[b.key for b in removed])
         return tuple(removed)
 
+    @hookimpl
+    def sagellm_move_blocks(self, moves: Sequence[tuple[int, int]]) -> tuple[CachedBlock, ...]:
+        where, info = self._where, self._info
+        for src, dst in moves:
+            node = where.get(src)
+            if node is None or node.lock_ref or dst in where:
+                raise ValueError(f"block {src} is not an evictable cached block, or {dst} is cached")
+        moved = dict(moves)
+        # Each moved block, and the block after it in its chain (the next on
+        # its edge, or the first of each child edge), gets a new record.
+        slots: dict[int, tuple[_Node, int]] = {}
+        for src in moved:
+            node = where[src]
+            index = info[src].depth - node.start
+            slots[src] = (node, index)
+            if index + 1 < len(node.blocks):
+                slots[node.blocks[index + 1].block_id] = (node, index + 1)
+            else:
+                slots.update((child.blocks[0].block_id, (child, 0)) for child in node.children.values())
+        changed = []
+        for old_id, (node, index) in slots.items():
+            block = node.blocks[index]
+            new_id, parent_id = moved.get(old_id, old_id), moved.get(block.parent_id, block.parent_id)  # type: ignore[arg-type]
+            lazy = block._lazy if isinstance(block, _Block) else None
+            if lazy is None:
+                record = CachedBlock(new_id, block.depth, parent_id, block.key, block.namespace, block.tenant)
+            else:  # its key is still to compute: from the same bytes and parent record
+                record = _lazy_block(new_id, block.depth, parent_id, block.namespace, block.tenant, lazy)
+            node.blocks[index] = record
+            del where[old_id], info[old_id]
+            changed.append((new_id, node, record))
+        for new_id, node, record in changed:
+            where[new_id], info[new_id] = node, record
+        self._shape += 1  # a lookup's blocks are the old records
+        return tuple(record for _, _, record in changed)
+
     def _emit(self, **event) -> None:
         if self._events_file is None:
             # Line-buffered: each event reaches the file (and a tailing router) whole.

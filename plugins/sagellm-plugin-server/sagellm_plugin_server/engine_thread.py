@@ -48,7 +48,7 @@ class EngineThread:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         #: The siblings of a group's first request, waiting for its first token.
         self._siblings: dict[str, list[tuple[Request, SamplingParams]]] = {}
-        self._shares_prompts = "prefix_cache" in core.rt.plugins
+        self._shares_prompts = "prefix_cache" in core.rt.host.plugins
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sagellm-engine", daemon=True)
         self.error: BaseException | None = None

@@ -13,6 +13,7 @@ ones included).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -53,6 +54,17 @@ def kv_stats(core: EngineCore) -> dict[str, Any]:
             for tenant, (q, h) in sorted(c.tenant_blocks.items())
         },
     }
+
+
+def _numbers(figures: dict[str, Any], path: str = "") -> Iterator[tuple[tuple[str, str], float]]:
+    """The numbers among the plugins' figures: ((name, dotted key), value)."""
+    for key, value in figures.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(value, dict):
+            yield from _numbers(value, where)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            name, _, figure = where.partition(".")
+            yield (name, figure), float(value)
 
 
 class ServerMetrics:
@@ -132,6 +144,10 @@ class ServerMetrics:
             "transfers": c.transfers,
             "transfer_failures": c.transfer_failures,
             "hooks": hooks,
+            "tenant_blocks": dict(rt.ledger.tenants.blocks),
+            "tenant_deferrals": dict(c.tenant_deferrals),
+            "moved_blocks": c.moved_blocks,
+            "plugin_figures": dict(_numbers(rt.host.plugin_figures())),
         }
 
     def render(self, snapshot: dict[str, Any]) -> str:
@@ -181,6 +197,25 @@ class ServerMetrics:
         transfers.add_metric(["ok"], s["transfers"] - s["transfer_failures"])
         transfers.add_metric(["failed"], s["transfer_failures"])
         yield transfers
+        held = GaugeMetricFamily(
+            "sagellm:tenant_kv_blocks", "KV blocks in each tenant's admitted requests' block tables.", labels=["tenant"]
+        )
+        for tenant, blocks in sorted(s["tenant_blocks"].items()):
+            held.add_metric([tenant], blocks)
+        yield held
+        deferred = CounterMetricFamily(
+            "sagellm:tenant_admission_deferrals", "Admission deferrals of each tenant's requests.", labels=["tenant"]
+        )
+        for tenant, count in sorted(s["tenant_deferrals"].items()):
+            deferred.add_metric([tenant], count)
+        yield deferred
+        yield counter("sagellm:compaction_moved_blocks", "Cached blocks a compacting pool moved.", s["moved_blocks"])
+        figures = GaugeMetricFamily(
+            "sagellm:plugin_figure", "Plugins' own figures (the report's plugin_figures).", labels=["name", "figure"]
+        )
+        for (name, figure), value in sorted(s["plugin_figures"].items()):
+            figures.add_metric([name, figure], value)
+        yield figures
         latency = SummaryMetricFamily(
             "sagellm:hook_latency_seconds", "Time in each hook (all its plugins).", labels=["hook"]
         )

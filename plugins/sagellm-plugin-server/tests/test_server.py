@@ -63,6 +63,7 @@ def test_metrics_agree_with_kv_stats_and_the_requests_sent(server):
     assert round(after["sagellm:kv_cache_usage_perc"] * stats["num_blocks"]) == stats["used_blocks"]
     assert stats["cached_blocks"] == stats["used_blocks"] and stats["blocks_held_by_requests"] == 0
     assert after["sagellm:hook_latency_seconds_count"] > 0
+    assert after["sagellm:tenant_kv_blocks"] == 0  # every request ended: no tenant holds blocks
 
 
 def test_reset_prefix_cache_evicts_what_no_request_holds(server):

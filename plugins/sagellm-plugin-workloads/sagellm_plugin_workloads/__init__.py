@@ -1,6 +1,6 @@
 """Workloads that stress what real serving sees and the chat generator and
 the public traces lack: agentic tool-use sessions, RAG over a shared corpus,
-a mix of tenants with different patterns, and bursts.
+a mix of tenants with different patterns, bursts, and a noisy neighbour.
 
 Each is a ``sagellm.workloads`` entry point, seeded, needing no files. They
 read the ``[workload]`` keys of the built-in generator (their ``Settings``
@@ -21,7 +21,9 @@ from array import array
 from collections.abc import Callable, Iterator
 from itertools import accumulate
 
-from sagellm_core.config import WorkloadSettings
+import attrs
+
+from sagellm_core.config import MAX_TOKENS, WorkloadSettings
 from sagellm_core.replay.workloads import GeneratorSettings
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
 
@@ -119,12 +121,19 @@ def chat_sessions(s: GeneratorSettings, rng: random.Random, text: Text, tenant: 
         for i, t in enumerate(poisson_starts(rng, count, s.session_rate))
     ]
 
+    return run_sessions(starts, conversation(s, rng, text))
+
+
+def conversation(s: GeneratorSettings, rng: random.Random, text: Text) -> Step:
+    """A conversation's turns: a user message (``user_tokens``) and a reply
+    (``output_tokens``) each, ``think_time_s`` (and a second) apart."""
+
     def step(session: Session, t: float) -> tuple[Request, float | None]:
         request = turn_request(session, t, text.about(s.user_tokens), text.about(s.output_tokens))
         more = session.turn < session.turns
         return request, t + 1.0 + rng.expovariate(1.0 / s.think_time_s) if more else None
 
-    return run_sessions(starts, step)
+    return step
 
 
 def agent_sessions(
@@ -298,6 +307,56 @@ def bursts(settings: WorkloadSettings) -> Iterator[Request]:
     return _merged(background, iter(bursts_made))
 
 
+@attrs.frozen
+class NoisySettings(GeneratorSettings):
+    """``noisy-neighbour``'s ``[workload]`` keys: the generator's, and the
+    noisy tenant's."""
+
+    #: Documents a second the noisy tenant sends (0: the chat tenants alone).
+    document_rate: float = 1.0
+    #: Mean document length, tokens.
+    document_tokens: int = 4096
+    #: Questions asked about each document, one a turn.
+    document_turns: int = 2
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.document_rate < 0:
+            raise ValueError(f"document_rate = {self.document_rate!r}: a rate, at least 0")
+        if self.document_turns < 1:
+            raise ValueError(f"document_turns = {self.document_turns!r}: a positive integer")
+        if not 1 <= self.document_tokens <= MAX_TOKENS:
+            raise ValueError(f"document_tokens = {self.document_tokens!r}: from 1 to {MAX_TOKENS:,} tokens")
+
+
+def noisy_neighbour(settings: WorkloadSettings) -> Iterator[Request]:
+    """``source = "noisy-neighbour"``: ``tenants`` chat tenants (``chat-0``,
+    ...: multi-turn sessions on each tenant's system prompt, as the
+    generator's, ``sessions_per_tenant`` each) and one noisy tenant,
+    ``docs``, that sends long documents (``document_tokens``, each new, a
+    short shared instruction) at ``document_rate`` a second (Poisson) while
+    the chat sessions arrive, each asked about in ``document_turns`` turns
+    (a question and a reply of the chat's lengths, ``think_time_s`` apart).
+    The chat tenants' requests are the same at any ``document_rate``, so
+    ``document_rate = 0`` is them alone."""
+    s: NoisySettings = settings.options
+    chats = [
+        chat_sessions(s, rng, _offset(Text(rng), k + 1), f"chat-{k}", s.sessions_per_tenant)
+        for k, rng in ((k, random.Random(settings.seed * 1009 + k)) for k in range(s.tenants))
+    ]
+    chat = list(_merged(*chats))
+    rng = random.Random(settings.seed * 1009 - 1)
+    text = _offset(Text(rng), 0)
+    instruction = text.take(64)
+    horizon = chat[-1].arrival_s if chat else 0.0
+    starts: list[tuple[float, Session]] = []
+    t = 0.0
+    while s.document_rate > 0 and (t := t + rng.expovariate(s.document_rate)) <= horizon:
+        document = instruction + text.about(s.document_tokens)
+        starts.append((t, Session(f"docs-{len(starts)}", "docs", document, s.document_turns)))
+    return _merged(iter(chat), run_sessions(starts, conversation(s, rng, text)))
+
+
 def _offset(text: Text, k: int) -> Text:
     """Separate id ranges for the streams of one workload."""
     text.next_id = BASE_TOKEN + (k << 36)
@@ -307,3 +366,4 @@ def _offset(text: Text, k: int) -> Text:
 # The [workload] keys each source reads: the generator's.
 for _source in (agentic, rag, tenant_mix, bursts):
     _source.Settings = GeneratorSettings  # type: ignore[attr-defined]
+noisy_neighbour.Settings = NoisySettings  # type: ignore[attr-defined]

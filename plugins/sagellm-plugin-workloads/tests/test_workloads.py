@@ -4,18 +4,20 @@ from collections import Counter
 
 import attrs
 import pytest
+from sagellm_plugin_workloads import NoisySettings
 
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.replay import workloads
 from sagellm_core.replay.workloads import GeneratorSettings
 
-SOURCES = ["agentic", "rag", "tenant-mix", "bursts"]
+SOURCES = ["agentic", "rag", "tenant-mix", "bursts", "noisy-neighbour"]
 
 
 def load(source, **keys):
-    """The source's requests, ``keys`` the [workload] keys: the kernel's and the generator's."""
-    own = {f.name for f in attrs.fields(GeneratorSettings)}
-    options = GeneratorSettings(**{k: v for k, v in keys.items() if k in own})
+    """The source's requests, ``keys`` the [workload] keys: the kernel's and the source's."""
+    cls = NoisySettings if source == "noisy-neighbour" else GeneratorSettings
+    own = {f.name for f in attrs.fields(cls)}
+    options = cls(**{k: v for k, v in keys.items() if k in own})
     kernel = {k: v for k, v in keys.items() if k not in own}
     return list(workloads.load(WorkloadSettings(source=source, options=options, **kernel)))
 
@@ -97,3 +99,28 @@ def test_time_goes_forward_even_with_zero_rates(source):
     # TraceError if any request arrives before the one before it
     requests = load(source, session_rate=0.0)
     assert len(requests) > 0
+
+
+def test_the_noisy_neighbour_adds_documents_and_leaves_the_chat_tenants_as_they_were():
+    alone = load("noisy-neighbour", tenants=3, sessions_per_tenant=4, document_rate=0.0)
+    noisy = load("noisy-neighbour", tenants=3, sessions_per_tenant=4, document_rate=2.0, document_tokens=512)
+    assert {r.tenant for r in alone} == {"chat-0", "chat-1", "chat-2"}
+    chat = [r for r in noisy if r.tenant != "docs"]
+    assert [(r.request_id, list(r.prompt_token_ids), r.arrival_s) for r in chat] == [
+        (r.request_id, list(r.prompt_token_ids), r.arrival_s) for r in alone
+    ]
+    docs = [r for r in noisy if r.tenant == "docs"]
+    firsts = {r.session_id: r for r in docs if r.request_id.endswith("turn0")}
+    assert firsts and max(f.arrival_s for f in firsts.values()) <= alone[-1].arrival_s  # while the chats arrive
+    for r in docs:
+        if r.request_id.endswith("turn1"):  # the second question extends the first turn
+            first = firsts[r.session_id]
+            history = list(first.prompt_token_ids) + list(first.output_token_ids)
+            assert list(r.prompt_token_ids[: len(history)]) == history
+    assert len({tuple(f.prompt_token_ids[64:128]) for f in firsts.values()}) == len(firsts)  # every document new
+
+
+def test_the_noisy_neighbour_refuses_bad_keys_naming_them():
+    for key, value in (("document_rate", -1.0), ("document_tokens", 0), ("document_turns", 0)):
+        with pytest.raises(ValueError, match=key):
+            NoisySettings(**{key: value})

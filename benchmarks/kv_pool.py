@@ -1,0 +1,340 @@
+"""The KV pool's depth: admission against preemption, per-tenant quotas,
+contiguous allocation. Each part prints Markdown tables, the figures of
+``docs/benchmarks/kv-pool.md``.
+
+    python3 benchmarks/kv_pool.py admission [--max-requests N]
+    python3 benchmarks/kv_pool.py quotas
+    python3 benchmarks/kv_pool.py contiguity
+    python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
+
+* ``admission``: timed replays of ShareGPT conversations (Azure arrivals)
+  and of the Mooncake conversation trace at pools tight enough that greedy
+  admission preempts, greedy against the ``footprint`` rule (``online``
+  lifetime predictor): preemptions, the re-prefill rate (re-prefilled
+  tokens over prefill tokens), TTFT and TPOT p50/p99, throughput, and the
+  decision's latency (the hook table).
+* ``quotas``: the ``noisy-neighbour`` workload: the chat tenants alone, then
+  beside the document tenant without and with quotas: each chat tenant's
+  block hit rate and TTFT p99 against alone, Jain's index over all the
+  tenants' hit rates.
+* ``contiguity``: a timed replay with ``paged`` against ``runs`` and
+  ``runs`` with compaction: the pieces (runs of adjacent ids) of each
+  request's blocks when it finishes, the free blocks' fragmentation, the
+  blocks compaction moved, allocation latency.
+* ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
+  on a device, a 2,000-token prefix copied to a host tensor and back
+  through the device's ``copy_blocks``: its blocks as one run against
+  scattered blocks, one call for all against one per block, and a run's
+  slice copied whole. Times are medians of ``--repeat``, as ratios to the
+  one-call scattered copy in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from sagellm_core.replay import report as report_mod
+from sagellm_core.replay import session
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "contrib" / "configs"
+
+
+def replay(config: Path | str, overrides: dict, label: str) -> dict:
+    settings = session.load_settings(config, overrides=overrides)
+    return session.run(settings, label=label).report
+
+
+def hook_p50(report: dict, hook: str) -> str:
+    stats = report["hooks"].get(hook)
+    return f"{stats['p50_us']:.2f}" if stats else "-"
+
+
+def ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
+# ----------------------------------------------------------------- admission --
+
+ADMISSION_RUNS = [
+    ("ShareGPT (first {n} turns, 64 sequences)", "sharegpt-fcfs.toml", (3000, 4000)),
+    ("Mooncake conversations (arrivals 6x apart)", "mooncake-timed.toml", (10000, 20000)),
+]
+
+
+def admission(args) -> None:
+    print(f"`python3 benchmarks/kv_pool.py admission --max-requests {args.max_requests}`\n")
+    for title, config, pools in ADMISSION_RUNS:
+        print(f"### {title.format(n=args.max_requests)}\n")
+        print(
+            "| pool (blocks) | admission | preemptions | re-prefill rate | TTFT p50 (s) | TTFT p99 (s) |"
+            " TPOT p50 (ms) | TPOT p99 (ms) | output tok/s | deferrals | decision p50 (µs) |"
+        )
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for blocks in pools:
+            for rule in (None, 0.5, 0.9):
+                overrides = {
+                    ("kv_pool", "num_blocks"): blocks,
+                    ("workload", "max_requests"): args.max_requests,
+                    ("lifetime", "plugin"): "online",
+                }
+                if rule is not None:
+                    overrides[("admission", "plugin")] = "footprint"
+                    overrides[("admission", "quantile")] = rule
+                label = "greedy" if rule is None else f"footprint, quantile {rule}"
+                r = replay(CONFIGS / config, overrides, label)
+                ttft, tpot = r["ttft_s"], r["tpot_s"]
+                print(
+                    f"| {blocks:,} | {label} | {r['preemptions']:,} | {r['reprefill_rate']:.4f} |"
+                    f" {ttft['p50']:.3f} | {ttft['p99']:.3f} | {tpot['p50'] * 1e3:.2f} | {tpot['p99'] * 1e3:.2f} |"
+                    f" {r['throughput_tokens_per_s']:,.0f} | {r['admission']['deferrals']:,} |"
+                    f" {hook_p50(r, 'sagellm_admit_request')} |",
+                    flush=True,
+                )
+        print()
+
+
+# -------------------------------------------------------------------- quotas --
+
+NOISY = """
+[engine]
+name = "replay"
+mode = "timed"
+[workload]
+source = "noisy-neighbour"
+tenants = 3
+sessions_per_tenant = {sessions}
+document_rate = {rate}
+[prefix_cache]
+plugin = "radix"
+block_size = 16
+[kv_pool]
+plugin = "paged"
+num_blocks = {blocks}
+[eviction]
+plugin = "lru"
+[lifetime]
+plugin = "stat"
+[scheduler]
+passes = ["fcfs"]
+"""
+QUOTA = """
+[admission]
+plugin = "quota"
+guarantees = {{"chat-0" = 0.25, "chat-1" = 0.25, "chat-2" = 0.25}}
+caps = {{docs = {cap}}}
+"""
+
+
+def quotas(args) -> None:
+    from sagellm_core.kit.testing import settings_from_toml
+
+    print(f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks)\n")
+    runs = [("chat tenants alone", 0.0, None)]
+    for rate in args.rates:
+        runs += [(f"documents at {rate}/s, no quota", rate, None)]
+        runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap) for cap in args.caps]
+    reports = []
+    for label, rate, cap in runs:
+        text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks)
+        text += QUOTA.format(cap=cap) if cap is not None else ""
+        reports.append((label, session.run(settings_from_toml(text), label=label).report))
+    alone = reports[0][1]
+    chats = sorted(t for t in alone["tenant_block_hit_rates"])
+    print(
+        "| run | "
+        + " | ".join(f"{t} hit rate (vs alone)" for t in chats)
+        + " | docs hit rate |"
+        + " | ".join(f" {t} TTFT p99 s (vs alone)" for t in chats)
+        + " | docs TTFT p99 (s) | Jain (all tenants) |"
+        " Jain (chat) | preemptions | docs deferrals |"
+    )
+    print("|---|" + "---:|" * (2 * len(chats) + 6))
+    for label, r in reports:
+        hits, ttft = r["tenant_block_hit_rates"], r["tenant_ttft_s"]
+        cells = [f"{hits[t]:.4f} ({ratio(hits[t], alone['tenant_block_hit_rates'][t])})" for t in chats]
+        cells.append(f"{hits['docs']:.4f}" if "docs" in hits else "-")
+        cells += [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], alone['tenant_ttft_s'][t]['p99'])})" for t in chats]
+        cells.append(f"{ttft['docs']['p99']:.3f}" if "docs" in ttft else "-")
+        chat_jain = report_mod.jain_index([hits[t] for t in chats])
+        deferred = r["admission"]["tenant_deferrals"].get("docs", 0)
+        cells += [f"{r['jain_fairness']:.4f}", f"{chat_jain:.4f}", f"{r['preemptions']:,}", f"{deferred:,}"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print()
+    for label, r in reports:
+        if "quota" in r["plugin_figures"]:
+            admit, victims = hook_p50(r, "sagellm_admit_request"), hook_p50(r, "sagellm_select_victims")
+            print(f"{label}: quota figures {r['plugin_figures']['quota']}; p50 µs: admit {admit}, victims {victims}")
+    print()
+
+
+# ---------------------------------------------------------------- contiguity --
+
+
+def pieces(block_ids) -> int:
+    """Runs of adjacent ids, in the order a request holds them."""
+    return sum(1 for i, b in enumerate(block_ids) if i == 0 or b != block_ids[i - 1] + 1)
+
+
+def p99(values: list[int]) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def contiguity(args) -> None:
+    from sagellm_core.drivers.engines import build_engine
+
+    print(
+        f"`python3 benchmarks/kv_pool.py contiguity` ({args.config}, {args.blocks:,} blocks, "
+        f"{args.max_requests} requests)\n"
+    )
+    print(
+        "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
+        " free-block fragmentation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) | wall (s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    pools = [
+        ("paged", {("kv_pool", "plugin"): "paged"}),
+        ("runs", {("kv_pool", "plugin"): "runs"}),
+        ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
+    ]
+    for label, pool in pools:
+        overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
+        settings = session.load_settings(ROOT / args.config, overrides=overrides)
+        engine, engine_settings = build_engine(settings)
+        rt = session.build_runtime(settings, engine)
+        counts, own, sizes = [], [], []
+        finish = rt.finish
+
+        def finishing(state, output_token_ids=None, finish=finish, counts=counts, own=own, sizes=sizes, rt=rt):
+            counts.append(pieces(state.block_ids))
+            own.append(pieces(state.block_ids[state.num_cached_tokens // rt.block_size :]))  # past its prefix hit
+            sizes.append(len(state.block_ids))
+            return finish(state, output_token_ids)
+
+        rt.finish = finishing  # type: ignore[method-assign]
+        start = time.perf_counter()
+        recorder = engine.run(rt, session.workloads.load(settings.workload))
+        wall = time.perf_counter() - start
+        r = report_mod.build(rt, recorder, "timed", wall, label)
+        print(
+            f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
+            f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} |"
+            f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
+            f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |",
+            flush=True,
+        )
+    print()
+
+
+# ------------------------------------------------------------------- offload --
+
+
+def offload(args) -> None:
+    import torch
+    from sagellm_plugin_torch.devices import BLOCK_DIM, load_device
+
+    device = load_device(args.device)
+    layers, kv_heads, head_dim, block_size = 30, 3, 64, 16  # SmolLM2-135M
+    num_blocks = 4 * (args.tokens // block_size + 1) + 64
+    kv = device.allocate_kv(layers, num_blocks, block_size, kv_heads, head_dim, torch.float32)
+    kv.normal_()
+    n = args.tokens // block_size
+    host = torch.empty_like(kv[:, :, :n], device="cpu")
+    if getattr(device, "torch_device", None) is not None and str(kv.device).startswith("cuda"):
+        host = host.pin_memory()
+    run = list(range(7, 7 + n))
+    scattered = list(range(3, 3 + 4 * n, 4))  # every fourth block: no two adjacent
+    slots = list(range(n))
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(args.repeat):
+            device.synchronize()
+            start = time.perf_counter()
+            fn()
+            device.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def one_call(ids, back=False):
+        return lambda: device.copy_blocks(host, slots, kv, ids) if back else device.copy_blocks(kv, ids, host, slots)
+
+    def per_block(ids, back=False):
+        def copy():
+            for slot, b in zip(slots, ids):
+                if back:
+                    device.copy_blocks(host, [slot], kv, [b])
+                else:
+                    device.copy_blocks(kv, [b], host, [slot])
+
+        return copy
+
+    def slice_copy(back=False):  # the run as one slice of each layer's K and V: what a run allows a copy to do
+        def copy():
+            part = kv.narrow(BLOCK_DIM, run[0], n)
+            if back:
+                part.copy_(host, non_blocking=True)
+            else:
+                host.copy_(part, non_blocking=True)
+
+        return copy
+
+    nbytes = host.numel() * host.element_size()
+    print(
+        f"`python3 benchmarks/kv_pool.py offload --device {args.device} --tokens {args.tokens} --repeat {args.repeat}`"
+        f" ({device.__class__.__name__}, {torch.__version__}; {n} blocks of {block_size} tokens,"
+        f" {nbytes / 2**20:.1f} MiB; median of {args.repeat})\n"
+    )
+    print("| copy | offload (ms) | vs scattered, one call | reload (ms) | vs scattered, one call | offload GB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    cases = [
+        ("scattered blocks, one copy_blocks call", one_call(scattered), one_call(scattered, True)),
+        ("one run, one copy_blocks call", one_call(run), one_call(run, True)),
+        ("scattered blocks, a call per block", per_block(scattered), per_block(scattered, True)),
+        ("one run, a call per block", per_block(run), per_block(run, True)),
+        ("one run, one slice copy", slice_copy(), slice_copy(True)),
+    ]
+    base = None
+    for label, out, back in cases:
+        t_out, t_back = timed(out), timed(back)
+        base = base or (t_out, t_back)
+        print(
+            f"| {label} | {t_out * 1e3:.2f} | {ratio(t_out, base[0])} | {t_back * 1e3:.2f} | {ratio(t_back, base[1])} |"
+            f" {nbytes / t_out / 1e9:.2f} |",
+            flush=True,
+        )
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parts = parser.add_subparsers(dest="part", required=True)
+    p = parts.add_parser("admission")
+    p.add_argument("--max-requests", type=int, default=4000)
+    p.set_defaults(func=admission)
+    p = parts.add_parser("quotas")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=4096)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
+    p.add_argument("--caps", type=float, nargs="+", default=[0.25])
+    p.set_defaults(func=quotas)
+    p = parts.add_parser("contiguity")
+    p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")
+    p.add_argument("--blocks", type=int, default=30000)
+    p.add_argument("--max-requests", type=int, default=2000)
+    p.set_defaults(func=contiguity)
+    p = parts.add_parser("offload")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=20)
+    p.set_defaults(func=offload)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""sagellm admission plugins."""

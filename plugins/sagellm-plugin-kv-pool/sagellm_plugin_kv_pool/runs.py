@@ -1,0 +1,255 @@
+"""Contiguous allocation: the free blocks as runs of adjacent ids, handed out
+as runs, and compaction that moves cached blocks to rejoin them.
+
+A request's KV in a few runs of adjacent blocks is a few large copies when
+it is offloaded to host memory, loaded back or sent to another instance,
+instead of one per block. The pool keeps its free blocks as runs (start ->
+length, last block -> start, and the runs sorted by length):
+
+* an allocation for a request first extends the run it was given last (the
+  blocks right after its last block, while free: a decoding request grows
+  in place), then takes the smallest free run that holds the rest (best
+  fit, keeping long runs long), else the longest runs first (fewest
+  pieces);
+* a free merges each run of freed ids with the free runs on either side;
+* with ``compact = true``, once a step (``sagellm_plan_compaction``) while
+  the free blocks are more fragmented than ``max_fragmentation``
+  (``PoolUsage.external_fragmentation``: 0 for one run, 1 when no two free
+  blocks are adjacent), it moves *islands*, runs of cached blocks that no
+  request holds lying between two free runs, into other free runs (best
+  fit, order kept): each move joins the two runs around the island. At
+  most ``max_moves`` blocks a round, and a round at most every
+  ``min_steps_between`` steps, so a fragmentation that moves cannot cure
+  (blocks that requests hold) costs nothing per step. When the engine has
+  KV tensors (the torch engine), the moved blocks' KV is copied through the
+  engine's device (``KVCaches.copy_blocks``) before the step runs.
+
+Allocation and free are O(log runs) per run taken or freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from attrs import field, frozen, validators
+from sortedcontainers import SortedList
+
+from sagellm_core import PluginContext, hookimpl
+from sagellm_core.types import BlockAllocation, EvictionCandidates, KVCaches, PoolUsage, Request
+
+_NO_BLOCKS = BlockAllocation(())
+
+
+@frozen
+class RunsSettings:
+    #: Move cached blocks to rejoin free runs (every plugin that keeps blocks by id must follow moves).
+    compact: bool = field(default=False, validator=validators.instance_of(bool))
+    #: Compact while the free blocks' fragmentation is above this.
+    max_fragmentation: float = field(
+        default=0.1, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
+    )
+    #: Blocks moved at most in one round.
+    max_moves: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
+    #: Steps at least between two rounds.
+    min_steps_between: int = field(default=32, validator=[validators.instance_of(int), validators.gt(0)])
+
+
+class RunsPool:
+    """``[kv_pool] plugin = "runs"``"""
+
+    Settings = RunsSettings
+
+    def __init__(self, settings: RunsSettings, context: PluginContext):
+        n = self.num_blocks = context.num_blocks
+        self._is_free = bytearray(b"\x01") * n
+        self._length: dict[int, int] = {0: n} if n else {}  # free run start -> length
+        self._start: dict[int, int] = {n - 1: 0} if n else {}  # free run's last block -> start
+        self._by_length = SortedList([(n, 0)] if n else [])  # (length, start)
+        self._num_free = n
+        self._tail: dict[str, int] = {}  # request id -> the last block it was given
+        self._tail_of: dict[int, str] = {}
+        self._usage: PoolUsage | None = None
+        self.max_fragmentation = settings.max_fragmentation
+        self.max_moves = settings.max_moves
+        self.min_steps_between = settings.min_steps_between
+        self._steps = self._next_round = 0
+        self._kv: KVCaches | None = None
+        if not settings.compact:
+            # Not a compacting pool: without the hook, the runtime neither asks
+            # for moves nor needs every plugin to follow them.
+            self.sagellm_plan_compaction = None  # type: ignore[method-assign,assignment]
+
+    # ------------------------------------------------------------ the runs --
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._length[start] = length
+        self._start[start + length - 1] = start
+        self._by_length.add((length, start))
+
+    def _drop_run(self, start: int) -> int:
+        length = self._length.pop(start)
+        del self._start[start + length - 1]
+        self._by_length.remove((length, start))
+        return length
+
+    def _take(self, start: int, count: int) -> range:
+        """Take the first ``count`` blocks of the free run at ``start``."""
+        length = self._drop_run(start)
+        if length > count:
+            self._add_run(start + count, length - count)
+        self._is_free[start : start + count] = bytes(count)
+        self._num_free -= count
+        return range(start, start + count)
+
+    def _give_back(self, start: int, count: int) -> None:
+        """Free ``start .. start + count - 1`` (in use), joining the runs on either side."""
+        self._is_free[start : start + count] = b"\x01" * count
+        self._num_free += count
+        end = start + count
+        if end in self._length:
+            count += self._drop_run(end)
+        before = self._start.get(start - 1)
+        if before is not None:
+            count += self._drop_run(before)
+            start = before
+        self._add_run(start, count)
+
+    # ---------------------------------------------------------------- hooks --
+
+    @hookimpl
+    def sagellm_allocate_blocks(self, num_blocks: int, request: Request | None) -> BlockAllocation:
+        if num_blocks > self._num_free:
+            return _NO_BLOCKS
+        ids: list[int] = []
+        need = num_blocks
+        tail = None if request is None else self._tail.get(request.request_id)
+        if tail is not None and tail + 1 in self._length:  # grow in place
+            ids.extend(self._take(tail + 1, min(need, self._length[tail + 1])))
+            need = num_blocks - len(ids)
+        by_length = self._by_length
+        while need:
+            at = by_length.bisect_left((need, -1))
+            length, start = by_length[at] if at < len(by_length) else by_length[-1]
+            ids.extend(self._take(start, min(need, length)))
+            need = num_blocks - len(ids)
+        if request is not None and ids:
+            self._retail(request.request_id, ids[-1])
+        self._usage = None
+        return BlockAllocation(tuple(ids))
+
+    def _retail(self, request_id: str, block_id: int) -> None:
+        old = self._tail.get(request_id)
+        if old is not None:
+            self._tail_of.pop(old, None)
+        self._tail[request_id] = block_id
+        self._tail_of[block_id] = request_id
+
+    @hookimpl
+    def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
+        num_blocks, is_free = self.num_blocks, self._is_free
+        for block_id in block_ids:
+            if not (type(block_id) is int and 0 <= block_id < num_blocks):
+                raise ValueError(f"block {block_id!r} is out of range 0..{num_blocks - 1}")
+            if is_free[block_id]:
+                raise ValueError(f"block {block_id} is freed twice")
+        ordered = sorted(block_ids)
+        if any(a == b for a, b in zip(ordered, ordered[1:])):
+            raise ValueError(f"blocks {list(block_ids)} contain duplicates")
+        self._forget_tails(ordered)
+        self._free_sorted(ordered)
+        self._usage = None
+        return True
+
+    def _free_sorted(self, ordered: Sequence[int]) -> None:
+        i = 0
+        while i < len(ordered):
+            j = i + 1
+            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
+                j += 1
+            self._give_back(ordered[i], j - i)
+            i = j
+
+    def _forget_tails(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            request_id = self._tail_of.pop(block_id, None)
+            if request_id is not None:
+                del self._tail[request_id]
+
+    @hookimpl
+    def sagellm_pool_usage(self) -> PoolUsage:
+        usage = self._usage
+        if usage is None:
+            usage = self._usage = PoolUsage(self.num_blocks, self._num_free, len(self._length))
+        return usage
+
+    # ----------------------------------------------------------- compaction --
+
+    @hookimpl
+    def sagellm_kv_caches_allocated(self, kv_caches: KVCaches) -> None:
+        self._kv = kv_caches
+
+    @hookimpl
+    def sagellm_plan_compaction(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...] | None:
+        self._steps += 1
+        free, runs = self._num_free, len(self._length)
+        if self._steps < self._next_round or free <= 1 or (runs - 1) / (free - 1) <= self.max_fragmentation:
+            return None  # (PoolUsage.external_fragmentation, without building one)
+        self._next_round = self._steps + self.min_steps_between
+        return self.plan(movable)
+
+    def plan(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+        """Moves of islands (cached blocks between two free runs, every one
+        movable), smallest first, each into the smallest free run that holds
+        it; a run that an island's move joins takes no island, and a run
+        that takes one is joined by none."""
+        starts = sorted(self._length)
+        islands = []
+        for left, right in zip(starts, starts[1:]):
+            begin = left + self._length[left]
+            if right - begin <= self.max_moves and all(b in movable for b in range(begin, right)):
+                islands.append((right - begin, begin, left, right))
+        islands.sort()
+        room = SortedList(self._by_length)  # what is left of each free run, as moves fill them
+        joined: set[int] = set()
+        filled: set[int] = set()
+        moves: list[tuple[int, int]] = []
+        for size, begin, left, right in islands:
+            if len(moves) + size > self.max_moves or left in filled or right in filled:
+                continue
+            at = room.bisect_left((size, -1))
+            while at < len(room) and room[at][1] in joined | {left, right}:
+                at += 1
+            if at == len(room):
+                continue
+            length, start = room.pop(at)
+            moves.extend(zip(range(begin, begin + size), range(start, start + size)))
+            joined.update((left, right))
+            filled.add(start)
+            if length > size:
+                room.add((length - size, start + size))
+        return tuple(moves)
+
+    @hookimpl
+    def sagellm_blocks_moved(self, moves: tuple[tuple[int, int], ...]) -> None:
+        src, dst = sorted(m[0] for m in moves), sorted(m[1] for m in moves)
+        if self._kv is not None and self._kv.copy_blocks is not None:
+            self._kv.copy_blocks(self._kv.tensor, [m[0] for m in moves], self._kv.tensor, [m[1] for m in moves])
+        i = 0
+        while i < len(dst):  # each run of destinations begins a free run (the plan fills runs from their start)
+            j = i + 1
+            while j < len(dst) and dst[j] == dst[j - 1] + 1:
+                j += 1
+            self._take_range(dst[i], j - i)
+            i = j
+        self._forget_tails(src)
+        self._free_sorted(src)
+        self._usage = None
+
+    def _take_range(self, start: int, count: int) -> None:
+        """Take ``start .. start + count - 1``, free blocks of one run."""
+        if start not in self._length:  # inside a run: split it there
+            run = next(s for s in self._length if s < start < s + self._length[s])
+            length = self._drop_run(run)
+            self._add_run(run, start - run)
+            self._add_run(start, length - (start - run))
+        self._take(start, count)

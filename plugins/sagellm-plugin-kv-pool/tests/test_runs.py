@@ -1,0 +1,161 @@
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from sagellm_plugin_kv_pool.runs import RunsPool, RunsSettings
+
+from sagellm_core import PluginContext
+from sagellm_core.types import KVCaches, Request
+
+
+def pool(n=16, **kw):
+    return RunsPool(RunsSettings(**kw), PluginContext("runs", block_size=16, num_blocks=n))
+
+
+def request(name: str) -> Request:
+    return Request(name, [1, 2, 3], 1)
+
+
+def take(p, n, req=None):
+    return p.sagellm_allocate_blocks(num_blocks=n, request=req).block_ids
+
+
+def free_runs(p) -> list[tuple[int, int]]:
+    """The free runs from the bitmap, brute force: (start, length)."""
+    runs, start = [], None
+    for b, flag in enumerate([*p._is_free, 0]):
+        if flag and start is None:
+            start = b
+        elif not flag and start is not None:
+            runs.append((start, b - start))
+            start = None
+    return runs
+
+
+def consistent(p) -> None:
+    runs = free_runs(p)
+    assert sorted(p._length.items()) == runs
+    assert sorted(p._by_length) == sorted((n, s) for s, n in runs)
+    assert {s + n - 1: s for s, n in runs} == p._start
+    usage = p.sagellm_pool_usage()
+    assert usage.num_free_blocks == sum(n for _, n in runs) and usage.num_free_runs == len(runs)
+
+
+def test_an_allocation_takes_the_smallest_run_that_holds_it():
+    p = pool(16)
+    a, b, c = take(p, 3), take(p, 2), take(p, 4)
+    assert (a, b, c) == ((0, 1, 2), (3, 4), (5, 6, 7, 8))
+    p.sagellm_free_blocks(block_ids=a + c)  # free runs: 0-2 (3), 5-15 (11)
+    assert take(p, 3) == (0, 1, 2)  # the exact fit, not the long run
+    assert take(p, 4) == (5, 6, 7, 8)
+
+
+def test_a_request_grows_in_place_while_the_blocks_after_its_last_are_free():
+    p = pool(16)
+    a = take(p, 3, request("a"))
+    b = take(p, 2, request("b"))
+    p.sagellm_free_blocks(block_ids=b)
+    assert take(p, 2, request("a")) == (3, 4)  # right after a's last block
+    assert take(p, 1, request("b")) == (5,)  # b's tail was freed: best fit
+    assert a == (0, 1, 2)
+
+
+def test_without_a_run_long_enough_the_longest_runs_go_first():
+    p = pool(10)
+    held = take(p, 10)
+    p.sagellm_free_blocks(block_ids=(0, 1, 4, 5, 6, 9))
+    assert take(p, 5) == (4, 5, 6, 0, 1)  # the run of 3, then a run of 2: two pieces, not three
+    assert take(p, 2) == ()  # all or nothing: one block is free
+    assert len(held) == 10
+
+
+def test_bad_frees_are_refused_without_change():
+    p = pool(8)
+    take(p, 4)
+    p.sagellm_free_blocks(block_ids=(0,))
+    for bad, message in (((1, 0), "block 0 is freed twice"), ((9,), "out of range"), ((2, 2), "duplicates")):
+        with pytest.raises(ValueError, match=message):
+            p.sagellm_free_blocks(block_ids=bad)
+    assert p.sagellm_pool_usage().num_free_blocks == 5
+    consistent(p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3), st.randoms()), max_size=60))
+def test_the_allocator_never_hands_a_block_twice_and_its_runs_stay_exact(ops):
+    p = pool(48)
+    held: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    for allocate, n, who, rnd in ops:
+        name = f"r{who}"
+        if allocate:
+            ids = take(p, n, request(name))
+            in_use = {b for blocks in held.values() for b in blocks}
+            assert len(set(ids)) == len(ids) and in_use.isdisjoint(ids)
+            assert not ids or len(ids) == n
+            held[name] += ids
+        elif held[name]:
+            rnd.shuffle(held[name])
+            freed, held[name] = held[name][:n], held[name][n:]
+            p.sagellm_free_blocks(block_ids=tuple(freed))
+        consistent(p)
+        assert p.sagellm_pool_usage().num_free_blocks + sum(map(len, held.values())) == 48
+
+
+def test_compaction_is_off_unless_asked_and_then_waits_for_fragmentation():
+    assert not callable(pool().sagellm_plan_compaction)  # not a hook: the runtime asks nothing
+    p = pool(16, compact=True, max_fragmentation=0.5, min_steps_between=1)
+    take(p, 16)
+    p.sagellm_free_blocks(block_ids=(0, 1, 2, 3, 4, 5))  # one run
+    assert p.sagellm_plan_compaction(movable={6}) is None
+
+
+class FakeKV:
+    """A KV tensor of one int per block, copied as a device would."""
+
+    def __init__(self, n):
+        self.rows = list(range(1000, 1000 + n))
+        self.copies = []
+
+    def copy(self, src, src_ids, dst, dst_ids):
+        assert src is dst is self
+        self.copies.append((list(src_ids), list(dst_ids)))
+        values = [self.rows[b] for b in src_ids]
+        for b, v in zip(dst_ids, values):
+            self.rows[b] = v
+
+
+def test_a_round_moves_islands_into_free_runs_and_copies_their_kv():
+    p = pool(16, compact=True, max_fragmentation=0.1, min_steps_between=1)
+    take(p, 16)
+    # free: 0-1, 4-5, 9-15; in use: 2-3 (cached, movable), 6-8 (held)
+    p.sagellm_free_blocks(block_ids=(0, 1, 4, 5, 9, 10, 11, 12, 13, 14, 15))
+    kv = FakeKV(16)
+    p.sagellm_kv_caches_allocated(kv_caches=KVCaches(kv, 0, kv.copy))
+    moves = p.sagellm_plan_compaction(movable={2, 3})
+    assert moves == ((2, 9), (3, 10))  # the island 2-3 into the smallest run that holds it, beside neither
+    p.sagellm_blocks_moved(moves=moves)
+    assert kv.rows[9:11] == [1002, 1003] and kv.copies == [([2, 3], [9, 10])]
+    consistent(p)
+    assert free_runs(p) == [(0, 6), (11, 5)]
+    assert p.sagellm_plan_compaction(movable=set()) is None  # the next round waits min_steps_between
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.booleans(), min_size=24, max_size=64),
+    st.lists(st.booleans(), min_size=64, max_size=64),
+    st.integers(1, 64),
+)
+def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(free, movable, max_moves):
+    n = len(free)
+    p = pool(n, compact=True, max_moves=max_moves)
+    take(p, n)
+    p.sagellm_free_blocks(block_ids=tuple(b for b in range(n) if free[b]))
+    can_move = {b for b in range(n) if not free[b] and movable[b]}
+    before = len(free_runs(p))
+    moves = p.plan(can_move)
+    src, dst = [m[0] for m in moves], [m[1] for m in moves]
+    assert set(src) <= can_move and all(free[b] for b in dst)
+    assert len(set(src)) == len(src) and len(set(dst)) == len(dst) and len(moves) <= max_moves
+    p.sagellm_blocks_moved(moves=moves)
+    consistent(p)
+    assert len(free_runs(p)) <= before - (1 if moves else 0)
