@@ -47,7 +47,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "eviction": ("sagellm.eviction", "sagellm-plugin-eviction"),
     "lifetime": ("sagellm.lifetime", "sagellm-plugin-lifetime"),
     "scheduler": ("sagellm.scheduler_passes", "sagellm-plugin-scheduler-ir"),
-    "admission": ("sagellm.admission", "sagellm-plugin-scheduler-ir"),
+    "admission": ("sagellm.admission", "sagellm-plugin-admission"),
     "transport": ("sagellm.transport", "sagellm-plugin-kv-transport"),
     "router": ("sagellm.router", "sagellm-plugin-cluster"),
     "kv_stores": ("sagellm.kv_stores", "sagellm-plugin-kv-stores"),
