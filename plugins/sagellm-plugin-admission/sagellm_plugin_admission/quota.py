@@ -34,6 +34,7 @@ blocks of its prompt (and of what it generated before a preemption).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -103,8 +104,9 @@ class QuotaAdmission:
 
     def __init__(self, settings: QuotaSettings, context: PluginContext):
         pool, self.block_size = context.num_blocks, context.block_size
-        self.guaranteed = {t: int(share * pool) for t, share in settings.guarantees.items()}
-        self.caps = {t: int(share * pool) for t, share in settings.caps.items()}
+        # Whole blocks, down; the epsilon keeps 0.29 of 100 at 29 (0.29 * 100 is 28.999...).
+        self.guaranteed = {t: math.floor(share * pool + 1e-9) for t, share in settings.guarantees.items()}
+        self.caps = {t: math.floor(share * pool + 1e-9) for t, share in settings.caps.items()}
         self.lend = settings.lend
         self.figures: dict[str, TenantFigures] = {}
         #: Requests answered ADMIT within their guarantee: id -> preemptions then.

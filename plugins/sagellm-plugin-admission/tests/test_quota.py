@@ -4,7 +4,7 @@ from types import MappingProxyType
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from sagellm_plugin_admission.quota import OVER_CAP, QuotaAdmission, QuotaSettings
 
 from sagellm_core import PluginContext
@@ -154,6 +154,8 @@ def test_bad_shares_are_one_line_errors_naming_the_key(params, message):
     available=st.integers(0, 100),
     lend=st.sampled_from([0.0, 0.5, 1.0]),
 )
+# 29 of 100 blocks as a share is 0.29, and 0.29 * 100 is 28.999...: still 29 blocks.
+@example(guarantees=[29, 0, 0], caps=[29, 0, 0], held=[0, 0, 0], who=0, need=29, available=100, lend=0.0)
 def test_an_admission_never_breaks_a_cap_and_a_loan_leaves_what_lend_keeps(
     guarantees, caps, held, who, need, available, lend
 ):
