@@ -48,6 +48,12 @@ def replay(config: Path | str, overrides: dict, label: str) -> dict:
     return session.run(settings, label=label).report
 
 
+def check(label: str, holds: bool, what: str) -> None:
+    """A row's label is a claim about the run: stop before printing a row that did not do what it says."""
+    if not holds:
+        raise SystemExit(f"row {label!r}: {what}")
+
+
 def hook_p50(report: dict, hook: str) -> str:
     stats = report["hooks"].get(hook)
     return f"{stats['p50_us']:.2f}" if stats else "-"
@@ -86,6 +92,15 @@ def admission(args) -> None:
                     overrides[("admission", "quantile")] = rule
                 label = "greedy" if rule is None else f"footprint, quantile {rule}"
                 r = replay(CONFIGS / config, overrides, label)
+                admitted_by = r["plugins"].get("admission", "")
+                predictors = r["plugins"]["lifetime"]  # the picked predictor, then its fallback
+                check(label, predictors.split(", ")[0] == "online", f"lifetime plugins {predictors!r}")
+                if rule is None:
+                    check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
+                    check(label, r["preemptions"] > 0, "greedy admission never preempted: the pool is not tight")
+                else:
+                    check(label, admitted_by == "footprint", f"admission plugin {admitted_by!r}, not footprint")
+                    check(label, r["admission"]["deferrals"] > 0, "the footprint rule deferred nothing")
                 ttft, tpot = r["ttft_s"], r["tpot_s"]
                 print(
                     f"| {blocks:,} | {label} | {r['preemptions']:,} | {r['reprefill_rate']:.4f} |"
@@ -141,7 +156,15 @@ def quotas(args) -> None:
     for label, rate, cap in runs:
         text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks)
         text += QUOTA.format(cap=cap) if cap is not None else ""
-        reports.append((label, session.run(settings_from_toml(text), label=label).report))
+        r = session.run(settings_from_toml(text), label=label).report
+        admitted_by = r["plugins"].get("admission", "")
+        check(label, ("docs" in r["tenant_block_hit_rates"]) == (rate > 0), "the document tenant's presence")
+        if cap is None:
+            check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
+        else:
+            check(label, admitted_by == "quota", f"admission plugin {admitted_by!r}, not quota")
+            check(label, r["admission"]["tenant_deferrals"].get("docs", 0) > 0, "the quota deferred no document")
+        reports.append((label, r))
     alone = reports[0][1]
     chats = sorted(t for t in alone["tenant_block_hit_rates"])
     print(
@@ -193,15 +216,17 @@ def contiguity(args) -> None:
     )
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
-        " free-block fragmentation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) | wall (s) |"
+        " free-block fragmentation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
+        " compaction plan p50 (µs) | wall (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|" + "---:|" * 11)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
     ]
     for label, pool in pools:
+        compacting = pool.get(("kv_pool", "compact"), False)
         overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
         engine, engine_settings = build_engine(settings)
@@ -220,6 +245,11 @@ def contiguity(args) -> None:
         recorder = engine.run(rt, session.workloads.load(settings.workload))
         wall = time.perf_counter() - start
         r = report_mod.build(rt, recorder, "timed", wall, label)
+        check(
+            label, r["plugins"]["kv_pool"] == pool[("kv_pool", "plugin")], f"kv_pool plugin {r['plugins']['kv_pool']!r}"
+        )
+        check(label, (r["compaction"]["rounds"] > 0) == compacting, f"{r['compaction']['rounds']} compaction rounds")
+        check(label, len(counts) == r["requests"], f"{len(counts)} finishes seen of {r['requests']} requests")
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} |"
@@ -291,16 +321,24 @@ def offload(args) -> None:
     )
     print("| copy | offload (ms) | vs scattered, one call | reload (ms) | vs scattered, one call | offload GB/s |")
     print("|---|---:|---:|---:|---:|---:|")
+
+    def blocks(ids) -> torch.Tensor:
+        return kv.index_select(BLOCK_DIM, torch.tensor(ids, device=kv.device)).cpu()
+
     cases = [
-        ("scattered blocks, one copy_blocks call", one_call(scattered), one_call(scattered, True)),
-        ("one run, one copy_blocks call", one_call(run), one_call(run, True)),
-        ("scattered blocks, a call per block", per_block(scattered), per_block(scattered, True)),
-        ("one run, a call per block", per_block(run), per_block(run, True)),
-        ("one run, one slice copy", slice_copy(), slice_copy(True)),
+        ("scattered blocks, one copy_blocks call", scattered, one_call(scattered), one_call(scattered, True)),
+        ("one run, one copy_blocks call", run, one_call(run), one_call(run, True)),
+        ("scattered blocks, a call per block", scattered, per_block(scattered), per_block(scattered, True)),
+        ("one run, a call per block", run, per_block(run), per_block(run, True)),
+        ("one run, one slice copy", run, slice_copy(), slice_copy(True)),
     ]
     base = None
-    for label, out, back in cases:
-        t_out, t_back = timed(out), timed(back)
+    for label, ids, out, back in cases:
+        t_out = timed(out)
+        check(label, torch.equal(host, blocks(ids)), "the host copy is not the blocks' KV")
+        host.add_(1.0)  # a reload that copied nothing would leave the blocks unequal to it
+        t_back = timed(back)
+        check(label, torch.equal(blocks(ids), host), "the blocks' KV is not the host copy after the reload")
         base = base or (t_out, t_back)
         print(
             f"| {label} | {t_out * 1e3:.2f} | {ratio(t_out, base[0])} | {t_back * 1e3:.2f} | {ratio(t_back, base[1])} |"
