@@ -90,7 +90,8 @@ class RedisStore:
             self._down = True
             self.counts["unreachable"] += 1
             warnings.warn(
-                f"sagellm KV store 'redis': {self.settings.url} cannot be reached ({exc}); it serves and stores nothing",
+                f"sagellm KV store 'redis': {self.settings.url} cannot be reached ({exc});"
+                " it serves and stores nothing",
                 RuntimeWarning,
                 stacklevel=1,
             )
