@@ -2,7 +2,7 @@
 memory, a local disk and Redis against recomputing it, on the torch engine
 (SmolLM2-135M, fp32, CPU), every run in this process, one after another.
 
-    .venv/bin/python benchmarks/tiers_real_bytes.py [--json F]
+    .venv/bin/python benchmarks/tiers_real_bytes.py [--threads N] [--json F]
 
 Each run: a fresh engine whose pool holds 140 blocks of 16 tokens; the
 prefix (125 blocks) is served, a 2,100-token request evicts it (each evicted
@@ -19,36 +19,16 @@ import argparse
 import json
 import os
 import random
-import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from sagellm_plugin_kv_stores.testing import redis_server
 from sagellm_plugin_torch import testing as helpers
 from sagellm_plugin_torch.engine import SamplingParams
 
 from sagellm_core.types import Request
-
-
-def start_redis() -> tuple[subprocess.Popen[bytes] | None, str]:
-    server = shutil.which("redis-server")
-    if server is None:
-        return None, ""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen(
-        [server, "--port", str(port), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
-    )
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return process, f"redis://127.0.0.1:{port}/0"
 
 
 def uncache(folder: Path) -> None:
@@ -104,21 +84,20 @@ def reload_run(folder: Path, tier: str | None, prefix: list[int], filler: list[i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady on a busy machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prefix = [rng.randrange(100, 40000) for _ in range(2000)]
     filler = [rng.randrange(100, 40000) for _ in range(2100)]
-    redis, url = start_redis()
     rows = {}
-    try:
-        for tier in (None, "host", "disk", *(["redis"] if redis else [])):
+    with redis_server() as url:
+        for tier in (None, "host", "disk", *(["redis"] if url else [])):
             with tempfile.TemporaryDirectory() as folder:
-                rows[tier or "recompute"] = reload_run(Path(folder), tier, prefix, filler, url)
-    finally:
-        if redis is not None:
-            redis.terminate()
+                rows[tier or "recompute"] = reload_run(Path(folder), tier, prefix, filler, url or "")
     base = rows["recompute"]["ttft_s"]
-    print(f"TTFT of a 2,000-token prefix, SmolLM2-135M fp32 on the CPU{'' if redis else ' (no redis-server here)'}:")
+    where = f"on the CPU, {args.threads} torch thread(s), load average {os.getloadavg()[0]:.1f}"
+    print(f"TTFT of a 2,000-token prefix, SmolLM2-135M fp32 {where}{'' if url else ' (no redis-server here)'}:")
     for name, row in rows.items():
         print(
             f"  {name}: {row['ttft_s']:.3f} s, {base / row['ttft_s']:.2f}x recompute's speed,"

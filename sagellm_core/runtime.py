@@ -288,10 +288,25 @@ class Runtime:
             raise RequestError(f"request id {request.request_id!r}: arrival observers need the matched blocks")
         state.cached_tokens_hint = (match if isinstance(match, int) else match.num_blocks) * self.block_size
         self.host.observe("sagellm_request_arrived", request=request, prediction=prediction, match=match)
-        if self.stores.prefetching:  # its blocks below the device start moving while it waits
-            runs = self.stores.match(request, state.cached_tokens_hint // self.block_size)
-            self.stores.start_prefetch(request.request_id, runs, self._now_s)
+        if self.stores.prefetching:
+            self.prefetch(state)
         return state
+
+    def prefetch(self, state: SequenceState) -> int:
+        """Start moving the waiting ``state``'s prompt blocks that the KV
+        stores hold (past its device match) up to where they load fastest,
+        each store's ``prefetch``, so the copies overlap its wait; at its
+        admission they are loaded (or, not ready, counted late; not loaded,
+        wasted). Called at arrival under ``[kv_stores] prefetch``, and by
+        anything else that knows a request's prefix is worth bringing up (a
+        client's hint). Once a request; returns the blocks set moving."""
+        request = state.request
+        waiting = state.status is RequestStatus.WAITING and not state.num_preemptions  # a recompute computes
+        if not self.stores or not waiting or self.stores.prefetch_started(request.request_id):
+            return 0
+        runs = self.stores.match(request, state.cached_tokens_hint // self.block_size)
+        self.stores.start_prefetch(request.request_id, runs, self._now_s)
+        return sum(len(run.keys) for run in runs)
 
     def admit(self, state: SequenceState, token_budget: int, reserve_tokens: int = 0) -> int:
         """Match and lock ``state``'s prefix and allocate blocks for up to
@@ -363,7 +378,7 @@ class Runtime:
             return 0
         num_new, stores = plan.num_new_tokens, self.stores
         try:
-            loading = plan.external or (stores.prefetching and not state.num_preemptions)
+            loading = plan.external or stores.prefetch_started(request.request_id)
             held, loaded = stores.load(request.request_id, plan.external, ids, self._now_s) if loading else (0, 0)
             for run in plan.recomputed:
                 stores.counters[run.tier].recomputed_blocks += len(run.keys)
@@ -373,6 +388,7 @@ class Runtime:
             self.host.free_blocks(ids)
             self._unlock_after_touch(request)
             raise
+        stores.admitted(request.request_id)
         state.block_ids = [*match.block_ids, *ids]
         state.private_block_ids = set(ids)
         state.num_computed_tokens = (match.num_blocks + loaded) * self.block_size
@@ -445,8 +461,7 @@ class Runtime:
         """A request that can never run, counted with ``reason``."""
         state.status = RequestStatus.FINISHED
         self.counters.count_rejection(reason)
-        if self.stores.prefetching:
-            self.stores.forget_prefetch(state.request_id)
+        self.stores.ended(state.request_id)
 
     def finish(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> RequestOutcome:
         self.cache(state, output_token_ids)
@@ -457,6 +472,7 @@ class Runtime:
         """Count and observe a finished request whose blocks are already
         returned (by :meth:`finish`, or by an engine that owns its blocks)."""
         state.status = RequestStatus.FINISHED
+        self.stores.ended(state.request_id)  # (one aborted while it waited)
         outcome = RequestOutcome(
             request=state.request,
             num_output_tokens=state.num_output_tokens,

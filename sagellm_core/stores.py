@@ -70,6 +70,8 @@ class StoreTiers:
         #: The engine's costs of loads against recompute, where it knows them.
         self.costs: LoadCosts | None = None
         self._prefetches: dict[str, Prefetch] = {}
+        #: A waiting request's block keys (from its first block asked, those keys).
+        self._known_keys: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.stores)
@@ -145,11 +147,25 @@ class StoreTiers:
         limit = (request.num_prompt_tokens - 1) // self.host.block_size
         if limit <= start:
             return ()
-        first = self.host.block_keys(request, start, start + 1)
+        first = self._keys(request, start, start + 1)
         if not first or not any(self.contains(t, first) for t in range(len(self.stores))):
             return ()
-        keys = self.host.block_keys(request, start, limit) if limit > start + 1 else first
-        return self.runs(tuple(keys[: limit - start]))
+        return self.runs(self._keys(request, start, limit))
+
+    def _keys(self, request: Request, start: int, end: int) -> tuple[int, ...]:
+        """``request``'s block keys from ``start`` to ``end``, hashed once
+        for a waiting request (asked at its arrival's prefetch and at each
+        admission it waits for), kept until it is admitted or ends."""
+        known = self._known_keys.get(request.request_id)
+        if known is not None and known[0] == start and len(known[1]) >= end - start:
+            return known[1][: end - start]
+        keys = tuple(self.host.block_keys(request, start, end))[: end - start]
+        self._known_keys[request.request_id] = (start, keys)
+        return keys
+
+    def admitted(self, request_id: str) -> None:
+        """``request_id`` is admitted: its keys are not asked again."""
+        self._known_keys.pop(request_id, None)
 
     def runs(self, keys: tuple[int, ...]) -> tuple[ExternalRun, ...]:
         """``keys``' leading blocks as runs, each block from the first store holding it."""
@@ -196,9 +212,14 @@ class StoreTiers:
             cached += tokens
         return runs, ()
 
+    def prefetch_started(self, request_id: str) -> bool:
+        """Whether ``request_id``'s prefetch is moving (not yet loaded or given up)."""
+        return request_id in self._prefetches
+
     def start_prefetch(self, request_id: str, runs: tuple[ExternalRun, ...], now_s: float) -> None:
-        """Set ``runs`` moving for the waiting request ``request_id``."""
-        if not runs:
+        """Set ``runs`` moving for the waiting request ``request_id``
+        (``Runtime.prefetch``)."""
+        if not runs or request_id in self._prefetches:
             return
         moving = tuple(self._future(run.tier, "prefetch", run.keys) for run in runs)
         costs = self.costs
@@ -223,13 +244,20 @@ class StoreTiers:
     def _settle_prefetch(self, prefetch: Prefetch, late: list[bool], loaded: dict[tuple[int, int], int]) -> None:
         """Count ``prefetch``'s late runs, and as wasted its blocks not
         loaded (``loaded``: blocks loaded, by (tier, first key) of a run)."""
-        for run, was_late in zip(prefetch.runs, late):
+        for run, was_late, future in zip(prefetch.runs, late, prefetch.futures):
+            if future.done():  # (one still running is not waited for: its answer is not needed)
+                ready = self._guarded(run.tier, "prefetch", future.result)
+                n = len(run.keys)
+                if type(ready) is not int or not 0 <= ready <= n:
+                    raise self._bad(run.tier, "prefetch", f"resolved to {ready!r}, not a count from 0 to {n}")
             counters = self.counters[run.tier]
             counters.late_prefetches += was_late
             counters.wasted_prefetched_blocks += len(run.keys) - loaded.get((run.tier, run.keys[0]), 0)
 
-    def forget_prefetch(self, request_id: str) -> None:
-        """A request that ends without admission: its prefetch was wasted."""
+    def ended(self, request_id: str) -> None:
+        """``request_id`` ended (finished, aborted or rejected): its keys are
+        dropped, and a prefetch it never loaded was wasted."""
+        self._known_keys.pop(request_id, None)
         prefetch = self._prefetches.pop(request_id, None)
         if prefetch is not None:
             self._settle_prefetch(prefetch, [False] * len(prefetch.runs), {})

@@ -264,6 +264,43 @@ def hook_rows(report: dict) -> list[list[str]]:
 
 HOOK_HEADER = ["hook", "calls", "answered", "mean µs", "p50 µs", "p99 µs"]
 
+STORE_HEADER = [
+    "run",
+    "KV store",
+    "hit rate",
+    "blocks loaded",
+    "loads",
+    "recomputed (slower to load)",
+    "prefetches / late",
+    "prefetched blocks wasted",
+    "corrupt",
+    "load s (modelled)",
+]
+
+
+def store_rows(reports: Sequence[dict]) -> list[list[str]]:
+    """Per run and KV store: its hits (blocks loaded, as a share of the
+    prompts' blocks), loads, recomputes and prefetches."""
+    rows = []
+    for r in reports:
+        for name, s in r.get("kv_stores", {}).items():
+            rate = s["loaded_blocks"] / r["query_blocks"] if r["query_blocks"] else 0.0
+            rows.append(
+                [
+                    r["label"],
+                    name,
+                    f"{rate:.4f}",
+                    f"{s['loaded_blocks']:,}",
+                    f"{s['get_rounds']:,}",
+                    f"{s['recomputed_blocks']:,}",
+                    f"{s['prefetch_rounds']:,} / {s['late_prefetches']:,}",
+                    f"{s['wasted_prefetched_blocks']:,}",
+                    f"{s['corrupt_blocks']:,}",
+                    f"{s['load_s']:.3f}",
+                ]
+            )
+    return rows
+
 
 def print_reports(reports: Sequence[dict], console: Console | None = None) -> None:
     console = console or Console()
@@ -290,6 +327,13 @@ def print_reports(reports: Sequence[dict], console: Console | None = None) -> No
             for row in instance_rows(r):
                 instances.add_row(*row)
             console.print(instances)
+    if rows := store_rows(reports):
+        stores = Table(title="KV stores below the device pool")
+        for i, h in enumerate(STORE_HEADER):
+            stores.add_column(h, justify="left" if i < 2 else "right")
+        for row in rows:
+            stores.add_row(*row)
+        console.print(stores)
     for r in reports:
         if r.get("lifetime_failure"):
             console.print(
@@ -313,6 +357,9 @@ def markdown(reports: Sequence[dict]) -> str:
         lines += ["", "| " + " | ".join(label for _, label, _ in INSTANCE_COLUMNS) + " |"]
         lines += ["|---|---|" + "---:|" * (len(INSTANCE_COLUMNS) - 2)]
         lines += ["| " + " | ".join(row) + " |" for row in instance_rows(r)]
+    if rows := store_rows(reports):
+        lines += ["", "| " + " | ".join(STORE_HEADER) + " |", "|---|---|" + "---:|" * (len(STORE_HEADER) - 2)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
     if len(reports) == 1 and reports[0]["hooks"]:
         lines += ["", "| " + " | ".join(HOOK_HEADER) + " |", "|---|" + "---:|" * (len(HOOK_HEADER) - 1)]
         lines += ["| " + " | ".join(row) + " |" for row in hook_rows(reports[0])]

@@ -90,7 +90,7 @@ def _bad_contents(hook: str, kwargs: dict, answer):
     if hook == "sagellm_schedule_pass":
         kwargs["ir"].token_budget = "8192"
         return None
-    if hook in ("contains", "put"):  # a KV store's
+    if hook in ("contains", "put", "prefetch"):  # a KV store's
         return -1 if hook == "contains" else completed(-1)
     if hook == "get":
         stored = answer.result()
@@ -303,5 +303,5 @@ FAULTY = {
         ("sagellm_admit_request", "sagellm_select_victims", "sagellm_select_preemption", "sagellm_report_figures"),
     ),
     # A KV store's methods (not hooks): faults in them are named the same way.
-    "kv_stores": ("faulty-host", "FaultyHost", ("contains", "put", "get")),
+    "kv_stores": ("faulty-host", "FaultyHost", ("contains", "put", "get", "prefetch")),
 }

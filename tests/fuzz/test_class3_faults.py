@@ -54,6 +54,7 @@ plugin = "{admission}"
 guarantees = {{"tenant-0" = 0.5}}
 [kv_stores]
 tiers = ["{kv_stores}"]
+prefetch = true
 [kv_stores.{kv_stores}]
 capacity_blocks = 64
 [limits]
@@ -124,7 +125,8 @@ def test_class3_every_hook_is_called_by_the_fault_config(fault_plugins):
     assert wanted <= called, sorted(wanted - called)
     assert wanted <= set(HOOK_NAMES)
     assert result.report["preemptions"] and result.report["evicted_blocks"]
-    assert result.report["kv_stores"]["host"]["get_rounds"]  # (a get follows contains; put each eviction)
+    host = result.report["kv_stores"]["host"]
+    assert host["get_rounds"] and host["prefetch_rounds"]  # (a get follows contains; put each eviction)
 
 
 @pytest.mark.parametrize("section, hook, fault", list(cases()))

@@ -68,10 +68,10 @@ def stores(tmp_path_factory):
         )
 
 
-def run(tiers: str, mode: str = "cache-only", seed: int = 0, sessions: int = 24, blocks: int = 64):
+def run(tiers: str, mode: str = "cache-only", seed: int = 0, sessions: int = 24, blocks: int = 64, prefetch=False):
     text = CONFIG.format(mode=mode, seed=seed, sessions=sessions, blocks=blocks)
     if tiers:
-        text += f"[kv_stores]\ntiers = [{tiers}]\nbytes_per_block = 32\n"
+        text += f"[kv_stores]\ntiers = [{tiers}]\nbytes_per_block = 32\nprefetch = {str(prefetch).lower()}\n"
     if '"host"' in tiers:
         text += "[kv_stores.host]\ncapacity_blocks = 100000\n"
     result = session.run(settings_from_toml(text))
@@ -139,6 +139,14 @@ def test_store_loads_add_up_for_any_workload(stores, seed, sessions, blocks):
     assert report["prefill_tokens"] == device_only["prefill_tokens"] - loaded * 16
     assert report["kv_stores"]["dict"]["written_blocks"] == report["evicted_blocks"]
     rt.check_invariants()
+    # A prefetch starts copies early; it never changes what is loaded or computed.
+    prefetched, rt = run('"dict"', seed=seed, sessions=sessions, blocks=blocks, prefetch=True)
+    tier = prefetched["kv_stores"]["dict"]
+    assert tier["loaded_blocks"] == loaded and prefetched["prefill_tokens"] == report["prefill_tokens"]
+    assert tier["wasted_prefetched_blocks"] <= tier["prefetched_blocks"] and bool(tier["prefetch_rounds"]) == bool(
+        loaded
+    )
+    rt.check_invariants()
 
 
 DISK = """
@@ -195,6 +203,54 @@ def test_a_block_flipped_on_disk_is_not_served_and_a_restarted_process_finds_the
     assert again.stores.report()["disk"]["store"]["recovered"] == len(list(tmp_path.rglob("*.kv"))) > 0
     assert serve(again, "a", a) == 1  # a's first block, up to the one dropped
     again.check_invariants()
+
+
+def test_a_prefetch_asked_for_a_waiting_request_is_loaded_at_its_admission_or_counted_wasted(tmp_path):
+    """``rt.prefetch(state)``, the entry point a client's hint calls where
+    ``[kv_stores] prefetch`` is off: once a request; the blocks it set
+    moving are loaded at admission, or wasted if the request ends first."""
+    a, b = list(range(100, 117)), list(range(200, 229))
+    rt = disk_runtime(tmp_path)
+    serve(rt, "a", a)
+    serve(rt, "b", b)  # a's 4 blocks evicted to disk
+    rt.stores.report()  # (the writes done)
+    gone = rt.arrive(Request("gone", a, 1))
+    assert not rt.stores.prefetch_started("gone")  # not configured: nothing moves at arrival
+    assert rt.prefetch(gone) == 4 and rt.prefetch(gone) == 0
+    rt.conclude(gone)  # ended while it waited (an abort)
+    disk = rt.stores.report()["disk"]
+    assert (disk["prefetch_rounds"], disk["prefetched_blocks"], disk["wasted_prefetched_blocks"]) == (1, 4, 4)
+    state = rt.arrive(Request("a again", a, 1))
+    assert rt.prefetch(state) == 4
+    assert rt.admit(state, 1024) > 0 and not rt.stores.prefetch_started("a again")
+    disk = rt.stores.report()["disk"]
+    assert (disk["prefetch_rounds"], disk["loaded_blocks"], disk["wasted_prefetched_blocks"]) == (2, 4, 4)
+    assert rt.prefetch(state) == 0  # admitted: nothing left to move
+    state.num_computed_tokens = state.num_tokens
+    rt.finish(state)
+    rt.check_invariants()
+
+
+def test_a_waiting_request_s_keys_are_hashed_once(tmp_path):
+    """A request asked of the stores at its arrival's prefetch and again at
+    each admission it waits for hashes its block keys once; once admitted
+    or ended, a request with the same id hashes its own."""
+    a, b = list(range(100, 117)), list(range(200, 229))
+    rt = Runtime(settings_from_toml(DISK.format(path=tmp_path)), hook_timing=True)
+    serve(rt, "a", a)
+    serve(rt, "b", b)  # a's blocks on disk
+    rt.stores.report()
+    hashed = rt.timer.stats["sagellm_block_keys"]
+    state = rt.arrive(Request("a again", a, 1))
+    before = hashed.calls
+    expected = rt.stores.match(state.request, 0)
+    assert [len(run.keys) for run in expected] == [4] and hashed.calls == before + 2  # the first key, then all
+    assert rt.prefetch(state) == 4 and rt.stores.match(state.request, 0) == expected and hashed.calls == before + 2
+    assert rt.admit(state, 1024) > 0
+    state.num_computed_tokens = state.num_tokens
+    rt.finish(state)
+    other = Request("a again", b, 1)  # the same id, another prompt: its own keys
+    assert rt.stores.match(other, 0) != expected and hashed.calls > before + 2
 
 
 TIMED = """
@@ -275,3 +331,22 @@ def test_runs_are_loaded_up_to_the_first_one_slower_than_recompute(stores):
     assert rt.stores.worth_loading("r", runs, 0, 0.0) == (runs, ())
     rt.set_load_costs(FixedCosts(slow="host"))  # 1 s against 0.16 s for its one block: computed, and all after it
     assert rt.stores.worth_loading("r", runs, 0, 0.0) == (runs[:1], runs[1:])
+
+
+def test_the_report_shows_each_store_s_hits_loads_recomputes_and_prefetches():
+    from sagellm_core.replay.report import markdown
+
+    report = timed(engine__tier_links='{host = "network"}', kv_stores__prefetch="true")
+    report["label"] = "prefetch"
+    host = report["kv_stores"]["host"]
+    row = next(line for line in markdown([report]).splitlines() if line.startswith("| prefetch | host |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == f"{host['loaded_blocks'] / report['query_blocks']:.4f}"
+    assert cells[3:8] == [
+        f"{host['loaded_blocks']:,}",
+        f"{host['get_rounds']:,}",
+        f"{host['recomputed_blocks']:,}",
+        f"{host['prefetch_rounds']:,} / {host['late_prefetches']:,}",
+        f"{host['wasted_prefetched_blocks']:,}",
+    ]
+    assert host["loaded_blocks"] and host["recomputed_blocks"] and host["prefetch_rounds"]
