@@ -4,6 +4,7 @@ retention) never evict a pinned block, never take a tenant past its pin
 budget, and keep the block accounting; without hints the policy is its
 fallback, block for block."""
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -203,15 +204,9 @@ def _stream(seed: int, hinted: bool) -> list[Request]:
     return out
 
 
-def test_pins_make_a_difference_the_watch_can_see():
-    """The property above is not vacuous: in a stream with pins, blocks are
-    evicted, pins are taken, and the pinned prefixes stay while LRU on the
-    same stream evicts them."""
-    rt = Runtime(config(24), hook_timing=False)
-    policy = rt.plugins["eviction"][0].instance
-    watch = PinWatch(policy)
-    rt.pm.register(watch)
-    for request in _stream(3, hinted=True):
+def play(rt: Runtime, requests: list[Request]) -> None:
+    """Each request at its arrival, admitted whole and finished (or rejected)."""
+    for request in requests:
         rt.set_time(request.arrival_s)
         state = rt.arrive(request)
         if rt.admit(state, 10**6):
@@ -219,6 +214,16 @@ def test_pins_make_a_difference_the_watch_can_see():
             rt.finish(state)
         else:
             rt.reject(state)
+
+
+def test_pins_make_a_difference_the_watch_can_see():
+    """The property above is not vacuous: in a stream with pins, blocks are
+    evicted (each checked by the watch) while pins are taken."""
+    rt = Runtime(config(24), hook_timing=False)
+    policy = rt.plugins["eviction"][0].instance
+    watch = PinWatch(policy)
+    rt.pm.register(watch)
+    play(rt, _stream(3, hinted=True))
     assert watch.evicted > 50 and policy.pins_taken > 0
     rt.check_invariants()
 
@@ -234,14 +239,7 @@ def test_without_hints_it_is_its_fallback_block_for_block(fallback, seed, num_bl
         rt = Runtime(config(num_blocks, fallback, hinted), hook_timing=False)
         victims = Victims()
         rt.pm.register(victims)
-        for request in _stream(seed, hinted=False):
-            rt.set_time(request.arrival_s)
-            state = rt.arrive(request)
-            if rt.admit(state, 10**6):
-                state.num_computed_tokens = state.num_tokens
-                rt.finish(state)
-            else:
-                rt.reject(state)
+        play(rt, _stream(seed, hinted=False))
         runs.append((victims.seen, rt.counters.hit_blocks))
     assert runs[0] == runs[1] and runs[0][0]
 
@@ -268,3 +266,116 @@ plugin = "{{policy}}"
     for key in ("block_hit_rate", "evicted_blocks", "hit_blocks"):
         assert reports[0][key] == reports[1][key], key
     assert reports[0]["evicted_blocks"] > 0
+
+
+# ------------------------------------------------------------ torch engine --
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from sagellm_plugin_torch.testing import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-hints"))
+
+
+def torch_engine(folder, model_dir, num_blocks: int):
+    """The torch engine on the tiny model (CPU) with ``hints`` on LRU, on a
+    clock the test moves; the pin watch registered beside the plugins."""
+    from sagellm_plugin_torch import testing as helpers
+    from sagellm_plugin_torch.engine import EngineCore, TorchSettings
+
+    from sagellm_core import config as config_mod
+
+    path = helpers.write_config(
+        folder,
+        model=str(model_dir),
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        eviction="hints",
+    )
+    path.write_text(path.read_text().replace('plugin = "hints"\n', 'plugin = "hints"\npin_ttl_s = 6.0\n'))
+    loaded = config_mod.load(path)
+    params = {k: v for k, v in loaded.engine.params.items() if k in helpers.attrs_fields()}
+    clock = [0.0]
+    core = EngineCore(Runtime(loaded), TorchSettings(**params), clock=lambda: clock[0])
+    watch = PinWatch(core.rt.plugins["eviction"][0].instance)
+    core.rt.pm.register(watch)
+    return core, watch, clock
+
+
+engine_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(0, len(BASES) - 1),
+            st.integers(0, 40),
+            st.lists(st.integers(2, 120), max_size=10),
+            st.integers(1, 6),
+            st.sampled_from(TENANTS),
+            hints,
+        ),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("wait"), st.floats(0.5, 4.0)),
+        st.tuples(st.just("abort"), st.integers(0, 40)),
+    ),
+    max_size=40,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(ops=engine_ops, num_blocks=st.integers(12, 30))
+def test_pins_hold_and_budgets_hold_in_the_torch_engine(tmp_path, tiny_model_dir, ops, num_blocks):
+    """Random requests with random hints, steps, waits (pins expire) and
+    aborts through the torch engine: no pinned block is evicted, no tenant
+    passes its pin budget, the accounting holds, and every request ends."""
+    from sagellm_core.errors import RequestError
+
+    core, watch, clock = torch_engine(tmp_path, tiny_model_dir, num_blocks)
+    added, ended, refused = [], set(), set()
+    for op in ops:
+        if op[0] == "add":
+            _, base, shared, tail, max_tokens, tenant, hint = op
+            prompt = [t % 120 for t in BASES[base][:shared]] + tail or [7]
+            kv_hints = None
+            if hint is not None:
+                name, value = hint
+                kv_hints = KVHints(**{name: min(value, len(prompt)) if name in ("pin", "unpin") else value})
+            rid = f"q{len(added)}"
+            try:
+                core.add_request(Request(rid, prompt, max_tokens, tenant=tenant, kv_hints=kv_hints))
+            except RequestError:
+                refused.add(rid)
+            added.append(rid)
+        elif op[0] == "step":
+            ended.update(out.request_id for out in core.step() if out.finished)
+        elif op[0] == "wait":
+            clock[0] += op[1]
+        elif added:
+            out = core.abort(added[op[1] % len(added)])
+            if out is not None:
+                ended.add(out.request_id)
+        core.rt.check_invariants()
+        watch.check_budgets()
+    while core.has_work():
+        ended.update(out.request_id for out in core.step() if out.finished)
+        core.rt.check_invariants()
+    assert ended | refused == set(added) and not ended & refused
+
+
+def test_pins_are_taken_and_blocks_evicted_around_them_in_the_torch_engine(tmp_path, tiny_model_dir):
+    """The property above is not vacuous in the engine: a stream with pins
+    evicts blocks (each checked by the watch) while pins are held."""
+    core, watch, clock = torch_engine(tmp_path, tiny_model_dir, 16)
+    for request in _stream(5, hinted=True)[:60]:
+        clock[0] = request.arrival_s
+        core.add_request(attrs.evolve(request, prompt_token_ids=[t % 120 for t in request.prompt_token_ids]))
+        while core.has_work():
+            core.step()
+    assert watch.evicted > 20 and watch.policy.pins_taken > 0
+    core.rt.check_invariants()

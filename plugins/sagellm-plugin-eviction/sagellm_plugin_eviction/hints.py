@@ -143,7 +143,7 @@ class HintEviction(PriorityEviction):
         self.pin_budget = int(settings.pin_share * context.num_blocks)
         self.max_pinned = int(MAX_PINNED_SHARE * context.num_blocks)
         self.pin_ttl_s = settings.pin_ttl_s
-        self.now_s = 0.0
+        self.latest_s = 0.0  # the latest time a hook told
         self._blocks: dict[int, CachedBlock] = {}  # every cached block
         self._evictable: set[int] = set()
         self._withheld: dict[int, CachedBlock] = {}  # evictable and protected: not the fallback's
@@ -213,7 +213,7 @@ class HintEviction(PriorityEviction):
         request_id = outcome.request.request_id
         pin = self._pins.get(self._pinned_by.pop(request_id, ("", ROOT_KEY)))
         if pin is not None:  # a pin lasts pin_ttl_s from its last request's end
-            self._extend(pin, self.now_s + self.pin_ttl_s)
+            self._extend(pin, self.latest_s + self.pin_ttl_s)
         self._release_first(request_id)
 
     def _release_first(self, request_id: str) -> None:
@@ -222,11 +222,11 @@ class HintEviction(PriorityEviction):
         ending = self._ending.pop(request_id, ())
         first = tuple(b for b in ending if b.block_id in self._evictable and b.block_id not in self._withheld)
         if first:
-            super().sagellm_blocks_released(first, self.now_s)
+            super().sagellm_blocks_released(first, self.latest_s)
 
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
-        self.now_s = now_s
+        self.latest_s = now_s
         known = self._blocks
         for block in blocks:
             known[block.block_id] = block
@@ -237,7 +237,7 @@ class HintEviction(PriorityEviction):
 
     @hookimpl
     def sagellm_blocks_touched(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
-        self.now_s = now_s
+        self.latest_s = now_s
         evictable, withheld = self._evictable, self._withheld
         for block in blocks:
             evictable.discard(block.block_id)
@@ -247,7 +247,7 @@ class HintEviction(PriorityEviction):
 
     @hookimpl
     def sagellm_blocks_released(self, blocks: tuple[CachedBlock, ...], now_s: float, request: Request | None) -> None:
-        self.now_s = now_s
+        self.latest_s = now_s
         hints = request.kv_hints if request is not None else None
         own = self._own(blocks, conversation_of(request))
         if hints is not None and hints.retain_s > 0:
@@ -275,7 +275,7 @@ class HintEviction(PriorityEviction):
 
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
-        self.now_s = now_s
+        self.latest_s = now_s
         for block in blocks:
             block_id = block.block_id
             self._blocks.pop(block_id, None)
@@ -297,7 +297,7 @@ class HintEviction(PriorityEviction):
 
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
-        self._expire(self.now_s)
+        self._expire(self.latest_s)
         victims = list(super().sagellm_select_victims(num_blocks, candidates).victim_ids) if self.advice else []
         chosen = set(victims)
         if len(victims) < num_blocks:
@@ -372,7 +372,7 @@ class HintEviction(PriorityEviction):
         for block in blocks:
             self._withheld[block.block_id] = block
             until = self._deadline.get(block.block_id)
-            if until is not None and until > self.now_s:
+            if until is not None and until > self.latest_s:
                 heapq.heappush(self._retained, (until, -block.depth, block.block_id))
 
     def _hand_back(self, blocks: list[CachedBlock]) -> None:
@@ -382,7 +382,7 @@ class HintEviction(PriorityEviction):
         blocks.sort(key=lambda block: block.depth)  # chain order, root first
         for block in blocks:
             self._withheld.pop(block.block_id, None)
-        self.fallback.tell("sagellm_blocks_released", tuple(blocks), self.now_s, None)
+        self.fallback.tell("sagellm_blocks_released", tuple(blocks), self.latest_s, None)
 
     def _expire(self, now_s: float) -> None:
         """End the pins and retentions due by ``now_s``."""
@@ -452,7 +452,7 @@ class HintEviction(PriorityEviction):
         keys = self._prefix_keys(request, match.blocks, tokens)
         if not keys:
             return  # less than a block: nothing to pin
-        tenant, expires_s = request.tenant, self.now_s + self.pin_ttl_s
+        tenant, expires_s = request.tenant, self.latest_s + self.pin_ttl_s
         self._pinned_by[request.request_id] = (tenant, keys[-1])
         pin = self._pins.get((tenant, keys[-1]))
         if pin is not None:
@@ -482,7 +482,7 @@ class HintEviction(PriorityEviction):
         )
         if now:
             self._withhold(now)
-            self.fallback.tell("sagellm_blocks_touched", now, self.now_s)
+            self.fallback.tell("sagellm_blocks_touched", now, self.latest_s)
             super().sagellm_blocks_touched(now)
 
     def _unpin(self, request: Request, match: PrefixMatch, tokens: int) -> None:
@@ -510,7 +510,7 @@ class HintEviction(PriorityEviction):
         for key in freed:
             for block_id in index.get(key, ()):
                 block = self._withheld.get(block_id)
-                if block is not None and not self.is_protected(block, self.now_s):
+                if block is not None and not self.is_protected(block, self.latest_s):
                     back.append(block)
                 elif block is not None:
                     self._withhold([block])  # still retained: back in the retained order

@@ -65,7 +65,14 @@ def test_a_released_conversations_own_blocks_go_first_and_what_it_shares_stays()
     a_own, b_own = chain(10, 3, 2, parent=1), chain(20, 3, 2, parent=1)
     serve(policy, request("a1", "A"), system + a_own, 1.0, cached=system + a_own)
     serve(policy, request("b1", "B"), system + b_own, 2.0, match=PrefixMatch(system), cached=b_own)
-    serve(policy, request("a2", "A", KVHints(release=True)), system + a_own, 3.0, match=PrefixMatch(system + a_own), cached=())
+    serve(
+        policy,
+        request("a2", "A", KVHints(release=True)),
+        system + a_own,
+        3.0,
+        match=PrefixMatch(system + a_own),
+        cached=(),
+    )
     # A's own blocks first, leaf first; then LRU's order, B's own leaf first (B
     # released before A's last turn), and the system prompt B used last.
     assert victims(policy, 3) == (12, 11, 10)
