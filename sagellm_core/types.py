@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import math
 import struct
 import zlib
 from array import array
@@ -48,6 +49,64 @@ def as_token_array(values: Any) -> array[int] | None:
     return array(TOKEN_ARRAY_TYPECODE, values)
 
 
+def _hint(check: Callable[[Any], bool], accepted: str, flag: bool = False) -> Callable[[Any, Any, Any], None]:
+    def validate(instance: Any, attribute: Any, value: Any) -> None:  # an attrs validator naming the field
+        with contextlib.suppress(TypeError):  # a value of another type fails the check too
+            if isinstance(value, bool) is flag and check(value):  # (True is an int to Python, not a count)
+                return
+        raise ValueError(f"kv_hints.{attribute.name} = {value!r:.40}: {accepted}")
+
+    return validate
+
+
+_TOKENS = _hint(lambda v: isinstance(v, int) and v >= 0, "a number of leading prompt tokens (0: none)")
+_FLAG = _hint(lambda v: True, "true or false", flag=True)
+
+
+@frozen
+class KVHints:
+    """What a client knows about a request's KV that the server cannot (as
+    OpenAI's ``prompt_cache_key``, Anthropic's ``cache_control`` TTL): advice
+    that plugins may take, none changing what is computed."""
+
+    #: Keep the blocks this request leaves (and their prefix) at least this
+    #: many seconds after it ends, ahead of unhinted blocks; 0: none.
+    retain_s: float = field(
+        default=0.0,
+        validator=_hint(lambda v: isinstance(v, (int, float)) and 0 <= v < math.inf, "finite seconds, 0 or more"),
+    )
+    #: Pin the prompt's first ``pin`` tokens' whole blocks until a request
+    #: unpins that prefix or the pin expires; 0: none.
+    pin: int = field(default=0, validator=_TOKENS)
+    #: Unpin the pin on the prompt's first ``unpin`` tokens; 0: none.
+    unpin: int = field(default=0, validator=_TOKENS)
+    #: The conversation (``cache_key``, else the session) is over: the blocks
+    #: only it used may go first.
+    release: bool = field(default=False, validator=_FLAG)
+    #: Load the prompt's blocks up from lower tiers now; generate nothing.
+    prefetch: bool = field(default=False, validator=_FLAG)
+    #: OpenAI's ``prompt_cache_key``: the request's group (a conversation),
+    #: for grouping and routing; at most 256 characters.
+    cache_key: str | None = field(
+        default=None,
+        validator=_hint(lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 256), "1 to 256 characters"),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.pin and self.unpin:
+            raise ValueError("kv_hints.unpin: pin and unpin in one request")
+        if self.release and (self.pin or self.retain_s or self.prefetch):
+            raise ValueError("kv_hints.release: the conversation ends, so no pin, retain_s or prefetch with it")
+
+
+def _hints_fit(request: Request, attribute: Any, hints: KVHints | None) -> None:
+    if hints is not None and not isinstance(hints, KVHints):
+        raise TypeError(f"kv_hints = {hints!r}: a KVHints or None")
+    if hints is not None and max(hints.pin, hints.unpin) > len(request.prompt_token_ids):
+        name = "pin" if hints.pin else "unpin"
+        raise ValueError(f"kv_hints.{name}: more tokens than the prompt's {len(request.prompt_token_ids)}")
+
+
 @frozen(eq=False)
 class Request:
     """One inference request as it arrives: the facts, never the progress."""
@@ -76,6 +135,9 @@ class Request:
     #: clock as ``arrival_s``; ``None`` when it has no deadline. SLO-aware
     #: policies read it; the report counts the deadlines met.
     deadline_s: float | None = None
+    #: What the client knows about this request's KV (:class:`KVHints`):
+    #: retention, pins, the conversation's end, prefetch, its group.
+    kv_hints: KVHints | None = field(default=None, validator=_hints_fit)
 
     @property
     def num_prompt_tokens(self) -> int:

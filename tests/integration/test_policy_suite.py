@@ -6,6 +6,7 @@ import pytest
 from sagellm_plugin_eviction import suite
 
 from sagellm_core.cli import main
+from sagellm_core.errors import SagellmError
 
 SMALL_SUITE = """
 fractions = [0.25, 1.0]
@@ -160,3 +161,32 @@ def test_a_policy_with_settings_and_a_weaker_oracle(tmp_path):
     (best,) = [s for s in suite.summary(rows) if s["policy"] == suite.BEST_AFTER_THE_FACT]
     online_best = max(rate["lfu"], rate["s3fifo"], rate["lru"])
     assert best["worst_ratio_to_lru"] == pytest.approx(online_best / rate["lru"])
+
+
+def test_hint_modes_run_on_the_workloads_that_send_hints(small_suite, tmp_path):
+    """With ``--hints``: one column per mode; a workload whose source sends
+    hints runs each mode (without hints the policy is LRU exactly), one
+    that sends none runs once and every mode shows that run."""
+    parsed, where = suite.read_suite(small_suite)
+    rows = suite.evaluate(parsed, where, ["hints"], split="all", traces=tmp_path, hints=("none", "truthful"))
+    by = {(row["workload"], row["num_blocks"], row["policy"]): row["block_hit_rate"] for row in rows}
+    for workload, blocks, policy in by:
+        if policy == "hints [none]":
+            assert by[(workload, blocks, policy)] == by[(workload, blocks, "lru")]
+        if policy == "hints [truthful]" and workload == "chat":  # the generator sends no hints
+            assert by[(workload, blocks, policy)] == by[(workload, blocks, "hints [none]")]
+    agents = sorted((blocks, rate) for (w, blocks, p), rate in by.items() if w == "agents" and p == "hints [truthful]")
+    lru = sorted((blocks, rate) for (w, blocks, p), rate in by.items() if w == "agents" and p == "lru")
+    assert agents != lru  # the agents' hints changed what was kept
+
+
+@pytest.mark.parametrize("mode", ["true", "wrong", "wrong=1.5", "missing=x", "wrong=0.1,wrong=0.2", "late=0.3"])
+def test_a_bad_hint_mode_is_an_error_naming_it(mode):
+    with pytest.raises(SagellmError, match=f"--hints {mode}: one of none, truthful"):
+        suite.hint_keys(mode)
+
+
+def test_hint_modes_are_workload_keys():
+    assert suite.hint_keys("none") == {}
+    assert suite.hint_keys("truthful") == {"hints": True}
+    assert suite.hint_keys("wrong=0.3,missing=0.1") == {"hints": True, "hints_wrong": 0.3, "hints_missing": 0.1}

@@ -138,10 +138,10 @@ class _Expert:
         self.select = policy.sagellm_select_victims
 
     @classmethod
-    def named(cls, name: str, context: PluginContext) -> _Expert:
-        """The expert ``NAME`` or ``NAME:KEY=VALUE,...``, built with its settings."""
+    def named(cls, name: str, context: PluginContext, choices: dict[str, type] = EXPERTS) -> _Expert:
+        """The expert ``NAME`` or ``NAME:KEY=VALUE,...`` of ``choices``, built with its settings."""
         base, params = expert_spec(name)
-        policy_cls = EXPERTS[base]
+        policy_cls = choices[base]
         settings_cls = getattr(policy_cls, "Settings", None)
         return cls(name, policy_cls(settings_cls(**params) if settings_cls is not None else None, context))
 

@@ -8,7 +8,10 @@ block hit rate, the ratio to LRU, and the share of the gap between LRU and
 Belady that the policy closes; then, per policy, the worst ratio to LRU and
 the mean share of the gap closed over the suite. The suite's workloads are
 split in a half to tune on, a half held out, a fresh part and a final
-part (``--split``).
+part (``--split``). With ``--hints``, each policy also runs on the workloads'
+client hints (``Request.kv_hints``): truthful, or with a share of them wrong
+or missing, on every workload whose source sends hints (its ``[workload]``
+keys include ``hints``); on the others it runs once, without.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import math
 import os
 import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+import attrs
 from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import hookimpl
-from sagellm_core.config import WORKLOAD_GROUP, WORKLOAD_SOURCES, parse
+from sagellm_core.config import WORKLOAD_GROUP, WORKLOAD_SOURCES, parse, source_options
 from sagellm_core.errors import SagellmError
 from sagellm_core.replay import session, workloads
 
@@ -122,8 +127,43 @@ def is_oracle(policy: str) -> bool:
     return eviction_section(policy)["plugin"] == "belady"
 
 
-def _settings(entry: dict, where: str, traces: Path, num_blocks: int, policy: str):
+#: ``--hints`` modes: what the workloads' clients send.
+HINT_MODES = ("none", "truthful", "wrong=SHARE", "missing=SHARE")
+
+
+def hint_keys(mode: str) -> dict:
+    """``none``, ``truthful``, ``wrong=SHARE`` or ``missing=SHARE`` (both
+    may be given, separated by a comma): the ``[workload]`` keys of a source
+    that sends hints."""
+    if mode == "none":
+        return {}
+    if mode == "truthful":
+        return {"hints": True}
+    keys: dict = {"hints": True}
+    for item in mode.split(","):
+        name, eq, value = item.strip().partition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if name not in ("wrong", "missing") or not eq or not 0 <= share <= 1 or f"hints_{name}" in keys:
+            raise SagellmError(f"--hints {mode}: one of {', '.join(HINT_MODES)} (a share from 0 to 1)")
+        keys[f"hints_{name}"] = share
+    return keys
+
+
+def sends_hints(entry: dict) -> bool:
+    """Whether the workload's source takes the ``hints`` key."""
+    workload = entry["config"].get("workload")
+    source = workload.get("source", "generator") if isinstance(workload, dict) else "generator"
+    options = source_options(source) if isinstance(source, str) else None
+    return options is not None and "hints" in attrs.fields_dict(options)
+
+
+def _settings(entry: dict, where: str, traces: Path, num_blocks: int, policy: str, hints: str = "none"):
     raw = json.loads(json.dumps(entry["config"]).replace("{traces}", str(traces).replace("\\", "/")))
+    if hints != "none":
+        raw.setdefault("workload", {}).update(hint_keys(hints))
     raw.setdefault("engine", {"name": "replay", "mode": "cache-only"})
     raw.setdefault("kv_pool", {"plugin": "paged"})["num_blocks"] = num_blocks
     raw["eviction"] = eviction_section(policy)
@@ -148,12 +188,18 @@ def _unavailable(entry: dict, where: str, traces: Path) -> str | None:
     return None
 
 
-def evaluate(suite, where, policies, split="tune", traces=None, progress=False, console=None) -> list[dict]:
-    """One row per workload, capacity and policy: hit rate, ratio to LRU,
-    share of the LRU-to-Belady gap closed."""
+def evaluate(
+    suite, where, policies, split="tune", traces=None, progress=False, console=None, hints: Sequence[str] = ("none",)
+) -> list[dict]:
+    """One row per workload, capacity and policy (and hint mode, labelled
+    ``POLICY [MODE]`` unless ``hints`` is only ``none``): hit rate, ratio to
+    LRU, share of the LRU-to-Belady gap closed."""
     console = console or Console(stderr=True)
     traces = traces or default_traces()
+    for mode in hints:
+        hint_keys(mode)  # checked before the runs
     names = list(dict.fromkeys([*REFERENCES, *policies]))
+    labelled = tuple(hints) != ("none",)
     chosen = [entry for entry in suite.get("workload", ()) if split in ("all", entry["split"])]
     # Every workload checked before the first runs: the runs take minutes.
     unavailable = [(entry, _unavailable(entry, where, traces)) for entry in chosen]
@@ -163,17 +209,29 @@ def evaluate(suite, where, policies, split="tune", traces=None, progress=False, 
     rows = []
     for entry in (entry for entry, why in unavailable if why is None):
         reused, largest = footprint(_settings(entry, where, traces, 1, "lru"))
+        hinted = sends_hints(entry)
         for fraction in suite["fractions"]:
             capacity = max(round(reused * fraction), 2 * largest + 1)
-            rates = {}
+            runs: dict[str, tuple[str, str, float]] = {}  # column -> (policy, hints run, hit rate)
             for policy in names:
-                label = f"{entry['name']} {capacity} {policy}"
-                report = session.run(
-                    _settings(entry, where, traces, capacity, policy), label=label, progress=progress
-                ).report
-                rates[policy] = report["block_hit_rate"]
+                for mode in ("none",) if policy in REFERENCES else hints:
+                    run_mode = mode if hinted else "none"
+                    column = f"{policy} [{mode}]" if labelled and policy not in REFERENCES else policy
+                    same = [run for run in runs.values() if run[:2] == (policy, run_mode)]
+                    if not same:  # (a workload without hints runs once for every mode)
+                        label = f"{entry['name']} {capacity} {column}"
+                        settings = _settings(entry, where, traces, capacity, policy, run_mode)
+                        same = [
+                            (
+                                policy,
+                                run_mode,
+                                session.run(settings, label=label, progress=progress).report["block_hit_rate"],
+                            )
+                        ]
+                    runs[column] = same[0]
+            rates = {column: run[2] for column, run in runs.items()}
             lru, best = rates["lru"], rates["belady"]
-            for policy in names:
+            for policy in rates:
                 gap = best - lru
                 rows.append(
                     {
@@ -340,6 +398,7 @@ def cmd_evaluate_policies(args) -> int:
         args.split,
         Path(args.traces) if args.traces else None,
         progress=not args.quiet,
+        hints=args.hints or ("none",),
     )
     if not rows:
         raise SagellmError(f"evaluate-policies: no workload of split {args.split!r} could run here")
@@ -370,6 +429,12 @@ def sagellm_register_commands(subparsers) -> None:
         choices=SPLITS,
         default="tune",
         help="the suite's part to run: tune, held-out, fresh, final, or all (default: tune)",
+    )
+    p.add_argument(
+        "--hints",
+        action="append",
+        help="run each policy with the workloads' client hints: none, truthful, wrong=SHARE, missing=SHARE"
+        " (repeat; default: none); workloads whose source sends no hints run once",
     )
     p.add_argument("--suite", help="a suite file (default: the plugin's suite.toml)")
     p.add_argument(

@@ -25,6 +25,7 @@ from sagellm_core.errors import RequestError
 from sagellm_core.types import Request
 
 from .engine_thread import EngineThread, QueueFull
+from .hints import HintError, PinLedger, resolve
 from .metrics import ServerMetrics, kv_stats
 from .protocol import ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error
 from .structured import Grammars, StructuredOutputError
@@ -94,7 +95,7 @@ class Choice:
         return entries
 
 
-def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> FastAPI:
+def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics, pins: PinLedger) -> FastAPI:
     core = engine.core
     tokenizer = core.tokenizer
     vocab_size = core.runner.vocab_size
@@ -166,6 +167,19 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
             return error(400, "the prompt is empty", param="prompt" if not chat else "messages")
         if body.n > engine.max_waiting:
             return error(400, f"n = {body.n}: more than [server] max_waiting ({engine.max_waiting})", param="n")
+        try:
+            hints = resolve(
+                body.kv_hints.given() if body.kv_hints else {}, body.prompt_cache_key, http.headers, len(prompt)
+            )
+        except HintError as exc:
+            return error(400, str(exc), param=exc.param)
+        if hints is not None and hints.prefetch:
+            # A prefetch loads the prompt's KV (the runtime takes host-tier
+            # blocks back at admission) and answers no text.
+            for name, asked in (("n", body.n > 1), ("stream", body.stream)):
+                if asked:
+                    return error(400, f"kv_hints.prefetch answers no text: {name} is not taken with it", param=name)
+            max_tokens = 1
         if max_tokens is None:
             max_tokens = core.max_model_len - len(prompt)
             if max_tokens < 1:
@@ -183,9 +197,21 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
         kind = "chatcmpl" if chat else "cmpl"
         rid = f"{kind}-{uuid.uuid4().hex}"
         tenant = tenant_of(http, body.user)
+        try:
+            undo_pin = pins.take(tenant, prompt, hints) if hints is not None else None
+        except HintError as exc:
+            return error(400, str(exc), param=exc.param)
+        session = hints.cache_key if hints is not None else None
         group = []
         for i in range(body.n):
-            request = Request(rid if body.n == 1 else f"{rid}-{i}", prompt, max_tokens, tenant=tenant)
+            request = Request(
+                rid if body.n == 1 else f"{rid}-{i}",
+                prompt,
+                max_tokens,
+                tenant=tenant,
+                session_id=session,
+                kv_hints=hints,
+            )
             sampling = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
@@ -202,10 +228,12 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
             group.append((request, sampling))
         try:
             outputs = await engine.submit(group)
-        except RequestError as exc:
+        except (RequestError, QueueFull) as exc:
+            if undo_pin is not None:
+                undo_pin()
+            if isinstance(exc, QueueFull):
+                return error(429, f"server busy: {exc}", kind="rate_limit_error")
             return error(400, str(exc), param="max_tokens" if "output tokens" in str(exc) else "prompt")
-        except QueueFull as exc:
-            return error(429, f"server busy: {exc}", kind="rate_limit_error")
         metrics.params_n.observe(body.n)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         choices = [Choice(i, request.request_id, Detokenizer(tokenizer, stops)) for i, (request, _) in enumerate(group)]
@@ -220,7 +248,10 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics) -> 
             async for _ in events:
                 pass
         answers = []
+        prefetch = hints is not None and hints.prefetch
         for c in choices:
+            if prefetch:  # the token it sampled is not an answer
+                c.detok, c.logprobs = Detokenizer(tokenizer, []), []
             answer: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
             answer["logprobs"] = format_logprobs(c.logprobs, chat, len(echo)) if logprobs is not None else None
             if chat:

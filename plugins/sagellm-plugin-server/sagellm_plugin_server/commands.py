@@ -101,6 +101,7 @@ def build_server(settings: Settings):
 
     from .app import build_app
     from .engine_thread import EngineThread
+    from .hints import PinLedger
     from .metrics import ServerMetrics
 
     engine, engine_settings = build_engine(settings)
@@ -113,7 +114,8 @@ def build_server(settings: Settings):
     server = settings.section("server")
     thread = EngineThread(core, server.max_waiting, metrics.observe)
     name = server.model_name or engine_settings.model
-    return build_app(thread, name, metrics), thread, name
+    pins = PinLedger(server.pin_budget_blocks, core.rt.block_size)
+    return build_app(thread, name, metrics, pins), thread, name
 
 
 def cmd_serve(args) -> int:

@@ -40,6 +40,25 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class KVHintsBody(BaseModel):
+    """sagellm's ``kv_hints`` extension: the fields of
+    :class:`sagellm_core.types.KVHints`, whose checks are the ones applied
+    (``hints.resolve``); ``pin`` and ``unpin`` may also be ``true``, the
+    whole prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+    retain_s: Any = 0.0
+    pin: Any = 0
+    unpin: Any = 0
+    release: Any = False
+    prefetch: Any = False
+    cache_key: Any = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields the client set."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,6 +80,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    #: OpenAI's: the request's group, as ``kv_hints.cache_key``.
+    prompt_cache_key: str | None = None
+    kv_hints: KVHintsBody | None = None
 
 
 class CompletionRequest(_Sampling):

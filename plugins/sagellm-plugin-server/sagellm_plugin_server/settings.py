@@ -13,7 +13,11 @@ class ServerSettings:
     max_waiting: int = 256
     #: The model name clients send; empty: the engine's model setting.
     model_name: str = ""
+    #: KV blocks each tenant may hold pinned through ``kv_hints.pin`` (0: no pins).
+    pin_budget_blocks: int = 64
 
     def __attrs_post_init__(self) -> None:
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting = {self.max_waiting!r}: a positive integer")
+        if self.pin_budget_blocks < 0:
+            raise ValueError(f"pin_budget_blocks = {self.pin_budget_blocks!r}: 0 or more")

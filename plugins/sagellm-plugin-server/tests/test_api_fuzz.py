@@ -1,6 +1,7 @@
 """Random request bodies against a live server, valid and not: every field
-the API takes (and some it refuses) with values in range, out of range and
-of the wrong type. Each answer is a 200 whose choices and stream are whole,
+the API takes (and some it refuses), the client hints' ``x-sagellm-*``
+headers among them, with values in range, out of range and of the wrong
+type. Each answer is a 200 whose choices and stream are whole,
 or an OpenAI error body of one line; afterwards every engine request the
 200s made has ended and been counted, and no block is held."""
 
@@ -40,9 +41,40 @@ COMMON = {
     "user": (["u"], [5]),
     "tools": ([], [[]]),
     "logit_bias": ([], [{"5": 1}]),
+    "kv_hints": (
+        [
+            {"retain_s": 5},
+            {"release": True, "cache_key": "c1"},
+            {"prefetch": True},
+            {"pin": True},
+            {"unpin": True},
+            {"pin": 4, "retain_s": 0.5},
+        ],
+        [
+            {"retain_s": -1},
+            {"retain_s": "long"},
+            {"pin": -1},
+            {"pin": 10**6},
+            {"release": "yes"},
+            {"pin": 4, "unpin": 4},
+            {"release": True, "prefetch": True},
+            {"cache_key": ""},
+            {"evict": True},
+            "pin",
+        ],
+    ),
+    "prompt_cache_key": (["conv-1"], [5, ""]),
+}
+# The hints' headers: values taken, then values refused.
+HEADERS = {
+    "x-sagellm-retain-s": (["5", "0"], ["soon", "-1", "nan"]),
+    "x-sagellm-pin": (["true", "4"], ["1.5", "-4"]),
+    "x-sagellm-release": (["true", "false"], ["maybe"]),
+    "x-sagellm-prefetch": (["false"], ["2"]),
+    "x-sagellm-cache-key": (["c1"], []),
 }
 COMPLETION = {
-    "prompt": (["w5 w6", [5, 6, 7]], ["", [], [999], [-1], 5, ["a"]]),
+    "prompt": (["w5 w6", [5, 6, 7], [5, 6, 7, 8, 9]], ["", [], [999], [-1], 5, ["a"]]),
     "logprobs": ([None, 0, 2, 20], [21, -1]),
     "echo": ([True, False], ["x"]),
     "suffix": ([], ["x"]),
@@ -83,6 +115,16 @@ def bodies(draw, fields: dict) -> dict:
     return body
 
 
+@st.composite
+def headers(draw) -> dict:
+    """Hint headers of valid values, with at most one a value the server refuses."""
+    chosen = {name: draw(st.sampled_from(good)) for name, (good, _) in HEADERS.items() if draw(st.booleans())}
+    broken = draw(st.sampled_from([None, None, *(name for name, (_, bad) in HEADERS.items() if bad)]))
+    if broken is not None:
+        chosen[broken] = draw(st.sampled_from(HEADERS[broken][1]))
+    return chosen
+
+
 def test_random_requests_are_answered_whole_and_leave_nothing_held(server):
     before = metrics(server).get("sagellm:request_success_total", 0.0)
     engine_requests = 0
@@ -93,12 +135,13 @@ def test_random_requests_are_answered_whole_and_leave_nothing_held(server):
         nonlocal engine_requests
         request = data.draw(bodies({**COMMON, **(CHAT if chat else COMPLETION)}))
         request.setdefault("max_tokens", 2)  # no request decodes its whole context
+        hints = data.draw(st.one_of(st.just({}), headers()))
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        with httpx.stream("POST", f"{server.url}{path}", json=request, timeout=60) as response:
+        with httpx.stream("POST", f"{server.url}{path}", json=request, headers=hints, timeout=60) as response:
             text = response.read().decode()
             streamed = response.headers["content-type"].startswith("text/event-stream")
         if response.status_code != 200:
-            assert response.status_code in (400, 404), (request, response.status_code, text)
+            assert response.status_code in (400, 404), (request, hints, response.status_code, text)
             err = json.loads(text)["error"]
             assert err["message"] and "\n" not in err["message"] and err["type"], (request, err)
             return

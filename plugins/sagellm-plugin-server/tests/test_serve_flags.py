@@ -59,7 +59,7 @@ def test_flags_and_a_toml_file_check_the_same(tiny_model_dir, tmp_path, capsys, 
     assert from_flags[0].split(": ok ", 1)[1] == from_file[0].split(": ok ", 1)[1]
     assert from_flags[1:] == from_file[1:]
     assert any("'max_num_seqs': 4" in line and "'max_model_len': 256" in line for line in from_flags)
-    assert "  server: {'max_waiting': 256, 'model_name': 'tiny'}" in from_flags
+    assert "  server: {'max_waiting': 256, 'model_name': 'tiny', 'pin_budget_blocks': 64}" in from_flags
 
 
 def test_flags_and_set_override_a_config_file(tiny_model_dir, tmp_path, capsys):

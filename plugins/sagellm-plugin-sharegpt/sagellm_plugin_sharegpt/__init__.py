@@ -17,6 +17,13 @@ named by ``path`` when one is given (``azure_conv_2023.csv``: real arrival
 times), else at Poisson arrivals of ``session_rate`` per second; each later
 turn follows its predecessor's arrival after an exponential think time of
 mean ``think_time_s`` plus one second (replay cannot know when a reply ends).
+
+With ``hints = true`` a conversation's last turn carries the client hint
+``release`` (``Request.kv_hints``): the application knows the conversation
+is over. ``hints_wrong`` of the turns state the opposite (a last turn
+without it, another turn with it), ``hints_missing`` send none; the hints
+draw from a random stream of their own, so the turns are the same with or
+without them.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import attrs
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import TraceError
 from sagellm_core.replay import workloads
-from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
+from sagellm_core.types import TOKEN_ARRAY_TYPECODE, KVHints, Request
 
 TOKENIZER = "qwen2.5-72b-instruct"
 
@@ -115,6 +122,19 @@ class ShareGPTSettings:
     session_rate: float = 2.0
     #: Mean think time between a turn's arrival and the next, seconds (plus one).
     think_time_s: float = 5.0
+    #: Send the hint ``release`` on each conversation's last turn.
+    hints: bool = False
+    #: The share of turns whose hint says the opposite of the truth.
+    hints_wrong: float = 0.0
+    #: The share of turns that send no hint.
+    hints_missing: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        for key in ("hints_wrong", "hints_missing"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: a share, from 0 to 1")
+        if self.hints_wrong + self.hints_missing > 1:
+            raise ValueError("hints_wrong + hints_missing: at most 1")
 
 
 def _session_starts(settings: WorkloadSettings, rng: random.Random) -> Iterator[float]:
@@ -128,9 +148,26 @@ def _session_starts(settings: WorkloadSettings, rng: random.Random) -> Iterator[
         t += rng.expovariate(rate) if rate > 0 else 0.0
 
 
+def _hints(options: ShareGPTSettings, seed: int):
+    """Whether a turn is its conversation's last -> its hints."""
+    noise = random.Random(seed * 1_000_003 + 34)  # not the arrivals' stream
+    release = KVHints(release=True)
+
+    def hints(last: bool) -> KVHints | None:
+        if not options.hints:
+            return None
+        draw = noise.random()
+        if draw < options.hints_missing:
+            return None
+        return release if last != (draw < options.hints_missing + options.hints_wrong) else None
+
+    return hints
+
+
 def load(settings: WorkloadSettings) -> Iterator[Request]:
     """The workload: every turn of every conversation, in arrival order."""
     rng = random.Random(settings.seed)
+    hints = _hints(settings.options, settings.seed)
     starts = _session_starts(settings, rng)
     sessions = (
         (arrival, conversation.conversation_id, conversation_turns)
@@ -160,6 +197,7 @@ def load(settings: WorkloadSettings) -> Iterator[Request]:
             session_id=conversation_id,
             output_token_ids=turn.reply_token_ids,
             prompt_text=turn.user_text,
+            kv_hints=hints(index + 1 == len(conversation_turns)),
         )
         if index + 1 < len(conversation_turns):
             think_time_s = settings.options.think_time_s

@@ -93,3 +93,22 @@ def test_empty_prompts_and_replies_are_left_out_but_stay_in_the_history():
     assert len(kept.prompt_token_ids) > len(
         turns(Conversation("d", [("human", "and now?"), ("gpt", "x")]))[0].prompt_token_ids
     )
+
+
+@pytest.mark.parametrize("key", [None, "hints_wrong", "hints_missing"])
+def test_hints_release_a_conversation_on_its_last_turn_truthfully_or_at_a_stated_share_wrong(key):
+    from sagellm_plugin_sharegpt import ShareGPTSettings
+
+    plain = first(1500)
+    told = first(1500, options=ShareGPTSettings(hints=True, **({key: 0.3} if key else {})))
+    facts = [[(r.request_id, list(r.prompt_token_ids), r.arrival_s, r.session_id) for r in rs] for rs in (plain, told)]
+    assert facts[0] == facts[1] and all(r.kv_hints is None for r in plain)
+    truthful = first(1500, options=ShareGPTSettings(hints=True))
+    released = [r.kv_hints is not None and r.kv_hints.release for r in told]
+    truth = [r.kv_hints is not None and r.kv_hints.release for r in truthful]
+    if key is None:
+        assert 0 < sum(truth) < len(truth)  # conversations of one turn and of several
+        return
+    differ = sum(a != b for a, b in zip(released, truth)) / len(truth)
+    # Missing hints drop only the releases (a share of the last turns); wrong ones flip any turn.
+    assert (0.25 < differ < 0.35) if key == "hints_wrong" else (0 < differ < 0.3 * sum(truth) / len(truth) + 0.05)

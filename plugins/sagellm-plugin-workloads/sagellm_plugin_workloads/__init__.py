@@ -11,6 +11,16 @@ its README says (``tenants``, ``sessions_per_tenant``, ``turns``,
 (``Text``): equal content is the same ids, so what is shared is exactly what
 the workload says is shared, and output tokens are given (an engine that
 caches output sees the next turn extend it).
+
+With ``hints = true`` each request carries the client hints
+(``Request.kv_hints``) that its application would know to send
+(:class:`Hinter`): a session's last request releases its conversation, and
+the others pin the prefix their tenant's sessions share (the system prompt,
+the tool prompt, the instruction) and, for agents, retain their context for
+three times the tool's mean latency. ``hints_wrong`` of them say the
+opposite of the truth about whether the session goes on, ``hints_missing``
+are not sent; the hints draw from a random stream of their own, so the
+requests are the same with or without them.
 """
 
 from __future__ import annotations
@@ -25,11 +35,61 @@ import attrs
 
 from sagellm_core.config import MAX_TOKENS, WorkloadSettings
 from sagellm_core.replay.workloads import GeneratorSettings
-from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
+from sagellm_core.types import TOKEN_ARRAY_TYPECODE, KVHints, Request
 
 #: Token ids start here: above the generator's vocabulary and the trace
 #: loaders' ids, though each run replays one workload anyway.
 BASE_TOKEN = 1 << 40
+
+
+@attrs.frozen
+class HintedSettings(GeneratorSettings):
+    """The ``[workload]`` keys of these sources: the generator's, and the
+    client hints the requests carry."""
+
+    #: Send the hints the application knows (``Hinter``).
+    hints: bool = False
+    #: The share of the requests whose hints say the opposite about whether
+    #: their session goes on.
+    hints_wrong: float = 0.0
+    #: The share of the requests that send no hints.
+    hints_missing: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key in ("hints_wrong", "hints_missing"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: a share, from 0 to 1")
+        if self.hints_wrong + self.hints_missing > 1:
+            raise ValueError("hints_wrong + hints_missing: at most 1")
+
+
+RELEASE = KVHints(release=True)
+
+
+class Hinter:
+    """The hints a workload's clients send. The truth is whether the session
+    ends with this request (its last turn: ``release``) or goes on (the
+    ``going_on`` hints: pins of a shared prefix, retention); a share
+    ``hints_wrong`` of the requests state the opposite, ``hints_missing``
+    send none. Its draws are its own stream (seeded from the workload's
+    seed), so the workload's requests do not depend on them."""
+
+    def __init__(self, options: GeneratorSettings, seed: int):
+        hinted = isinstance(options, HintedSettings) and options.hints
+        self.wrong = options.hints_wrong if hinted else 0.0
+        self.missing = options.hints_missing if hinted else 1.0
+        self.rng = random.Random(seed * 1_000_003 + 34)
+
+    def __call__(self, ends: bool, going_on: KVHints | None = None) -> KVHints | None:
+        if self.missing >= 1.0:
+            return None
+        draw = self.rng.random()
+        if draw < self.missing:
+            return None
+        if draw < self.missing + self.wrong:
+            ends = not ends
+        return RELEASE if ends else going_on
 
 
 class Text:
@@ -90,7 +150,7 @@ def zipf_weights(n: int, s: float) -> list[float]:
     return list(accumulate(1.0 / (k + 1) ** s for k in range(n)))
 
 
-def turn_request(session: Session, t: float, new_input: array, reply: array) -> Request:
+def turn_request(session: Session, t: float, new_input: array, reply: array, hints: KVHints | None = None) -> Request:
     """The session's next request: its context plus the new input; the reply
     (and the input) join the context for the turn after it."""
     prompt = session.context + new_input
@@ -103,6 +163,7 @@ def turn_request(session: Session, t: float, new_input: array, reply: array) -> 
         tenant=session.tenant,
         session_id=session.name,
         output_token_ids=reply,
+        kv_hints=hints,
     )
     session.turn += 1
     return request
@@ -111,25 +172,33 @@ def turn_request(session: Session, t: float, new_input: array, reply: array) -> 
 # ----------------------------------------------------------------- patterns --
 
 
-def chat_sessions(s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
+def chat_sessions(
+    s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int, hint: Hinter
+) -> Iterator[Request]:
     """Multi-turn chat on one shared system prompt, as the built-in generator:
     ``turns`` turns a session (uniform from 1 to 2 × turns), ``think_time_s``
-    between them."""
+    between them. Hints: the system prompt pinned until the last turn,
+    which releases the conversation."""
     system = text.take(s.system_prompt_tokens)
+    going_on = KVHints(pin=len(system))
     starts = [
         (t, Session(f"{tenant}-chat{i}", tenant, system, rng.randint(1, 2 * s.turns)))
         for i, t in enumerate(poisson_starts(rng, count, s.session_rate))
     ]
 
-    return run_sessions(starts, conversation(s, rng, text))
+    return run_sessions(starts, conversation(s, rng, text, hint, going_on))
 
 
-def conversation(s: GeneratorSettings, rng: random.Random, text: Text) -> Step:
+def conversation(
+    s: GeneratorSettings, rng: random.Random, text: Text, hint: Hinter, going_on: KVHints | None = None
+) -> Step:
     """A conversation's turns: a user message (``user_tokens``) and a reply
-    (``output_tokens``) each, ``think_time_s`` (and a second) apart."""
+    (``output_tokens``) each, ``think_time_s`` (and a second) apart; the
+    hints ``hint`` sends, ``going_on`` until the last turn."""
 
     def step(session: Session, t: float) -> tuple[Request, float | None]:
-        request = turn_request(session, t, text.about(s.user_tokens), text.about(s.output_tokens))
+        hints = hint(session.turn + 1 >= session.turns, going_on)
+        request = turn_request(session, t, text.about(s.user_tokens), text.about(s.output_tokens), hints)
         more = session.turn < session.turns
         return request, t + 1.0 + rng.expovariate(1.0 / s.think_time_s) if more else None
 
@@ -137,27 +206,30 @@ def conversation(s: GeneratorSettings, rng: random.Random, text: Text) -> Step:
 
 
 def agent_sessions(
-    s: GeneratorSettings, rng: random.Random, text: Text, tenants: list[str], count: int
+    s: GeneratorSettings, rng: random.Random, text: Text, tenants: list[str], count: int, hint: Hinter
 ) -> Iterator[Request]:
     """Tool-use agents: each tenant's agents share a long tool prompt (four
     system prompts long); a session is a task and from 2 × turns to 6 × turns
     short steps, each a tool call (a quarter of ``output_tokens``) whose
     result (half of ``user_tokens``) the next step reads after the tool's
-    latency (a fifth of ``think_time_s``). Tool sets are used Zipf(1)."""
+    latency (a fifth of ``think_time_s``). Tool sets are used Zipf(1).
+    Hints: the tool prompt pinned and the context retained for three mean
+    latencies until the last step, which releases the task."""
     tools = [text.take(4 * s.system_prompt_tokens) for _ in tenants]
     cumulative = zipf_weights(len(tenants), 1.0)
     starts = []
     for i, t in enumerate(poisson_starts(rng, count, s.session_rate)):
         k = rng.choices(range(len(tenants)), cum_weights=cumulative)[0]
         task = text.about(s.user_tokens)
-        starts.append(
-            (t, Session(f"{tenants[k]}-agent{i}", tenants[k], tools[k] + task, rng.randint(2 * s.turns, 6 * s.turns)))
-        )
+        steps = rng.randint(2 * s.turns, 6 * s.turns)
+        starts.append((t, Session(f"{tenants[k]}-agent{i}", tenants[k], tools[k] + task, steps, len(tools[k]))))
     latency = max(s.think_time_s / 5.0, 1e-3)
 
     def step(session: Session, t: float) -> tuple[Request, float | None]:
         call = text.about(max(1, s.output_tokens // 4))
-        request = turn_request(session, t, array(TOKEN_ARRAY_TYPECODE), call)
+        going_on = KVHints(pin=session.extra, retain_s=3 * latency)  # type: ignore[arg-type]
+        hints = hint(session.turn + 1 >= session.turns, going_on)
+        request = turn_request(session, t, array(TOKEN_ARRAY_TYPECODE), call, hints)
         session.context += text.about(max(1, s.user_tokens // 2))  # the tool's result
         more = session.turn < session.turns
         return request, t + rng.expovariate(1.0 / latency) if more else None
@@ -165,13 +237,16 @@ def agent_sessions(
     return run_sessions(starts, step)
 
 
-def batch_jobs(s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int) -> Iterator[Request]:
+def batch_jobs(
+    s: GeneratorSettings, rng: random.Random, text: Text, tenant: str, count: int, hint: Hinter
+) -> Iterator[Request]:
     """One-shot long documents (summarisation, extraction): a short shared
     instruction and a document of four system prompts' length never seen
     before, submitted in batches of ``sessions_per_tenant`` within a second,
     a batch every ``10 / session_rate`` seconds on average. A scan: its
-    blocks are never used again."""
+    blocks are never used again. Hints: each job releases itself."""
     instruction = text.take(128)
+    going_on = KVHints(pin=len(instruction))
     t, end, made = 0.0, 0.0, 0
     while made < count:
         # the next batch once the last is in: each is spread over a second
@@ -185,6 +260,7 @@ def batch_jobs(s: GeneratorSettings, rng: random.Random, text: Text, tenant: str
                 arrival_s=t + j / s.sessions_per_tenant,
                 tenant=tenant,
                 output_token_ids=reply,
+                kv_hints=hint(True, going_on),
             )
             made += 1
         end = t + 1.0
@@ -203,7 +279,7 @@ def agentic(settings: WorkloadSettings) -> Iterator[Request]:
     s: GeneratorSettings = settings.options
     rng = random.Random(settings.seed)
     tenants = [f"tools-{k}" for k in range(s.tenants)]
-    return agent_sessions(s, rng, Text(rng), tenants, s.tenants * s.sessions_per_tenant)
+    return agent_sessions(s, rng, Text(rng), tenants, s.tenants * s.sessions_per_tenant, Hinter(s, settings.seed))
 
 
 def rag(settings: WorkloadSettings) -> Iterator[Request]:
@@ -213,11 +289,15 @@ def rag(settings: WorkloadSettings) -> Iterator[Request]:
     retrieved documents (the most relevant first: the popular one, by
     rank), and the question (``user_tokens``); a user asks from 1 to
     ``turns`` questions, each follow-up extending the conversation after
-    ``think_time_s``, and there are ``tenants × sessions_per_tenant`` users."""
+    ``think_time_s``, and there are ``tenants × sessions_per_tenant`` users.
+    Hints: the instruction pinned until a user's last question, which
+    releases the conversation."""
     s: GeneratorSettings = settings.options
     rng = random.Random(settings.seed)
+    hint = Hinter(s, settings.seed)
     text = Text(rng)
     instruction = text.take(256)
+    going_on = KVHints(pin=len(instruction))
     docs = [text.about(s.system_prompt_tokens) for _ in range(50 * s.tenants)]
     cumulative = zipf_weights(len(docs), 0.8)
     rank = list(range(len(docs)))
@@ -241,7 +321,8 @@ def rag(settings: WorkloadSettings) -> Iterator[Request]:
     def step(session: Session, t: float) -> tuple[Request, float | None]:
         if session.turn == 0:
             session.context = retrieve()
-        request = turn_request(session, t, text.about(s.user_tokens), text.about(s.output_tokens))
+        hints = hint(session.turn + 1 >= session.turns, going_on)
+        request = turn_request(session, t, text.about(s.user_tokens), text.about(s.output_tokens), hints)
         more = session.turn < session.turns
         return request, t + 1.0 + rng.expovariate(1.0 / s.think_time_s) if more else None
 
@@ -257,10 +338,11 @@ def tenant_mix(settings: WorkloadSettings) -> Iterator[Request]:
     s: GeneratorSettings = settings.options
     count = s.sessions_per_tenant * s.tenants
     rngs = [random.Random(settings.seed * 3 + k) for k in range(3)]
+    hint = Hinter(s, settings.seed)
     return _merged(
-        chat_sessions(s, rngs[0], Text(rngs[0]), "chat", count),
-        agent_sessions(s, rngs[1], _offset(Text(rngs[1]), 1), ["agents"], max(1, count // 4)),
-        batch_jobs(s, rngs[2], _offset(Text(rngs[2]), 2), "batch", count),
+        chat_sessions(s, rngs[0], Text(rngs[0]), "chat", count, hint),
+        agent_sessions(s, rngs[1], _offset(Text(rngs[1]), 1), ["agents"], max(1, count // 4), hint),
+        batch_jobs(s, rngs[2], _offset(Text(rngs[2]), 2), "batch", count, hint),
     )
 
 
@@ -270,12 +352,15 @@ def bursts(settings: WorkloadSettings) -> Iterator[Request]:
     burst of ``4 × sessions_per_tenant`` requests within two seconds on one
     long shared document (four system prompts), each with its own question
     (an evaluation job, a broadcast, a flash crowd). One burst in five
-    re-runs an earlier burst's document; the others never recur."""
+    re-runs an earlier burst's document; the others never recur. Hints: the
+    background chat's, and each burst request releases itself (its
+    question; the document, shared, stays)."""
     s: GeneratorSettings = settings.options
     rng = random.Random(settings.seed)
     count = s.tenants * s.sessions_per_tenant
+    hint = Hinter(s, settings.seed)
     background = chat_sessions(
-        s, random.Random(settings.seed + 1), _offset(Text(random.Random(settings.seed + 2)), 1), "chat", count
+        s, random.Random(settings.seed + 1), _offset(Text(random.Random(settings.seed + 2)), 1), "chat", count, hint
     )
     text = Text(rng)
     documents: list[array] = []
@@ -300,6 +385,7 @@ def bursts(settings: WorkloadSettings) -> Iterator[Request]:
                     arrival_s=t + 2.0 * j / size,
                     tenant="burst",
                     output_token_ids=reply,
+                    kv_hints=hint(True),
                 )
             )
         b += 1
@@ -340,8 +426,9 @@ def noisy_neighbour(settings: WorkloadSettings) -> Iterator[Request]:
     The chat tenants' requests are the same at any ``document_rate``, so
     ``document_rate = 0`` is them alone."""
     s: NoisySettings = settings.options
+    no_hints = Hinter(s, settings.seed)  # the noisy neighbour's source sends none
     chats = [
-        chat_sessions(s, rng, _offset(Text(rng), k + 1), f"chat-{k}", s.sessions_per_tenant)
+        chat_sessions(s, rng, _offset(Text(rng), k + 1), f"chat-{k}", s.sessions_per_tenant, no_hints)
         for k, rng in ((k, random.Random(settings.seed * 1009 + k)) for k in range(s.tenants))
     ]
     chat = list(_merged(*chats))
@@ -354,7 +441,7 @@ def noisy_neighbour(settings: WorkloadSettings) -> Iterator[Request]:
     while s.document_rate > 0 and (t := t + rng.expovariate(s.document_rate)) <= horizon:
         document = instruction + text.about(s.document_tokens)
         starts.append((t, Session(f"docs-{len(starts)}", "docs", document, s.document_turns)))
-    return _merged(iter(chat), run_sessions(starts, conversation(s, rng, text)))
+    return _merged(iter(chat), run_sessions(starts, conversation(s, rng, text, no_hints)))
 
 
 def _offset(text: Text, k: int) -> Text:
@@ -363,7 +450,7 @@ def _offset(text: Text, k: int) -> Text:
     return text
 
 
-# The [workload] keys each source reads: the generator's.
+# The [workload] keys each source reads: the generator's, and the hints'.
 for _source in (agentic, rag, tenant_mix, bursts):
-    _source.Settings = GeneratorSettings  # type: ignore[attr-defined]
+    _source.Settings = HintedSettings  # type: ignore[attr-defined]
 noisy_neighbour.Settings = NoisySettings  # type: ignore[attr-defined]

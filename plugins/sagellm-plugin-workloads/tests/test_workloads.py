@@ -11,6 +11,8 @@ from sagellm_core.replay import workloads
 from sagellm_core.replay.workloads import GeneratorSettings
 
 SOURCES = ["agentic", "rag", "tenant-mix", "bursts", "noisy-neighbour"]
+#: The sources whose clients send hints (the noisy neighbour's do not).
+HINTED = SOURCES[:4]
 
 
 def load(source, **keys):
@@ -124,3 +126,57 @@ def test_the_noisy_neighbour_refuses_bad_keys_naming_them():
     for key, value in (("document_rate", -1.0), ("document_tokens", 0), ("document_turns", 0)):
         with pytest.raises(ValueError, match=key):
             NoisySettings(**{key: value})
+
+
+def load_hinted(source, **keys):
+    """The source's requests with the hint keys (``hints``, ``hints_wrong``, ``hints_missing``) among ``keys``."""
+    from sagellm_plugin_workloads import HintedSettings
+
+    return list(workloads.load(WorkloadSettings(source=source, options=HintedSettings(**keys))))
+
+
+def facts(requests):
+    return [
+        (r.request_id, list(r.prompt_token_ids), r.arrival_s, r.tenant, r.session_id, r.output_tokens) for r in requests
+    ]
+
+
+@pytest.mark.parametrize("source", HINTED)
+def test_truthful_hints_release_a_session_on_its_last_request_and_change_no_request(source):
+    plain, told = load_hinted(source), load_hinted(source, hints=True)
+    assert facts(told) == facts(plain) and all(r.kv_hints is None for r in plain)
+    last = {r.session_id: r.request_id for r in told if r.session_id is not None}
+    for r in told:
+        ends = r.session_id is None or last[r.session_id] == r.request_id
+        assert r.kv_hints is not None and r.kv_hints.release == ends, (r.request_id, r.kv_hints)
+        if not ends:  # going on: its tenant's shared prefix pinned, and nothing else released
+            assert r.kv_hints.pin > 0
+    assert sum(not r.kv_hints.release for r in told) > len(told) // 4
+
+
+@pytest.mark.parametrize("key", ["hints_wrong", "hints_missing"])
+def test_a_stated_share_of_the_hints_is_wrong_or_missing(key):
+    many = {"hints": True, "sessions_per_tenant": 100}
+    told, spoiled = load_hinted("rag", **many), load_hinted("rag", **many, **{key: 0.3})
+    assert facts(spoiled) == facts(told)
+    changed = [(a.kv_hints, b.kv_hints) for a, b in zip(told, spoiled) if a.kv_hints != b.kv_hints]
+    assert len(told) > 500 and 0.25 < len(changed) / len(told) < 0.35
+    if key == "hints_missing":
+        assert all(b is None for _, b in changed)
+    else:  # the opposite of the truth about whether the session goes on
+        assert all(b is not None and a.release != b.release for a, b in changed)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"hints_wrong": 1.5}, "hints_wrong = 1.5: a share, from 0 to 1"),
+        ({"hints_missing": -0.1}, "hints_missing = -0.1: a share"),
+        ({"hints_wrong": 0.6, "hints_missing": 0.6}, "hints_wrong + hints_missing: at most 1"),
+    ],
+)
+def test_hint_shares_are_checked(keys, message):
+    from sagellm_plugin_workloads import HintedSettings
+
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        HintedSettings(hints=True, **keys)

@@ -1,0 +1,216 @@
+"""The hint-aware policy, hook by hook: released conversations go first (not
+what they share), retention holds until its deadline and then gives way,
+pins hold within their budget until unpinned or expired, and wrong advice
+is switched off by the shadow caches' judge."""
+
+import pytest
+from sagellm_plugin_eviction.adaptive import ShadowCache, _Expert
+from sagellm_plugin_eviction.hints import HintEviction, HintSettings
+from sagellm_plugin_eviction.lru import LRUEviction
+
+from sagellm_core import PluginContext
+from sagellm_core.types import EMPTY_MATCH, CachedBlock, KVHints, PrefixMatch, Request, RequestOutcome
+
+CTX = PluginContext("p", block_size=4, num_blocks=100)
+
+
+class EveryBlock:
+    def __contains__(self, block_id: object) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+
+EVERY_BLOCK = EveryBlock()
+
+
+def chain(first, n, start_depth=0, parent=None, key=None):
+    blocks = []
+    for i in range(n):
+        blocks.append(CachedBlock(first + i, start_depth + i, parent, key=(key or first) * 1000 + i))
+        parent = first + i
+    return tuple(blocks)
+
+
+def request(rid, session, hints=None, prompt=40, tenant="t"):
+    return Request(rid, list(range(prompt)), 1, session_id=session, kv_hints=hints, tenant=tenant)
+
+
+def finish(policy, req, now=0.0):
+    policy.sagellm_request_finished(RequestOutcome(req, 1, 0, req.arrival_s, now, now, 0, None))
+
+
+def serve(policy, req, blocks, now, match=EMPTY_MATCH, cached=None):
+    """A request's life as the runtime reports it: arrival (its match),
+    its new blocks cached, its matched ones touched, all released, finished."""
+    policy.sagellm_request_arrived(req, match)
+    policy.sagellm_blocks_touched(match.blocks, now)
+    policy.sagellm_blocks_cached(blocks if cached is None else cached, now)
+    policy.sagellm_blocks_released(blocks, now, req)
+    finish(policy, req, now)
+
+
+def victims(policy, k):
+    return policy.sagellm_select_victims(k, EVERY_BLOCK).victim_ids
+
+
+def evict(policy, ids, now=0.0):
+    policy.sagellm_blocks_evicted(tuple(CachedBlock(i, 0, None) for i in ids), now)
+
+
+def test_a_released_conversations_own_blocks_go_first_and_what_it_shares_stays():
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    system = chain(0, 2)
+    a_own, b_own = chain(10, 3, 2, parent=1), chain(20, 3, 2, parent=1)
+    serve(policy, request("a1", "A"), system + a_own, 1.0, cached=system + a_own)
+    serve(policy, request("b1", "B"), system + b_own, 2.0, match=PrefixMatch(system), cached=b_own)
+    serve(
+        policy,
+        request("a2", "A", KVHints(release=True)),
+        system + a_own,
+        3.0,
+        match=PrefixMatch(system + a_own),
+        cached=(),
+    )
+    # A's own blocks first, leaf first; then LRU's order, B's own leaf first (B
+    # released before A's last turn), and the system prompt B used last.
+    assert victims(policy, 3) == (12, 11, 10)
+    evict(policy, (12, 11, 10))
+    assert victims(policy, 3) == (22, 21, 20)
+
+
+def test_a_release_waits_for_its_request_to_finish():
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    old, mine = chain(0, 2), chain(10, 2)
+    serve(policy, request("x", "X"), old, 1.0)
+    ending = request("y", "Y", KVHints(release=True))
+    policy.sagellm_request_arrived(ending, EMPTY_MATCH)
+    policy.sagellm_blocks_cached(mine, 2.0)
+    policy.sagellm_blocks_released(mine, 2.0, ending)  # preempted: it comes back
+    assert victims(policy, 2) == (1, 0)
+    finish(policy, ending, 3.0)
+    assert victims(policy, 2) == (11, 10)
+
+
+def test_retained_blocks_outlast_unhinted_ones_until_their_deadline():
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    kept, newer = chain(0, 2), chain(10, 2)
+    serve(policy, request("k", "K", KVHints(retain_s=5.0)), kept, 1.0)
+    serve(policy, request("n", "N"), newer, 2.0)
+    assert victims(policy, 2) == (11, 10)  # the older blocks are retained
+    policy.sagellm_blocks_touched((), 7.0)  # time passes: the retention has ended at 6
+    assert victims(policy, 4) == (11, 10, 1, 0)  # back in LRU's order, as released when it ended
+
+
+def test_retention_gives_way_last_the_soonest_ending_first():
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    long, short = chain(0, 2), chain(10, 2)
+    serve(policy, request("l", "L", KVHints(retain_s=50.0)), long, 1.0)
+    serve(policy, request("s", "S", KVHints(retain_s=5.0)), short, 2.0)
+    assert victims(policy, 3) == (11, 10, 1)  # nothing unprotected is left
+
+
+def test_a_pin_holds_until_unpinned_and_the_budget_refuses_a_pin_whole():
+    ctx = PluginContext("p", block_size=4, num_blocks=40)  # a tenant may pin 10 blocks
+    policy = HintEviction(HintSettings(judged=False, pin_share=0.25), ctx)
+    pinned = request("p", "P", KVHints(pin=8))  # the prompt's first two blocks
+    keys = policy._prefix_keys(pinned, (), 8)
+    prefix = tuple(CachedBlock(i, i, i - 1 if i else None, key=k) for i, k in enumerate(keys))
+    serve(policy, pinned, prefix, 1.0)
+    serve(policy, request("o", "O"), chain(10, 2), 2.0)
+    assert policy.pinned_keys("t") == frozenset(keys)
+    assert victims(policy, 10) == (11, 10)  # never the pinned prefix
+    too_long = Request("big", list(range(100, 140)), 1, kv_hints=KVHints(pin=40), tenant="t")
+    policy.sagellm_request_arrived(too_long, EMPTY_MATCH)  # 10 more blocks: past the 10 a tenant may pin
+    assert policy.pins_refused == 1 and policy.pinned_keys("t") == frozenset(keys)
+    policy.sagellm_request_arrived(request("u", "P", KVHints(unpin=8)), EMPTY_MATCH)
+    assert policy.pinned_keys() == frozenset() and victims(policy, 10) == (11, 10, 1, 0)
+
+
+def test_a_pin_expires_its_ttl_after_its_last_request_ended():
+    policy = HintEviction(HintSettings(judged=False, pin_ttl_s=10.0), CTX)
+    pinned = request("p", "P", KVHints(pin=8))
+    keys = policy._prefix_keys(pinned, (), 8)
+    prefix = tuple(CachedBlock(i, i, i - 1 if i else None, key=k) for i, k in enumerate(keys))
+    serve(policy, pinned, prefix, 1.0)
+    policy.sagellm_blocks_touched((), 10.5)
+    assert victims(policy, 2) == ()  # 9.5 s after it ended: still pinned
+    policy.sagellm_blocks_touched((), 11.5)
+    assert victims(policy, 2) == (1, 0) and policy.pinned_keys() == frozenset()
+
+
+def test_a_pin_of_blocks_already_evictable_takes_them_out_of_the_order():
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    plain = request("a", "A")
+    keys = policy._prefix_keys(plain, (), 8)
+    prefix = tuple(CachedBlock(i, i, i - 1 if i else None, key=k) for i, k in enumerate(keys))
+    serve(policy, plain, prefix, 1.0)
+    policy.sagellm_request_arrived(request("p", "B", KVHints(pin=8)), PrefixMatch(prefix))
+    assert victims(policy, 2) == ()
+
+
+def test_without_hints_it_chooses_as_lru():
+    policy, lru = _Expert("hints", HintEviction(None, CTX)), _Expert("lru", LRUEviction(None, CTX))
+    for t, first in enumerate((0, 10, 20)):
+        blocks = chain(first, 3)
+        for p in (policy, lru):
+            p.tell("sagellm_blocks_cached", blocks, float(t))
+            p.tell("sagellm_blocks_released", blocks, float(t), request(f"r{t}", "s"))
+    assert policy.select(5, EVERY_BLOCK).victim_ids == lru.select(5, EVERY_BLOCK).victim_ids == (2, 1, 0, 12, 11)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"fallback": "nope"}, "fallback = 'nope': one of lru"),
+        ({"pin_share": 0.8}, "pin_share"),
+        ({"pin_ttl_s": 0}, "pin_ttl_s"),
+    ],
+)
+def test_settings_are_checked(settings, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        HintSettings(**settings)
+
+
+def test_the_fallback_may_be_adaptive_with_settings():
+    policy = HintEviction(HintSettings(fallback='adaptive:experts=["lru","s3fifo"]'), CTX)
+    assert [e.name for e in policy.fallback.policy.experts] == ["lru", "s3fifo"]
+
+
+def wrongly_released(rounds=20, hot=10, scans=5):
+    """``hot`` conversations that come back every round (a block longer each
+    time) though every turn says it is the last, among one-shot scans of
+    10 blocks that say nothing."""
+    unique = 1 << 40
+    for r in range(rounds):
+        for c in range(hot):
+            keys = [c * 10_000 + i for i in range(6 + r)]
+            yield keys, Request(f"c{c}-{r}", [1], 1, session_id=f"c{c}", kv_hints=KVHints(release=True))
+            if c % (hot // scans) == 0:
+                yield [unique + i for i in range(10)], Request(f"scan{unique}", [1], 1)
+                unique += 1000
+
+
+def hits(policy, trace, capacity):
+    cache = ShadowCache(_Expert("under test", policy), capacity)
+    total = 0
+    for t, (keys, req) in enumerate(trace):
+        total += cache.play(keys, float(t), req)
+        if isinstance(policy, HintEviction):
+            policy.sagellm_request_finished(RequestOutcome(req, 1, 0, 0.0, float(t), float(t), 0, None))
+    return total
+
+
+def test_the_judge_switches_wrong_advice_off():
+    """The advice says every hot conversation is over, and each comes back:
+    followed blindly it costs most of LRU's hits; the judge's shadow caches
+    see it losing and the policy drops it, within 1% of LRU."""
+    capacity = 300
+    ctx = PluginContext("p", block_size=4, num_blocks=capacity)
+    lru = hits(LRUEviction(None, ctx), wrongly_released(), capacity)
+    blind = hits(HintEviction(HintSettings(judged=False), ctx), wrongly_released(), capacity)
+    judged_policy = HintEviction(HintSettings(), ctx)
+    judged = hits(judged_policy, wrongly_released(), capacity)
+    assert blind < 0.7 * lru
+    assert judged >= 0.99 * lru and not judged_policy.advice and judged_policy.switches
