@@ -10,7 +10,12 @@ request's prompt, and which decode instance its KV goes to.
   a block in the instance's device cache costs nothing, one in a lower
   tier (host, disk) ``lower_tier_cost`` of computing it (its load time).
   While the router's index is degraded every instance reports no cached
-  block, so it routes by load alone.
+  block, so it routes by load alone. A request with a client's
+  ``kv_hints.cache_key`` (OpenAI's ``prompt_cache_key``) counts
+  ``cache_key_share`` of its prompt as cached on the instance that last took
+  that key, where the index shows less: requests of one group that arrive
+  before the first one's blocks are published (or while the index is
+  degraded) still land together.
 
 A decode instance is chosen by least decode load by both load-aware
 routers, in turn by ``round-robin``. Ties go to the instance after the
@@ -19,6 +24,7 @@ last one chosen, so an idle cluster is filled evenly.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from attrs import field, frozen, validators
@@ -63,6 +69,13 @@ class KVAwareSettings(LoadSettings):
     lower_tier_cost: float = field(
         default=0.1, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
     )
+    #: The share of a prompt counted as cached on the instance that last
+    #: took its ``kv_hints.cache_key``; 0 ignores the keys.
+    cache_key_share: float = field(
+        default=0.5, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
+    )
+    #: The cache keys remembered (the oldest forgotten first).
+    cache_keys: int = field(default=100_000, validator=[validators.instance_of(int), validators.ge(1)])
 
 
 class LeastLoaded:
@@ -105,11 +118,29 @@ class KVAware(LeastLoaded):
     def __init__(self, settings: KVAwareSettings, context: PluginContext):
         super().__init__(settings, context)
         self.lower_tier_cost = settings.lower_tier_cost
+        self.cache_key_share = settings.cache_key_share
+        self.max_keys = settings.cache_keys
+        #: cache key -> the instance that last took a request with it.
+        self.key_home: OrderedDict[str, str] = OrderedDict()
 
     def prompt_cost(self, request: Request, instance: InstanceLoad) -> float:
         prompt, size = request.num_prompt_tokens, self.block_size
         # At least one prompt token is computed wherever it goes (the cache leaves one).
         cached = min(instance.cached_blocks * size, prompt - 1)
+        key = request.kv_hints.cache_key if request.kv_hints is not None else None
+        if key is not None and self.key_home.get(key) == instance.instance_id:
+            cached = max(cached, min(int(self.cache_key_share * prompt), prompt - 1))
         lower = min(instance.lower_tier_blocks * size, prompt - 1 - cached)
         queued = instance.prefill_tokens + self.decode_weight * instance.decode_tokens
         return queued + (prompt - cached - lower) + self.lower_tier_cost * lower
+
+    @hookimpl
+    def sagellm_route_request(self, request: Request, instances: Sequence[InstanceLoad]) -> RouteDecision:
+        decision = super().sagellm_route_request(request, instances)
+        key = request.kv_hints.cache_key if request.kv_hints is not None else None
+        if key is not None and self.cache_key_share > 0:
+            self.key_home[key] = decision.instance_id
+            self.key_home.move_to_end(key)
+            if len(self.key_home) > self.max_keys:
+                self.key_home.popitem(last=False)
+        return decision

@@ -10,7 +10,7 @@ from sagellm_plugin_cluster.routers import KVAware, KVAwareSettings, LeastLoaded
 
 from sagellm_core import PluginContext
 from sagellm_core.drivers.router import check_route
-from sagellm_core.types import InstanceLoad, Request
+from sagellm_core.types import InstanceLoad, KVHints, Request
 
 CONTEXT = PluginContext("router", 16, 1000)
 PROMPT = Request("r", list(range(160)), 8)  # 10 blocks
@@ -62,6 +62,27 @@ def test_kv_aware_trades_cached_blocks_against_queued_work():
     # Blocks in a lower tier count at their load cost: 8 blocks there save 0.9 of 128 tokens.
     lower = [load("a"), load("b", prefill=100, lower=8)]
     assert router.sagellm_route_request(PROMPT, lower).instance_id == "b"
+
+
+def test_kv_aware_keeps_a_cache_key_s_requests_together_before_their_blocks_are_published():
+    router = KVAware(KVAwareSettings(), CONTEXT)
+    idle = [load("a"), load("b"), load("c")]
+
+    def keyed(n, key):
+        return Request(f"{key}{n}", list(range(160)), 8, kv_hints=KVHints(cache_key=key) if key else None)
+
+    # No block is published yet: without a key, idle instances take turns.
+    assert [router.sagellm_route_request(keyed(n, None), idle).instance_id for n in range(3)] == ["a", "b", "c"]
+    # With one, the group's later requests follow its first, and another group goes elsewhere.
+    group = [router.sagellm_route_request(keyed(n, "conv-1"), idle).instance_id for n in range(3)]
+    other = router.sagellm_route_request(keyed(0, "conv-2"), idle).instance_id
+    assert len(set(group)) == 1 and other != group[0]
+    # The credit is a share of the prompt, not a pin: a home queued deep enough loses the request.
+    busy = [load(i.instance_id, prefill=1000 if i.instance_id == group[0] else 0) for i in idle]
+    assert router.sagellm_route_request(keyed(3, "conv-1"), busy).instance_id != group[0]
+    # cache_key_share = 0 ignores the keys.
+    blind = KVAware(KVAwareSettings(cache_key_share=0.0), CONTEXT)
+    assert len({blind.sagellm_route_request(keyed(n, "conv-1"), idle).instance_id for n in range(3)}) == 3
 
 
 def test_kv_aware_never_counts_the_last_prompt_token_as_cached():
