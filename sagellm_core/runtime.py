@@ -451,7 +451,7 @@ class Runtime:
         self.blocks_cached(result.adopted)
 
     def preempt(self, state: SequenceState) -> None:
-        self._release(state)
+        self.release(state)
         state.num_computed_tokens = 0
         state.num_preemptions += 1
         state.status = RequestStatus.WAITING
@@ -465,7 +465,7 @@ class Runtime:
 
     def finish(self, state: SequenceState, output_token_ids: Sequence[int] | None = None) -> RequestOutcome:
         self.cache(state, output_token_ids)
-        self._release(state)
+        self.release(state)
         return self.conclude(state)
 
     def conclude(self, state: SequenceState) -> RequestOutcome:
@@ -487,16 +487,18 @@ class Runtime:
         self.host.observe("sagellm_request_finished", outcome=outcome)
         return outcome
 
-    # -------------------------------------------------------------- inside --
-
-    def _release(self, state: SequenceState) -> None:
-        """Free the request's private blocks and drop its cache locks."""
+    def release(self, state: SequenceState) -> None:
+        """Free the request's private blocks and drop its cache locks,
+        without ending it (a lease that held blocks for a transfer lets them
+        go; :meth:`finish` and :meth:`preempt` release for a request)."""
         released = self.host.release_prefix(state.request)  # first: a plugin that raises here changed nothing of ours
         self.host.free_blocks(state.private_block_ids)
         self.ledger.end(state)
         state.block_ids = []
         state.private_block_ids = set()
         self.blocks_released(released, state.request)
+
+    # -------------------------------------------------------------- inside --
 
     def _unlock_after_touch(self, request: Request) -> None:
         self.blocks_released(self.host.release_prefix(request), request)

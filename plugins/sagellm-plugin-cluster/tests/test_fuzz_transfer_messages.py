@@ -1,0 +1,81 @@
+"""Fuzz of the gloo link's control messages: any text where a decode side
+writes its claim ends the lease without leaking a block or raising, and
+the parsers accept exactly the messages they are given."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from sagellm_plugin_cluster.gloo import DecodePuller, KVTensors, PrefillServer, parse_claim, parse_offer  # noqa: E402
+
+from sagellm_core.types import KVCaches  # noqa: E402
+
+from .conftest import compute, prompt, runtime  # noqa: E402
+
+TEXT = st.one_of(
+    st.text(max_size=40),
+    st.builds(lambda *parts: " ".join(parts), st.sampled_from(["pull", "offer", "declined", "expired"]),
+              *[st.sampled_from(["0", "1", "3", "-1", "x", "99", ""]) for _ in range(3)]),
+)  # fmt: skip
+
+
+@given(TEXT)
+def test_the_parsers_take_what_they_are_given_and_nothing_else(value):
+    offer, claim = parse_offer(value), parse_claim(value)
+    if offer is not None:
+        assert value.split() == ["offer", str(offer[0]), str(offer[1])] and offer[0] > 0
+    if claim is not None:
+        assert value.split() == ["pull", *map(str, claim)]
+    assert offer is None or claim is None
+
+
+@pytest.fixture(scope="module")
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=TEXT)
+def test_any_claim_ends_the_lease_with_nothing_held(store, value):
+    rt = runtime()
+    kv = KVTensors()
+    rt.pm.register(kv)
+    rt.register_kv_caches(KVCaches(torch.zeros(rt.num_blocks, 2, 4), 0))
+    server = PrefillServer(rt, kv, store, f"fuzz-{abs(hash(value))}", lease_s=60.0, send_timeout_s=0.05)
+    request = prompt(0)
+    compute(rt, request)
+    assert server.offer(request, 0.0) == 4
+    store.set(f"kv/{server.link}/lease/r0", value)
+    server.poll(1.0)
+    offered = value == "offer 4 32"
+    assert server.busy == offered
+    if not offered:
+        assert not server.leases.open and sum(server.leases.ended.values()) == 1
+        assert server.send_failures == (1 if (c := parse_claim(value)) and 0 <= c[0] < c[0] + c[1] <= 4 else 0)
+    rt.check_invariants()
+
+
+def test_the_decode_side_sees_what_the_prefill_side_offers(store):
+    """The decode side as a KV source: the blocks on offer, none once claimed."""
+    prefill, decode = runtime(), runtime()
+    kv = KVTensors()
+    prefill.pm.register(kv)
+    prefill.register_kv_caches(KVCaches(torch.zeros(prefill.num_blocks, 2, 4), 0))
+    server = PrefillServer(prefill, kv, store, "source", lease_s=60.0, send_timeout_s=0.05)
+    puller = DecodePuller(decode, KVTensors(), store, "source")
+    request = prompt(0)
+    assert puller.num_blocks_available(request) == 0
+    compute(prefill, request)
+    server.offer(request, 0.0)
+    assert puller.num_blocks_available(request) == server.leases.num_blocks_available(request) == 4
+    store.set("kv/source/lease/r0", "declined")
+    server.poll(1.0)
+    assert puller.num_blocks_available(request) == server.leases.num_blocks_available(request) == 0
+    prefill.check_invariants()
