@@ -93,9 +93,9 @@ class HintMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.rt = Runtime(config(24, self.fallback), hook_timing=False)
-        self.policy = self.rt.plugins["eviction"][0].instance
+        self.policy = self.rt.host.plugins["eviction"][0].instance
         self.watch = PinWatch(self.policy)
-        self.rt.pm.register(self.watch)
+        self.rt.host.pm.register(self.watch)
         self.running, self.waiting, self.serial, self.now = [], [], 0, 0.0
 
     @rule(
@@ -220,9 +220,9 @@ def test_pins_make_a_difference_the_watch_can_see():
     """The property above is not vacuous: in a stream with pins, blocks are
     evicted (each checked by the watch) while pins are taken."""
     rt = Runtime(config(24), hook_timing=False)
-    policy = rt.plugins["eviction"][0].instance
+    policy = rt.host.plugins["eviction"][0].instance
     watch = PinWatch(policy)
-    rt.pm.register(watch)
+    rt.host.pm.register(watch)
     play(rt, _stream(3, hinted=True))
     assert watch.evicted > 50 and policy.pins_taken > 0
     rt.check_invariants()
@@ -238,7 +238,7 @@ def test_without_hints_it_is_its_fallback_block_for_block(fallback, seed, num_bl
     for hinted in (True, False):
         rt = Runtime(config(num_blocks, fallback, hinted), hook_timing=False)
         victims = Victims()
-        rt.pm.register(victims)
+        rt.host.pm.register(victims)
         play(rt, _stream(seed, hinted=False))
         runs.append((victims.seen, rt.counters.hit_blocks))
     assert runs[0] == runs[1] and runs[0][0]
@@ -302,8 +302,8 @@ def torch_engine(folder, model_dir, num_blocks: int):
     params = {k: v for k, v in loaded.engine.params.items() if k in helpers.attrs_fields()}
     clock = [0.0]
     core = EngineCore(Runtime(loaded), TorchSettings(**params), clock=lambda: clock[0])
-    watch = PinWatch(core.rt.plugins["eviction"][0].instance)
-    core.rt.pm.register(watch)
+    watch = PinWatch(core.rt.host.plugins["eviction"][0].instance)
+    core.rt.host.pm.register(watch)
     return core, watch, clock
 
 

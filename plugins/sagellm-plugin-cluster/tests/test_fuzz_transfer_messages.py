@@ -46,7 +46,7 @@ def store():
 def test_any_claim_ends_the_lease_with_nothing_held(store, value):
     rt = runtime()
     kv = KVTensors()
-    rt.pm.register(kv)
+    rt.host.pm.register(kv)
     rt.register_kv_caches(KVCaches(torch.zeros(rt.num_blocks, 2, 4), 0))
     server = PrefillServer(rt, kv, store, f"fuzz-{abs(hash(value))}", lease_s=60.0, send_timeout_s=0.05)
     request = prompt(0)
@@ -66,7 +66,7 @@ def test_the_decode_side_sees_what_the_prefill_side_offers(store):
     """The decode side as a KV source: the blocks on offer, none once claimed."""
     prefill, decode = runtime(), runtime()
     kv = KVTensors()
-    prefill.pm.register(kv)
+    prefill.host.pm.register(kv)
     prefill.register_kv_caches(KVCaches(torch.zeros(prefill.num_blocks, 2, 4), 0))
     server = PrefillServer(prefill, kv, store, "source", lease_s=60.0, send_timeout_s=0.05)
     puller = DecodePuller(decode, KVTensors(), store, "source")

@@ -25,12 +25,12 @@ def test_a_lease_holds_the_prompt_blocks_until_it_ends():
     assert len(lease.block_ids) == full_blocks(request, 4) == 4
     assert leases.num_blocks_available(request) == 4
     rt.reset_prefix_cache()  # evicts every evictable block: not the leased ones
-    assert set(lease.block_ids) <= set(rt.lookup(request).block_ids)
+    assert set(lease.block_ids) <= set(rt.host.lookup(request).block_ids)
     rt.check_invariants()
     leases.end("r0", TransferStatus.EXPIRED)
     assert leases.num_blocks_available(request) == 0 and leases.ended[TransferStatus.EXPIRED] == 1
     rt.reset_prefix_cache()
-    assert rt.lookup(request).num_blocks == 0
+    assert rt.host.lookup(request).num_blocks == 0
     assert rt.pool_usage().num_free_blocks == rt.num_blocks
     rt.check_invariants()
 
@@ -62,7 +62,7 @@ def test_a_landing_takes_its_own_prefix_and_pulls_the_rest():
     assert landing is not None and landing.start == 2 and len(landing.block_ids) == 2
     decode.check_invariants()
     landing.land()
-    assert decode.lookup(request).num_blocks == 4  # the request that follows finds all four
+    assert decode.host.lookup(request).num_blocks == 4  # the request that follows finds all four
     decode.check_invariants()
     with pytest.raises(ValueError, match="already ended"):
         landing.abandon()
@@ -75,7 +75,7 @@ def test_an_abandoned_landing_frees_its_blocks_unwritten():
     assert decode.pool_usage().num_free_blocks < decode.num_blocks
     landing.abandon()
     assert decode.pool_usage().num_free_blocks == decode.num_blocks
-    assert decode.lookup(prompt(0)).num_blocks == 0
+    assert decode.host.lookup(prompt(0)).num_blocks == 0
     decode.check_invariants()
 
 
@@ -124,7 +124,7 @@ def test_any_order_of_outcomes_leaves_no_block_held(transfers, blocks):
         if landing is not None:
             if outcome is TransferStatus.DONE:
                 landing.land()
-                assert decode.lookup(request).num_blocks == len(lease.block_ids)
+                assert decode.host.lookup(request).num_blocks == len(lease.block_ids)
             else:
                 landing.abandon()
         if lease is not None:

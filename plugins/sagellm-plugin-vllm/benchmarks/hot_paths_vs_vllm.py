@@ -393,7 +393,7 @@ def main() -> None:
     add_tokens = all_prompts[11][:ADD_TOKENS]
     sagellm_lru = filled_scheduler(all_prompts, hasher, "lru")
     observed = filled_scheduler(all_prompts, hasher, "lru")
-    observed.sagellm.pm.register(ArrivalObserver(), name="benchmark:arrivals")
+    observed.sagellm.host.pm.register(ArrivalObserver(), name="benchmark:arrivals")
     assert observed.sagellm.observes_arrivals and not sagellm_lru.sagellm.observes_arrivals
     add_request = add_requests_us(
         {
