@@ -51,7 +51,10 @@ SECTION_GROUPS = {
     "eviction": ("sagellm.eviction",),
     "lifetime": ("sagellm.lifetime",),
     "scheduler": ("sagellm.scheduler_passes",),
+    "admission": ("sagellm.admission",),
     "transport": ("sagellm.transport",),
+    "kv_stores": ("sagellm.kv_stores",),
+    "router": ("sagellm.router",),
 }
 
 

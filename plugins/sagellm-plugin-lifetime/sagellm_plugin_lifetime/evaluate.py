@@ -67,7 +67,6 @@ REFINE_AT = (64, 256)
 #: Decoding time per output token in the evaluation's closed loop (50
 #: tokens/s a sequence): when a reply finishes, and so when it is known.
 DECODE_S_PER_TOKEN = 0.02
-DEFAULT_WORKLOAD = WorkloadSettings(source="sharegpt")
 #: Settings a predictor may have that must follow the evaluated split.
 SPLIT_SETTINGS = ("split", "test_fraction", "dev_fraction")
 
@@ -275,7 +274,7 @@ class _Run:
 
 def evaluate(
     names: Sequence[str],
-    workload: WorkloadSettings = DEFAULT_WORKLOAD,
+    workload: WorkloadSettings | None = None,
     fraction: float = TEST_FRACTION,
     progress: bool = False,
     split: str = "conversation",
@@ -284,7 +283,10 @@ def evaluate(
 ) -> list[dict]:
     """Figures for each predictor ``names`` on the test part of the
     ``split`` split (``fraction`` of the conversations), then the median
-    baseline's."""
+    baseline's. ``workload``: ShareGPT's conversations unless given (built
+    here, not at import: the source is checked against what is installed)."""
+    if workload is None:
+        workload = WorkloadSettings(source="sharegpt")
     # One pass first: the conversations in order and the prompts of the
     # train and dev parts (what an exact repeat repeats).
     seen = [(conversation_id(r), prompt_digest(r)) for r in workloads.load(workload)]
