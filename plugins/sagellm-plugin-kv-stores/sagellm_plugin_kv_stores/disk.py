@@ -43,7 +43,7 @@ from sagellm_core.types import CachedBlock, KVCaches, StoredBlocks, completed
 from sagellm_plugin_kv_stores import records
 from sagellm_plugin_kv_stores.host import NOTHING
 from sagellm_plugin_kv_stores.records import UNREADABLE
-from sagellm_plugin_kv_stores.rows import HostRows
+from sagellm_plugin_kv_stores.rows import HostRows, stage_new
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 #: What the store counts of itself (``stats``): blocks found at start, files
@@ -141,12 +141,8 @@ class DiskStore:
             return NOTHING
         with self._lock:
             new = [b for b in blocks if b.key not in self._held]
-        if not new:
-            return NOTHING
-        assert self.kv is not None, "the runtime announces the device KV before the first put"
-        staged = HostRows(self.kv, len(new), pinned=False)
-        staged.copy_in([b.block_id for b in new], range(len(new)))
-        return self._writer.submit(self._write, [b.key for b in new], staged)
+        staged = stage_new(self.kv, new)
+        return NOTHING if staged is None else self._writer.submit(self._write, *staged)
 
     def _write(self, keys: list[int], staged: HostRows) -> int:
         """On the writer thread: each block to a temporary file, renamed over

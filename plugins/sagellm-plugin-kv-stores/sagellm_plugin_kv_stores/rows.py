@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sagellm_core.types import KVCaches
+from sagellm_core.types import CachedBlock, KVCaches
 
 
 class HostRows:
@@ -49,3 +49,15 @@ class HostRows:
 
     def view(self, row: int) -> Any:
         return self.bytes[row]
+
+
+def stage_new(kv: KVCaches | None, new: Sequence[CachedBlock]) -> tuple[list[int], HostRows] | None:
+    """The keys of ``new`` (the blocks a store does not hold yet) and their
+    bytes copied off the device into host rows, for a writer thread to write
+    out at its own pace; ``None`` when there are none."""
+    if not new:
+        return None
+    assert kv is not None, "the runtime announces the device KV before the first put"
+    staged = HostRows(kv, len(new), pinned=False)
+    staged.copy_in([b.block_id for b in new], range(len(new)))
+    return [b.key for b in new], staged
