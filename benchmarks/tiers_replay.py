@@ -97,6 +97,7 @@ def run(row, max_requests: int, time_scale: float) -> dict:
             if "host" not in tiers:
                 text = text.replace("[kv_stores.host]\ncapacity_blocks = 20000\n", "")
         report = session.run(settings_from_toml(text, f"<{name}>")).report
+    check(row, report)
     stores = report["kv_stores"]
     return {
         "row": name,
@@ -113,6 +114,25 @@ def run(row, max_requests: int, time_scale: float) -> dict:
         "rejected": report["rejected"],
         "preemptions": report["preemptions"],
     }
+
+
+def check(row, report: dict) -> None:
+    """Stop with one line if a row did not do what its label says."""
+    name, _, tiers, _, weigh, prefetch = row
+    stores = report.get("kv_stores") or {}
+    problems = []
+    if set(stores) != set(tiers):
+        problems.append(f"stores {sorted(stores)}, not {sorted(tiers)}")
+    if name == "infinite device" and report["evicted_blocks"]:
+        problems.append(f"{report['evicted_blocks']} blocks evicted")
+    if tiers and not any(s["loaded_blocks"] for s in stores.values()):
+        problems.append("no block loaded from a tier")
+    if any(bool(s["prefetch_rounds"]) != prefetch for s in stores.values() if s["loaded_blocks"]):
+        problems.append(f"prefetch rounds {[s['prefetch_rounds'] for s in stores.values()]} with prefetch {prefetch}")
+    if not weigh and any(s["recomputed_blocks"] for s in stores.values()):
+        problems.append("blocks recomputed while always loading")
+    if problems:
+        raise SystemExit(f"tiers_replay: row {name!r} did not do what its label says: {'; '.join(problems)}")
 
 
 def main() -> None:
