@@ -16,15 +16,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
-
-@frozen
-class Link:
-    name: str
-    #: Peak bytes/s one way.
-    bandwidth: float
-    #: Seconds each transfer costs beyond its bytes (set-up, completion).
-    latency_s: float
-
+from sagellm_core.replay.costmodel import Link  # the KV stores' link type: a preset's name, bytes/s one way, latency
 
 LINKS = {
     link.name: link
