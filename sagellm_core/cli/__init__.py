@@ -77,6 +77,17 @@ def add_set_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_workers_option(parser: argparse.ArgumentParser) -> None:
+    """``--workers N``: on every command that replays several configs."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replay the runs in N local processes at once (default 1: one after another, with progress bars)",
+    )
+
+
 def single_overrides(args: argparse.Namespace) -> dict[tuple[str, ...], Any]:
     """The ``--set`` overrides of a command that runs one value per key."""
     overrides = {}
@@ -110,8 +121,8 @@ def cmd_compare(args) -> int:
     overrides = single_overrides(args)
     all_settings = [_settings(args, path, overrides) for path in args.config]
     session.check_same_workload(all_settings)
-    # Keep reports, not runtimes: each holds a whole cache in memory.
-    results = [session.run(settings, progress=not args.quiet).without_runtime() for settings in all_settings]
+    jobs = [(settings, Path(settings.path).stem) for settings in all_settings]
+    results = session.run_many(jobs, workers=args.workers, progress=not args.quiet)
     report.print_reports([r.report for r in results])
     _write_outputs(args, results)
     return 0
@@ -127,11 +138,9 @@ def cmd_sweep(args) -> int:
     plan = [(path, value, _settings(args, path, {**fixed, axis: value})) for path in args.config for value in values]
     for value in values:  # configs side by side replay one workload (the axis may be a workload key)
         session.check_same_workload([settings for _, v, settings in plan if v == value])
-    runs = []
-    for path, value, settings in plan:
-        label = f"{Path(path).stem} {name}={value}"
-        result = session.run(settings, label=label, progress=not args.quiet)
-        runs.append((Path(path).stem, value, result.without_runtime()))  # a whole cache each: drop it
+    jobs = [(settings, f"{Path(path).stem} {name}={value}") for path, value, settings in plan]
+    results = session.run_many(jobs, workers=args.workers, progress=not args.quiet)
+    runs = [(Path(path).stem, value, result) for (path, value, _), result in zip(plan, results)]
     reports = [r.report for _, _, r in runs]
     for (_, value, _), rep in zip(runs, reports):
         rep["sweep"] = {"key": name, "value": value}
@@ -405,6 +414,7 @@ def _main(argv: list[str]) -> int:
 
     p = sub.add_parser("compare", help="replay the same workload under several configs, side by side")
     p.add_argument("--config", action="append", required=True, help="a config file (repeat)")
+    add_workers_option(p)
     outputs(p)
     p.set_defaults(func=cmd_compare)
 
@@ -416,6 +426,7 @@ def _main(argv: list[str]) -> int:
         help="a report field to tabulate (repeat; dotted for nested, e.g. ttft_s.p99); the first is plotted."
         " Default: block_hit_rate",
     )
+    add_workers_option(p)
     outputs(p)
     p.set_defaults(func=cmd_sweep)
 

@@ -57,6 +57,33 @@ def test_compare_side_by_side(tmp_path, capsys):
     assert "lru" in table and "lfu" in table
 
 
+def test_sweep_in_worker_processes_gives_the_figures_of_one_process(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[engine]\nmode = "cache-only"\n[prefix_cache]\nplugin = "radix"\n'
+        '[kv_pool]\nplugin = "paged"\nnum_blocks = 100\n[eviction]\nplugin = "lru"\n'
+    )
+    figures = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}.json"
+        args = ["sweep", "--config", str(config), "--set", "kv_pool.num_blocks=150,400,900", "--workers", str(workers)]
+        assert main([*args, "--max-requests", "60", "--quiet", "--json", str(out)]) == 0
+        reports = json.loads(out.read_text())
+        figures[workers] = [
+            (r["sweep"]["value"], r["block_hit_rate"], r["evicted_blocks"], r["ttft_s"]) for r in reports
+        ]
+    assert [value for value, *_ in figures[2]] == [150, 400, 900]
+    assert figures[2] == figures[1]
+    assert figures[1][0][1] < figures[1][2][1]  # the runs differ: each got its own value
+
+
+def test_workers_must_be_at_least_one(tmp_path, capsys):
+    a = tmp_path / "a.toml"
+    a.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 300\n')
+    assert main(["compare", "--config", str(a), "--config", str(a), "--workers", "0", "--quiet"]) == 2
+    assert "--workers 0: a whole number of processes, at least 1" in capsys.readouterr().err
+
+
 def test_compare_refuses_different_workloads(tmp_path, capsys):
     a = tmp_path / "a.toml"
     b = tmp_path / "b.toml"
