@@ -6,7 +6,7 @@ the order of outcomes no block is held afterwards."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sagellm_plugin_cluster.transfer import Landing, Leases, TransferCounts, TransferStatus, full_blocks
 
@@ -104,12 +104,18 @@ OUTCOMES = st.sampled_from([TransferStatus.DONE, TransferStatus.FAILED, Transfer
     st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20), OUTCOMES, st.booleans()), min_size=1, max_size=12),
     st.integers(8, 40),
 )
+# The decode side still holds a longer run of the prefix (an earlier landing)
+# than the prefill side could lease: the landing is found, and more with it.
+@example(
+    [(4, 1, TransferStatus.DONE, False), (0, 16, TransferStatus.DONE, False), (4, 1, TransferStatus.DONE, False)], 8
+)
 def test_any_order_of_outcomes_leaves_no_block_held(transfers, blocks):
     """Prompts of shared prefixes prefilled, leased and pulled (or not) in
     any order, with memory pressure and cache resets between: the accounting
     is whole after every step, and once every lease and landing has ended
     nothing is held on either side; a landed prompt is found in the decode
-    cache, in full, until something evicts it."""
+    cache, in full (with whatever of its prefix the decode side held
+    already), until something evicts it."""
     prefill, decode = runtime(blocks), runtime(blocks)
     leases = Leases(prefill, lease_s=1.0)
     for i, (prefix, own, outcome, reset) in enumerate(transfers):
@@ -124,7 +130,7 @@ def test_any_order_of_outcomes_leaves_no_block_held(transfers, blocks):
         if landing is not None:
             if outcome is TransferStatus.DONE:
                 landing.land()
-                assert decode.host.lookup(request).num_blocks == len(lease.block_ids)
+                assert decode.host.lookup(request).num_blocks >= len(lease.block_ids)
             else:
                 landing.abandon()
         if lease is not None:
