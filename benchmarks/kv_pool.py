@@ -3,7 +3,7 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 ``docs/benchmarks/kv-pool.md``.
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
-    python3 benchmarks/kv_pool.py quotas
+    python3 benchmarks/kv_pool.py quotas [--step-caps 0.125 0.03125]
     python3 benchmarks/kv_pool.py contiguity
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
 
@@ -14,9 +14,12 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   tokens over prefill tokens), TTFT and TPOT p50/p99, throughput, and the
   decision's latency (the hook table).
 * ``quotas``: the ``noisy-neighbour`` workload: the chat tenants alone, then
-  beside the document tenant without and with quotas: each chat tenant's
-  block hit rate and TTFT p99 against alone, Jain's index over all the
-  tenants' hit rates.
+  beside the document tenant without and with quotas, and with quotas and
+  the ``tenant-shares`` pass (a share of each step's prefill tokens for each
+  chat tenant, and the documents capped at ``--step-caps`` where a row
+  says): each chat tenant's block hit rate and TTFT p99 against alone,
+  Jain's index over all the tenants' hit rates; the slowest chat turns
+  against the same turns alone; the passes' hook time.
 * ``contiguity``: a timed replay with ``paged`` against ``runs`` and
   ``runs`` with compaction: the pieces (runs of adjacent ids) of each
   request's blocks when it finishes, the free blocks' fragmentation, the
@@ -36,6 +39,7 @@ import statistics
 import time
 from pathlib import Path
 
+from sagellm_core.drivers import recorder as recorder_mod
 from sagellm_core.replay import report as report_mod
 from sagellm_core.replay import session
 
@@ -142,23 +146,56 @@ plugin = "quota"
 guarantees = {{"chat-0" = 0.25, "chat-1" = 0.25, "chat-2" = 0.25}}
 caps = {{docs = {cap}}}
 """
+#: The step's prefill tokens: a quarter guaranteed to each chat tenant, and
+#: the document tenant capped where the row says.
+STEP_SHARES = """
+[scheduler.tenant-shares]
+shares = {{"chat-0" = 0.25, "chat-1" = 0.25, "chat-2" = 0.25}}
+caps = {{{step_caps}}}
+"""
 
 
 def quotas(args) -> None:
     from sagellm_core.kit.testing import settings_from_toml
 
     print(f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks)\n")
-    runs = [("chat tenants alone", 0.0, None)]
+    runs: list[tuple[str, float, float | None, float | None | bool]] = [("chat tenants alone", 0.0, None, False)]
     for rate in args.rates:
-        runs += [(f"documents at {rate}/s, no quota", rate, None)]
-        runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap) for cap in args.caps]
+        runs += [(f"documents at {rate}/s, no quota", rate, None, False)]
+        for cap in args.caps:
+            runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap, False)]
+            runs += [(f"documents at {rate}/s, quota (docs cap {cap}) + step shares", rate, cap, None)]
+            runs += [
+                (f"documents at {rate}/s, quota (docs cap {cap}) + step shares, docs step cap {step}", rate, cap, step)
+                for step in args.step_caps
+            ]
     reports = []
-    for label, rate, cap in runs:
+    turns: dict[str, dict[str, tuple[str, float, int, int]]] = {}  # label -> request id -> what its turn found
+    real_record = recorder_mod.Recorder.record
+
+    def record(recorder, outcome):  # every finished request's TTFT and cached prompt, by row
+        request = outcome.request
+        turns[label][request.request_id] = (
+            request.tenant,
+            outcome.ttft_s,
+            outcome.num_cached_tokens,
+            request.num_prompt_tokens,
+        )
+        real_record(recorder, outcome)
+
+    recorder_mod.Recorder.record = record  # type: ignore[method-assign]
+    for label, rate, cap, step_cap in runs:
+        turns[label] = {}
         text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks)
         text += QUOTA.format(cap=cap) if cap is not None else ""
+        if step_cap is not False:
+            text = text.replace('passes = ["fcfs"]', 'passes = ["fcfs", "tenant-shares"]')
+            text += STEP_SHARES.format(step_caps="" if step_cap is None else f"docs = {step_cap}")
         r = session.run(settings_from_toml(text), label=label).report
         admitted_by = r["plugins"].get("admission", "")
         check(label, ("docs" in r["tenant_block_hit_rates"]) == (rate > 0), "the document tenant's presence")
+        passes = r["plugins"]["scheduler"]
+        check(label, passes == ("fcfs" if step_cap is False else "fcfs, tenant-shares"), f"scheduler passes {passes!r}")
         if cap is None:
             check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
         else:
@@ -192,6 +229,35 @@ def quotas(args) -> None:
             admit, victims = hook_p50(r, "sagellm_admit_request"), hook_p50(r, "sagellm_select_victims")
             print(f"{label}: quota figures {r['plugin_figures']['quota']}; p50 µs: admit {admit}, victims {victims}")
     print()
+    recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
+    alone_turns = turns[reports[0][0]]
+    print(
+        "The slowest two turns of each chat tenant in the rows with the smallest step cap,"
+        " against the same turns alone:\n"
+    )
+    print("| run | turn | TTFT s (alone) | prompt tokens | cached (alone) |")
+    print("|---|---|---:|---:|---:|")
+    for label, _ in reports:
+        if args.step_caps and label.endswith(f"docs step cap {min(args.step_caps)}"):
+            for tenant in chats:
+                mine = sorted((t[1], rid) for rid, t in turns[label].items() if t[0] == tenant)
+                for ttft, rid in mine[-2:]:
+                    _, _, cached, prompt = turns[label][rid]
+                    _, ttft_alone, cached_alone, _ = alone_turns[rid]
+                    print(
+                        f"| {label} | {rid} | {ttft:.3f} ({ttft_alone:.3f}) | {prompt:,} |"
+                        f" {cached:,} ({cached_alone:,}) |"
+                    )
+    print()
+    print("The scheduling passes' hook (`sagellm_schedule_pass`, every pass of a step in one call), µs:\n")
+    print("| run | calls | p50 | mean | p99 |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in reports:
+        stats = r["hooks"]["sagellm_schedule_pass"]
+        print(
+            f"| {label} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} | {stats['p99_us']:.2f} |"
+        )
+    print()
 
 
 # ---------------------------------------------------------------- contiguity --
@@ -216,10 +282,10 @@ def contiguity(args) -> None:
     )
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
-        " free-block fragmentation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
+        " free-block fragmentation (mean) | utilisation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
         " compaction plan p50 (µs) | wall (s) |"
     )
-    print("|---|" + "---:|" * 11)
+    print("|---|" + "---:|" * 12)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
@@ -252,7 +318,7 @@ def contiguity(args) -> None:
         check(label, len(counts) == r["requests"], f"{len(counts)} finishes seen of {r['requests']} requests")
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
-            f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} |"
+            f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
             f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |",
             flush=True,
@@ -359,6 +425,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--caps", type=float, nargs="+", default=[0.25])
+    p.add_argument("--step-caps", type=float, nargs="*", default=[0.125, 0.03125])
     p.set_defaults(func=quotas)
     p = parts.add_parser("contiguity")
     p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")

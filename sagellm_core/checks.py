@@ -243,6 +243,25 @@ def schedule(ir: ScheduleIR, before: dict[str, list[SequenceState]], budget: int
         value = getattr(ir, name)
         if type(value) is not int or not 0 < value <= limit:
             return f"set {name} = {value!r}; passes may lower it, to a positive integer (it was {limit})"
+    return chunk_limits(ir) if ir.chunk_limits else None
+
+
+def chunk_limits(ir: ScheduleIR) -> str | None:
+    """Each cap names a request of the step, as a non-negative integer, one
+    that runs at least 1 (a running request held at 0 could hold its
+    blocks forever), and they do not hold back every request."""
+    limits = ir.chunk_limits
+    if type(limits) is not dict:
+        return f"set chunk_limits to {type(limits).__name__}; it is a dict of request id -> tokens"
+    floors = {s.request_id: 1 for s in ir.running} | {s.request_id: 0 for s in ir.waiting}
+    for request_id, tokens in limits.items():
+        if request_id not in floors:
+            return f"capped the chunk of {request_id!r}, which is not a request of the step"
+        if type(tokens) is not int or tokens < floors[request_id]:
+            least = "1 (it runs)" if floors[request_id] else "0"
+            return f"set the chunk limit of {request_id!r} to {tokens!r}; it is an integer of at least {least}"
+    if not ir.running and all(limits.get(s.request_id) == 0 for s in ir.waiting):
+        return "held every waiting request back with nothing running: the step would do nothing"
     return None
 
 

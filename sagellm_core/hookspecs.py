@@ -213,9 +213,10 @@ def sagellm_predict_lifetime(request: Request) -> LifetimePrediction | None:
 
 @hookspec
 def sagellm_schedule_pass(ir: ScheduleIR) -> None:
-    """Refine ``ir`` in place: reorder ``ir.waiting`` / ``ir.running`` or lower
-    the budgets. Passes run in the order the config lists them; the engine then
-    packs the result into a :class:`~sagellm_core.drivers.step_scheduler.StepPlan`."""
+    """Refine ``ir`` in place: reorder ``ir.waiting`` / ``ir.running``, lower
+    the budgets or cap requests' chunks (``ir.chunk_limits``). Passes run in the
+    order the config lists them; the engine then packs the result into a
+    :class:`~sagellm_core.drivers.step_scheduler.StepPlan`."""
 
 
 @hookspec(firstresult=True)

@@ -389,9 +389,10 @@ class PluginHost:
 
     def schedule(self, ir: ScheduleIR) -> frozenset[str]:
         """Run the scheduling passes over ``ir``, in config order. A pass may
-        reorder the lists and lower the budgets, never drop, duplicate or
-        invent requests. Returns the names of the lists the passes reordered
-        (``"waiting"``, ``"running"``), so an engine copies back only those."""
+        reorder the lists, lower the budgets and cap chunks, never drop,
+        duplicate or invent requests. Returns the names of the lists the
+        passes reordered (``"waiting"``, ``"running"``), so an engine copies
+        back only those."""
         hook = "sagellm_schedule_pass"
         if "scheduler" not in self.plugins:
             return frozenset()
@@ -403,6 +404,7 @@ class PluginHost:
             ir.waiting == before["waiting"]
             and ir.running == before["running"]
             and budgets == (ir.token_budget, ir.max_num_seqs)
+            and not ir.chunk_limits
         ):
             self._checked("scheduler", hook, None, checks.schedule(ir, before, *budgets))  # anything moved: checked
         if states is not None and checks.fingerprint(before["running"]) != states:

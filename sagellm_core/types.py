@@ -332,13 +332,18 @@ class ScheduleIR:
     """What one scheduling step starts from. Passes run in the configured order
     and refine it in place: they reorder ``waiting`` (admission order) and
     ``running`` (budget order; the tail is preempted first by the default
-    preemption rule) and may lower ``token_budget`` or ``max_num_seqs``."""
+    preemption rule), may lower ``token_budget`` or ``max_num_seqs``, and may
+    cap a request's tokens in the step in ``chunk_limits`` (request id ->
+    at most that many; 0 holds a waiting request back, a running one gets
+    at least 1). The step engines (replay, torch) honour the caps; the vLLM
+    and LMDeploy schedulers size their own chunks."""
 
     now_s: float
     waiting: list[SequenceState]
     running: list[SequenceState]
     token_budget: int
     max_num_seqs: int
+    chunk_limits: dict[str, int] = field(factory=dict)
 
 
 class Admission(enum.Enum):

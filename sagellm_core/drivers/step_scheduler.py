@@ -109,9 +109,10 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     next prefill chunk, or one decode token), preempting by the
     victim-selection hook when blocks run out; then waiting requests are
     admitted in the passes' order (:func:`_admit`), stopping at the first
-    that does not fit. A step in which nothing runs rejects the request that
-    keeps the queue from moving: one that never fits, else one deferred. The
-    step's running and waiting lists are new lists."""
+    that does not fit. A request computes at most its ``ir.chunk_limits``
+    tokens. A step in which nothing runs rejects the request that keeps the
+    queue from moving: one that never fits, else one deferred, else the one
+    memory refused. The step's running and waiting lists are new lists."""
     step = PackedStep()
     states, num_new, contexts, prefills, completes = (
         step.states,
@@ -122,6 +123,7 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     )
     budget = ir.token_budget
     block_size = rt.block_size
+    limits = ir.chunk_limits
     running = list(ir.running)
     preempted: list[SequenceState] = []
     gone: set[int] = set()  # id() of the states preempted so far in this step
@@ -154,6 +156,8 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         n = num_tokens - context
         if n > budget:
             n = budget
+        if limits and n > limits.get(state.request_id, n):
+            n = limits[state.request_id]
         if n <= 0:
             continue
         if context + n > len(state.block_ids) * block_size:
@@ -188,31 +192,35 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         # go back to the front of the queue.
         step.waiting = preempted[::-1] + list(ir.waiting)
     else:
-        never_fits = _admit(rt, ir, step, budget)
+        never_fits, refused = _admit(rt, ir, step, budget)
     if not states and step.waiting and not step.rejected:
         # Nothing runs, and the request that stopped admission never will.
         if never_fits is None and step.deferred:
             stuck, reason = step.deferred[0], "deferred with nothing running"
         else:
-            stuck, reason = never_fits or step.waiting[0], NEVER_FITS
+            stuck, reason = never_fits or refused or step.waiting[0], NEVER_FITS
         step.waiting.remove(stuck)
         rt.reject(stuck, reason)
         step.rejected.append(stuck)
     return step
 
 
-def _admit(rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int) -> SequenceState | None:
+def _admit(
+    rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int
+) -> tuple[SequenceState | None, SequenceState | None]:
     """Admit waiting requests into ``step`` in the passes' order, each as the
     admission decision says (``Runtime.decide_admission``, with an admission
     plugin) and memory allows, until the budget or the sequences run out or
-    one does not fit; a deferred one keeps its place and the next is asked.
-    Sets the step's waiting list; returns the request that can never fit
-    the pool, where admission stopped at one."""
+    one does not fit; a deferred one, or one its chunk limit holds back,
+    keeps its place and the next is asked. Sets the step's waiting list;
+    returns the request that can never fit the pool and the one memory
+    refused, where admission stopped at one."""
     decide = rt.decide_admission if rt.decides_admission else None
-    running, block_size = step.running, rt.block_size
+    running, block_size, limits = step.running, rt.block_size, ir.chunk_limits
     tokens, pairs, kv_tokens = step.num_batched_tokens, step.attention_pairs, step.kv_tokens
     admitted = 0
-    never_fits = None
+    never_fits = refused = None
+    held = False
     for state in ir.waiting:
         if budget <= 0 or len(running) >= ir.max_num_seqs:
             break
@@ -221,6 +229,10 @@ def _admit(rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int) -> Sequen
         if blocks_for(num_prompt + request.output_tokens, block_size) > rt.num_blocks:
             never_fits = state
             break
+        limit = limits.get(state.request_id, budget) if limits else budget
+        if limit == 0:
+            held = True
+            continue
         if decide is not None:
             verdict = (decision := decide(state)).verdict
             if verdict is Admission.DEFER:
@@ -230,8 +242,9 @@ def _admit(rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int) -> Sequen
                 rt.reject(state, decision.reason)
                 step.rejected.append(state)
                 continue
-        n = rt.admit(state, budget)
+        n = rt.admit(state, min(budget, limit))
         if n == 0:
+            refused = state
             break
         context = state.num_computed_tokens
         step.states.append(state)
@@ -246,9 +259,9 @@ def _admit(rt: Runtime, ir: ScheduleIR, step: PackedStep, budget: int) -> Sequen
         running.append(state)
         admitted += 1
     step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
-    if step.deferred or step.rejected:  # the admitted are not the queue's head: keep the rest in order
+    if held or step.deferred or step.rejected:  # the admitted are not the queue's head: keep the rest in order
         gone = {id(s) for s in step.rejected}.union(map(id, running[len(running) - admitted :]))
         step.waiting = [s for s in ir.waiting if id(s) not in gone]
     else:  # the admitted are the head of the queue (admission stops at the first that does not fit)
         step.waiting = ir.waiting[admitted:]
-    return never_fits
+    return never_fits, refused

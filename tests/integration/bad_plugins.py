@@ -102,6 +102,19 @@ class DroppingPass:
             ir.waiting.pop()
 
 
+class StallingPass:
+    """Caps every running request's chunk at 0 tokens: it would hold its
+    blocks and never finish."""
+
+    def __init__(self, settings, context):
+        pass
+
+    @hookimpl
+    def sagellm_schedule_pass(self, ir):
+        for state in ir.running:
+            ir.chunk_limits[state.request_id] = 0
+
+
 class GarbageLifetime(StatLifetime):
     """Answers every other request with something that is not a prediction."""
 

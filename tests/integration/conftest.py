@@ -33,7 +33,10 @@ def bad_plugins(tmp_path, monkeypatch):
                 "negative": "bad_plugins:NegativeLifetime",
                 "garbage": "bad_plugins:GarbageLifetime",
             },
-            "sagellm.scheduler_passes": {"dropping": "bad_plugins:DroppingPass"},
+            "sagellm.scheduler_passes": {
+                "dropping": "bad_plugins:DroppingPass",
+                "stalling": "bad_plugins:StallingPass",
+            },
         },
         name="sagellm-bad-plugins",
     )

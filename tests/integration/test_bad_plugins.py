@@ -169,6 +169,18 @@ def test_pass_that_drops_a_request_is_named(bad_plugins):
         session.run(settings_from_toml(text))
 
 
+def test_pass_that_stalls_a_running_request_is_named(bad_plugins):
+    from sagellm_core.replay import session
+
+    text = CONFIG.format(cache="radix", pool="paged", eviction="lru", lifetime="stat")
+    text = text.replace("num_blocks = 6", "num_blocks = 600") + '[scheduler]\npasses = ["fcfs", "stalling"]\n'
+    with pytest.raises(
+        PluginError,
+        match=r"scheduler plugin 'fcfs' .* / scheduler plugin 'stalling' \(sagellm-bad-plugins 0.0.1\) sagellm_schedule_pass set the chunk limit of '[\w-]+' to 0; it is an integer of at least 1 \(it runs\)$",
+    ):
+        session.run(settings_from_toml(text))
+
+
 FALLBACK_RUN = """
 [engine]
 name = "replay"

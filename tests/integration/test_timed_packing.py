@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sagellm_core import hookimpl
 from sagellm_core.drivers import step_engine, step_scheduler
@@ -59,13 +61,33 @@ class HeadFirstPreemption:
         return PreemptionDecision(running[0].request_id)
 
 
+class RandomChunkLimits:
+    """A pass that caps the chunks of a random few of the step's requests:
+    a running one to 1 or more, a waiting one to 0 (held back) or more."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    @hookimpl
+    def sagellm_schedule_pass(self, ir):
+        rng, limits = self.rng, ir.chunk_limits
+        for state in ir.running:
+            if state.in_prefill and rng.random() < 0.5:
+                limits[state.request_id] = rng.randint(1, state.num_tokens - state.num_computed_tokens)
+        for state in ir.waiting:
+            if rng.random() < 0.5:
+                limits[state.request_id] = rng.choice([0, 0, rng.randint(1, state.num_tokens)])
+        if not ir.running and ir.waiting and all(limits.get(s.request_id) == 0 for s in ir.waiting):
+            del limits[ir.waiting[-1].request_id]  # the core refuses a step held back whole
+
+
 def checked_replay(
-    monkeypatch, blocks: int, budget: int, seqs: int = 256, preemption=None
+    monkeypatch, blocks: int, budget: int, seqs: int = 256, preemption=None, chunk_limits=None
 ) -> tuple[dict, dict[str, int]]:
     """A timed replay whose every packed step is checked against the
     properties and the cost model it stands in for; returns the report and
     counts of what the steps did."""
-    seen = {"steps": 0, "decodes": 0, "prefills": 0, "grown": 0, "dropped": 0, "chunks_taken_back": 0}
+    seen = {"steps": 0, "decodes": 0, "prefills": 0, "grown": 0, "dropped": 0, "chunks_taken_back": 0, "held": 0}
     real_pack, real_drop = step_scheduler.pack, step_scheduler.PackedStep._drop
 
     def drop(step, state):
@@ -81,16 +103,27 @@ def checked_replay(
     def pack(rt, ir):
         before = list(ir.running)
         blocks_before = {id(s): len(s.block_ids) for s in before}
+        limits = dict(ir.chunk_limits)
+        wants = {id(s): s.num_tokens - s.num_computed_tokens for s in before}
         step = real_pack(rt, ir)
         seen["steps"] += 1
         scheduled = set(map(id, step.states))
         assert len(scheduled) == len(step.states)
+        held = [s for s in ir.waiting if limits.get(s.request_id) == 0]
+        assert not scheduled & set(map(id, held)) and set(map(id, held)) <= set(map(id, step.waiting))
+        seen["held"] += len(held)
+        if all(id(s) in scheduled for s in before):  # no preemption: each running request in order gets
+            left = ir.token_budget  # what it lacks, up to its limit and the budget left
+            for state in before:
+                chunk = step.num_new[step.states.index(state)]
+                assert chunk == min(wants[id(state)], limits.get(state.request_id, left), left)
+                left -= chunk
         for state, n, context, prefill, completes in zip(
             step.states, step.num_new, step.context, step.prefill, step.completes
         ):
             admitted = id(state) not in blocks_before
             assert context == state.num_computed_tokens
-            assert 0 < n <= state.num_tokens - context
+            assert 0 < n <= min(state.num_tokens - context, limits.get(state.request_id, n))
             assert prefill == (True if admitted else state.in_prefill)
             assert completes == (context + n == state.num_tokens)
             assert len(state.block_ids) * rt.block_size >= context + n  # blocks for every scheduled token
@@ -121,6 +154,8 @@ def checked_replay(
     rt = session.build_runtime(settings, replay)
     if preemption is not None:
         rt.host.pm.register(preemption, name="test:preemption")
+    if chunk_limits is not None:
+        rt.host.pm.register(chunk_limits, name="test:chunk-limits")
     recorder = replay.run(rt, workloads.load(settings.workload))
     rt.check_invariants()
     return build(rt, recorder, "timed", 0.0, "t", recorder.finished), seen
@@ -165,6 +200,39 @@ def test_packing_agrees_with_the_states_with_chunked_prefill_and_few_seqs(monkey
     report, seen = checked_replay(monkeypatch, blocks=2048, budget=256, seqs=4)
     assert report["requests"] == 54 and report["preemptions"] == 0
     assert seen["prefills"] > 0 and seen["decodes"] > 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), blocks=st.sampled_from([300, 2048]), budget=st.sampled_from([256, 2048]))
+def test_chunk_limits_cap_chunks_and_hold_requests_back_without_losing_work(monkeypatch, seed, blocks, budget):
+    """Random chunk limits every step, with and without memory pressure:
+    no chunk passes its limit, a request held at 0 stays waiting in its
+    place, and every request still computes each of its tokens once and
+    finishes (the checked replay's per-chunk checks, the ledger's
+    invariants, every request finished)."""
+    report, seen = checked_replay(monkeypatch, blocks=blocks, budget=budget, chunk_limits=RandomChunkLimits(seed))
+    assert report["requests"] == 54 and report["rejected"] == 0
+    assert seen["held"] > 0  # the limits held requests back (about a third of those capped are held at 0)
+
+
+def test_a_held_request_keeps_its_place_and_the_next_is_admitted():
+    settings = settings_from_toml(TIGHT.format(blocks=2048, budget=512, seqs=8), "t.toml")
+    eng, _ = build_engine(settings)
+    rt = session.build_runtime(settings, eng)
+    from sagellm_core.types import ScheduleIR
+
+    states = [rt.arrive(Request(f"r{i}", list(range(i * 1000, i * 1000 + 300)), 5)) for i in range(4)]
+    ir = ScheduleIR(0.0, list(states), [], 512, 8, chunk_limits={"r0": 0, "r1": 100, "r3": 0})
+    step = step_scheduler.pack(rt, ir)
+    assert step.plan().chunks == (ScheduledChunk("r1", 100, 0, True), ScheduledChunk("r2", 300, 0, True))
+    assert step.running == [states[1], states[2]] and step.waiting == [states[0], states[3]]
+    for state, n, completes in zip(step.states, step.num_new, step.completes):  # what the engine applies
+        state.num_computed_tokens += n
+        state.num_output_tokens += completes
+    # The next step, no request held: r1 runs on, capped, r2 decodes, r0 and r3 are admitted in their order.
+    step = step_scheduler.pack(rt, ScheduleIR(0.0, step.waiting, step.running, 512, 8, chunk_limits={"r1": 50}))
+    chunks = [(c.request_id, c.num_new_tokens) for c in step.plan().chunks]
+    assert chunks == [("r1", 50), ("r2", 1), ("r0", 300), ("r3", 512 - 50 - 1 - 300)] and step.waiting == []
 
 
 def test_a_packed_steps_plan_is_its_chunks():
