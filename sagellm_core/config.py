@@ -131,11 +131,31 @@ class LimitsSettings:
     hook_time_limit_s: float = 0.0
 
 
+#: ``[kv_stores.NAME] write``: which blocks the runtime offers a store:
+#: every one, or only those the device's prefix cache has hit.
+WRITE_WHICH = ("all", "reused")
+#: ``[kv_stores.NAME] write_on``: when: as the device evicts them, or as
+#: soon as they qualify (cached, or hit for the first time).
+WRITE_WHEN = ("eviction", "through")
+
+
+@frozen
+class TierRule:
+    """The runtime's keys of one store (``[kv_stores.NAME]``, taken out
+    before the rest reach the store): what it is offered, and when."""
+
+    write: str = "all"
+    write_on: str = "eviction"
+
+
 @frozen
 class KVStoreSettings:
     """``[kv_stores]``: the tiers below the device pool, fastest first."""
 
     tiers: tuple[Selection, ...] = ()
+    #: Each tier's :class:`TierRule`, in the order of ``tiers`` (read from
+    #: their tables, not a key of ``[kv_stores]``).
+    rules: tuple[TierRule, ...] = attrs.field(default=(), metadata={"from_tables": True})
     #: Bytes of the rows stores copy when no engine has KV tensors (replay):
     #: the runtime gives them a stand-in device pool of this row size.
     bytes_per_block: int = 4096
@@ -441,7 +461,14 @@ def _kv_stores(path: str, t: _Table | None) -> KVStoreSettings:
     if stray:
         raise ConfigError(f"{t.where}: [kv_stores.{stray[0]}] is not among tiers = {[s.name for s in tiers]}")
     settings: KVStoreSettings = _typed(t, KVStoreSettings)
-    return attrs.evolve(settings, tiers=tiers)
+    rules, stores = [], []
+    for tier in tiers:
+        own = _Table(path, f"kv_stores.{tier.name}", tier.params)
+        write = own.take("write", "all", WRITE_WHICH.__contains__, f"one of {', '.join(WRITE_WHICH)}")
+        write_on = own.take("write_on", "eviction", WRITE_WHEN.__contains__, f"one of {', '.join(WRITE_WHEN)}")
+        rules.append(TierRule(write, write_on))
+        stores.append(attrs.evolve(tier, params=own.data))
+    return attrs.evolve(settings, tiers=tuple(stores), rules=tuple(rules))
 
 
 def _positive_number(value: Any) -> bool:
@@ -475,6 +502,8 @@ def _typed(t: _Table | None, cls: type) -> Any:
         return cls()
     values = {}
     for field in attrs.fields(cls):
+        if field.metadata.get("from_tables"):
+            continue
         default = field.default
         if default is None:
             ok, accepted = _OPTIONAL_NUMBERS.get(field.name, _BY_DEFAULT[str])

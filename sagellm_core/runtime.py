@@ -384,6 +384,8 @@ class Runtime:
                 stores.counters[run.tier].recomputed_blocks += len(run.keys)
             if loaded < held:  # the rest failed their check: computed instead
                 num_new = min(num_new + (held - loaded) * self.block_size, plan.token_budget)
+            if stores.tracks_hits and match.blocks:
+                stores.hit(match.blocks)
         except PluginError:  # a store that raised: nothing changed
             self.host.free_blocks(ids)
             self._unlock_after_touch(request)
@@ -449,6 +451,8 @@ class Runtime:
         self.host.free_blocks(g for g, _ in result.replaced)
         self.blocks_touched(result.locked)
         self.blocks_cached(result.adopted)
+        if self.stores.writes_through and result.adopted:
+            self.stores.cached(result.adopted)
 
     def preempt(self, state: SequenceState) -> None:
         self.release(state)

@@ -1,8 +1,10 @@
 """The KV stores below the device pool, as the runtime uses them
-(``[kv_stores] tiers``, fastest first): every store is offered what the
-device evicts, admission asks which of a prompt's next blocks they can
-provide (the first store holding a block serves it), and what they give
-back enters the device pool only after its checksum is checked.
+(``[kv_stores] tiers``, fastest first): each store is offered blocks by its
+rule (``[kv_stores.NAME] write``, ``write_on``: every block or only those
+the device has hit, as the device evicts them or as soon as they qualify),
+admission asks which of a prompt's next blocks they can provide (the first
+store holding a block serves it), and what they give back enters the
+device pool only after its checksum is checked.
 
 A store is untrusted like any plugin: a store that raises or answers
 nonsense is a one-line :class:`PluginError` naming it; a block whose bytes
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 from attrs import frozen
 
+from sagellm_core.config import TierRule
 from sagellm_core.counters import TierCounters
 from sagellm_core.errors import PluginError, SagellmError
 from sagellm_core.plugin_host import PLUGIN_FAULTS, LoadedPlugin, PluginHost
@@ -65,6 +68,15 @@ class StoreTiers:
         #: Puts not counted yet: (tier, blocks offered, its future).
         self._puts: deque[tuple[int, int, Future[int]]] = deque()
         settings = host.settings.kv_stores
+        rules = list(enumerate(settings.rules or [TierRule()] * len(self.stores)))
+        #: The stores offered blocks as the device evicts them (whether only
+        #: those hit), as they are cached, and as they are hit first.
+        self._at_eviction = [(t, r.write == "reused") for t, r in rules if r.write_on == "eviction"]
+        self._at_caching = [t for t, r in rules if (r.write, r.write_on) == ("all", "through")]
+        self._at_first_hit = [t for t, r in rules if (r.write, r.write_on) == ("reused", "through")]
+        self.writes_through, self.tracks_hits = bool(self._at_caching), any(r.write == "reused" for _, r in rules)
+        #: Content keys of device blocks a prefix match hit, dropped as they are evicted.
+        self._hit_keys: set[int] = set()
         self.load_or_recompute, self.prefetching = settings.load_or_recompute, settings.prefetch
         self.prefetch_timeout_s = settings.prefetch_timeout_s
         #: The engine's costs of loads against recompute, where it knows them.
@@ -116,15 +128,41 @@ class StoreTiers:
         return held
 
     def offload(self, removed: tuple[CachedBlock, ...]) -> None:
-        """Offer blocks leaving the device cache to every store."""
-        self.device_kv()
-        for tier, counters in enumerate(self.counters):
-            start = perf_counter()
-            future = self._future(tier, "put", removed)
-            counters.seconds += perf_counter() - start
-            counters.put_rounds += 1
-            self._puts.append((tier, len(removed), future))
+        """Offer blocks leaving the device cache to the stores that write on
+        eviction (a ``reused`` one: those of them the device has hit)."""
+        hits = self._hit_keys
+        for tier, reused_only in self._at_eviction:
+            self._put(tier, [b for b in removed if b.key in hits] if reused_only else removed)
+        if hits:
+            hits.difference_update(b.key for b in removed)
         self._count_puts()
+
+    def cached(self, blocks: tuple[CachedBlock, ...]) -> None:
+        """Offer blocks just cached to the stores that write every block through."""
+        for tier in self._at_caching:
+            self._put(tier, blocks)
+        self._count_puts()
+
+    def hit(self, blocks: tuple[CachedBlock, ...]) -> None:
+        """``blocks`` were matched at an admission: reused. Those hit for the
+        first time are offered to the stores that write reused blocks through."""
+        hits = self._hit_keys
+        first = [b for b in blocks if b.key not in hits]
+        hits.update(b.key for b in first)
+        for tier in self._at_first_hit:
+            self._put(tier, first)
+        self._count_puts()
+
+    def _put(self, tier: int, blocks: Sequence[CachedBlock]) -> None:
+        if not blocks:
+            return
+        self.device_kv()
+        counters = self.counters[tier]
+        start = perf_counter()
+        future = self._future(tier, "put", blocks)
+        counters.seconds += perf_counter() - start
+        counters.put_rounds += 1
+        self._puts.append((tier, len(blocks), future))
 
     def _count_puts(self, wait: bool = False) -> None:
         """Count the puts that are done (``wait``: all of them), in order."""

@@ -4,14 +4,15 @@ the engine adapters' KV connectors (vLLM's, LMDeploy's), each a tensor of
 ``capacity`` block rows indexed by slot.
 
 A block takes a free slot (lowest first) or, once none is free, the slot
-written longest ago (FIFO): a tier's content turns over oldest first.
-Pinned slots (a read in flight) are passed over until unpinned.
+written longest ago (FIFO): a tier's content turns over oldest first; or,
+given ``victims`` (a store's eviction policy), the slots of the keys it
+picks. Pinned slots (a read in flight) are passed over until unpinned.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from itertools import takewhile
 
 
@@ -20,8 +21,11 @@ class SlotIndex:
     forgets whatever its slot held, and a key placed again (the same
     content saved twice) moves to its new slot."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, victims: Callable[[int, Collection[Hashable]], Sequence[Hashable]] | None = None):
         self.capacity = capacity
+        #: ``victims(n, pinned keys)``: the held keys that make room for n
+        #: more once no slot is free (they are forgotten); ``None``: FIFO.
+        self.victims = victims
         self._slot: dict[Hashable, int] = {}
         self._key: dict[int, Hashable] = {}
         # Slots written, oldest first (a slot whose key was forgotten stays
@@ -54,6 +58,17 @@ class SlotIndex:
         n = len(keys)
         free, written, pins, key_of = self._free, self._written, self._pins, self._key
         pinned = sum(1 for key in pins if key in self._slot) if pins else 0
+        if self.victims is not None:
+            if n > len(free) + len(self._slot) - pinned:
+                return None
+            if n > len(free):
+                self.forget(self.victims(n - len(free), pins))
+            if n > len(free):  # the policy picked fewer
+                return None
+            slots = free[len(free) - n :][::-1]
+            del free[len(free) - n :]
+            self.record(keys, slots)
+            return slots
         if n > len(free) + len(written) - pinned:
             return None
         take = min(n, len(free))
@@ -77,15 +92,20 @@ class SlotIndex:
             previous_slot = slot_of.get(key)  # the same content saved before
             if previous_slot is not None:
                 del key_of[previous_slot]
+                if self.victims is not None:
+                    self._free.append(previous_slot)
             key_of[slot] = key
             slot_of[key] = slot
 
     def forget(self, keys: Sequence[Hashable]) -> None:
-        """Drop ``keys`` (their slots are reused in their turn)."""
+        """Drop ``keys`` (their slots are reused in their turn, or at once
+        with ``victims``)."""
         for key in keys:
             slot = self._slot.pop(key, None)
             if slot is not None:
                 del self._key[slot]
+                if self.victims is not None:
+                    self._free.append(slot)
 
     def pin(self, keys: Sequence[Hashable]) -> None:
         """Keep the slots of ``keys`` from reuse until they are unpinned."""

@@ -225,8 +225,12 @@ def test_an_observation_no_plugin_takes_is_not_called_or_timed(tmp_path):
 
 #: The only modules that may write counters, call the private hook calls or
 #: set the clock's field: the runtime, its checked hook calls and its
-#: compaction round.
-OWNERS = {ROOT / "sagellm_core" / name for name in ("runtime.py", "plugin_host.py", "stores.py", "compaction.py")}
+#: compaction round; and a KV store's eviction policy, which its own plugin
+#: manager (one policy, no runtime) tells of the store's blocks.
+OWNERS = {
+    *(ROOT / "sagellm_core" / name for name in ("runtime.py", "plugin_host.py", "stores.py", "compaction.py")),
+    ROOT / "sagellm_core" / "kit" / "store_eviction.py",
+}
 #: The runtime's hooks (the CLI's own plugin manager calls sagellm_register_commands).
 RUNTIME_HOOKS = {name for name in dir(hookspecs) if name.startswith("sagellm_") and name != "sagellm_register_commands"}
 

@@ -173,11 +173,20 @@ KEYS = {
     "scheduler": ["passes"],
     "admission": ["plugin", "guarantees", "caps", "lend", "quantile", "max_wait_s", "default_output_tokens"],
     "transport": ["plugin", "host_blocks", "bytes_per_block"],
-    "kv_stores": ["tiers", "bytes_per_block"],
+    # "host": the host store's own table ([kv_stores.host]): its rules among its parameters.
+    "kv_stores": ["tiers", "bytes_per_block", "host"],
     "report": ["hook_timing"],
     "limits": ["hook_time_limit_s"],
     "server": ["max_waiting"],
 }
+#: A store's table: the runtime's write rules and the store's eviction policy among its parameters.
+store_tables = st.dictionaries(
+    st.sampled_from(["write", "write_on", "eviction", "capacity_blocks"]),
+    st.one_of(
+        hostile_scalars, st.sampled_from(["all", "reused", "eviction", "through", "lru", "lfu", "belady", "nope", ""])
+    ),
+    max_size=4,
+)
 config_values = st.one_of(
     hostile_scalars,
     st.sampled_from(
@@ -186,8 +195,9 @@ config_values = st.one_of(
             *("../../etc/passwd", "events.jsonl", "/tmp/x", "generator"),
         ]
     ),
-    st.lists(st.sampled_from(["fcfs", "sjf", "nope", ""]), max_size=3),
+    st.lists(st.sampled_from(["fcfs", "sjf", "nope", "", "host", "disk"]), max_size=3),
     st.dictionaries(st.sampled_from(["tenant-0", "", "docs"]), hostile_scalars, max_size=3),
+    store_tables,
 )
 
 

@@ -7,10 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hypothesis.strategies as st
 from conftest import FUZZ
 from harness import judge, run_cli
 from hypothesis import given
-from strategies import azure_trace, config_file, mooncake_trace, replay_argv, sharegpt_records
+from strategies import (
+    BASE,
+    azure_trace,
+    config_file,
+    mooncake_trace,
+    replay_argv,
+    sharegpt_records,
+    store_tables,
+    toml_text,
+)
 
 TRACE_CONFIG = """
 [engine]
@@ -123,6 +133,19 @@ def test_class5_and_class6_configs(tmp_path_factory, data: bytes):
     outcome = run_cli(["replay", "--config", str(config), "--quiet", "--json", "{tmp}/report.json"])
     judge("5/6: configs", outcome, culprits=[str(config)])
     assert not (folder / "events.jsonl").exists() or outcome.status == 0
+
+
+@FUZZ
+@given(table=store_tables, tiers=st.sampled_from([["host"], ["host", "disk"]]))
+def test_class6_a_store_s_rules(tmp_path_factory, table, tiers):
+    """Any ``[kv_stores.host]`` table (write rules, eviction policy,
+    capacity): a correct run or one line naming the config."""
+    folder = tmp_path_factory.mktemp("rules")
+    config = folder / "config.toml"
+    stores = {"tiers": tiers, "bytes_per_block": 16, "host": table}
+    config.write_text(toml_text({**BASE, "kv_stores": stores}))
+    outcome = run_cli(["replay", "--config", str(config), "--quiet", "--json", "{tmp}/report.json"])
+    judge("6: a store's rules", outcome, culprits=[str(config)])
 
 
 @FUZZ

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dict_store import DictStore
 
-from sagellm_core.types import StoredBlocks, completed
+from sagellm_core import hookimpl
+from sagellm_core.types import EvictionDecision, StoredBlocks, completed
 
 
 class CorruptingStore(DictStore):
@@ -30,3 +31,19 @@ class ShortReads(DictStore):
     def get(self, keys):
         stored = super().get(keys).result()
         return completed(StoredBlocks(stored.source, stored.row_ids[1:], stored.views[1:], stored.checksums[1:]))
+
+
+class PinnedPicker:
+    """An eviction policy that names every block it was told of, pinned or
+    not, however few are asked: a broken policy for a store."""
+
+    def __init__(self, settings, context):
+        self.seen: list[int] = []
+
+    @hookimpl
+    def sagellm_blocks_cached(self, blocks):
+        self.seen += [b.block_id for b in blocks]
+
+    @hookimpl
+    def sagellm_select_victims(self, num_blocks, candidates):
+        return EvictionDecision(tuple(self.seen))

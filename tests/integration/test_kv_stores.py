@@ -2,8 +2,9 @@
 guide's dict store runs as a tier and finds what the host store finds, a
 block whose bytes were altered in a store (or on disk) never enters the
 device pool (counted, dropped, recomputed), each block comes from the first
-store that holds it, the hit figures add up for any workload, and a
-restarted process finds the disk store's blocks."""
+store that holds it, the hit figures add up for any workload, a
+restarted process finds the disk store's blocks, and each store holds what
+its write rule offers it (``write``, ``write_on``), the same bytes either way."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ hook_timing = false
 """
 
 
+#: Dict stores (they keep all they are offered), one per write rule.
+RULES = {
+    "evicted": ("all", "eviction"),
+    "reused": ("reused", "eviction"),
+    "through": ("all", "through"),
+    "reused-through": ("reused", "through"),
+}
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stores")
@@ -60,6 +70,8 @@ def stores(tmp_path_factory):
             {
                 "sagellm.kv_stores": {
                     "dict": "dict_store:DictStore",
+                    # The same store under more names: several tiers, each with its write rule.
+                    **{name: "dict_store:DictStore" for name in RULES},
                     "corrupting": "store_faults:CorruptingStore",
                     "short-reads": "store_faults:ShortReads",
                 }
@@ -350,3 +362,131 @@ def test_the_report_shows_each_store_s_hits_loads_recomputes_and_prefetches():
         f"{host['wasted_prefetched_blocks']:,}",
     ]
     assert host["loaded_blocks"] and host["recomputed_blocks"] and host["prefetch_rounds"]
+
+
+# -------------------------------------------------- what each tier writes --
+
+RULED = """
+[prefix_cache]
+plugin = "radix"
+block_size = 4
+[kv_pool]
+plugin = "paged"
+num_blocks = 16
+[eviction]
+plugin = "lru"
+[kv_stores]
+tiers = [{tiers}]
+bytes_per_block = 8
+[report]
+hook_timing = false
+"""
+
+
+def ruled_runtime(names: list[str]) -> Runtime:
+    text = RULED.format(tiers=", ".join(f'"{n}"' for n in names))
+    for name in names:
+        write, write_on = RULES[name]
+        text += f'[kv_stores.{name}]\nwrite = "{write}"\nwrite_on = "{write_on}"\n'
+    return Runtime(settings_from_toml(text), hook_timing=False)
+
+
+def content(key: int) -> np.ndarray:
+    """The bytes the test's engine computes for the block of content key ``key``."""
+    return np.frombuffer(key.to_bytes(8, "little"), dtype=np.uint8)
+
+
+def drive(rt: Runtime, prompts: list[list[int]]) -> tuple[set[int], set[int], int]:
+    """Serve ``prompts`` one after another, writing each computed block's
+    bytes (its key's :func:`content`) into the device rows and checking the
+    bytes of each loaded block. Returns the keys the device hit, the keys it
+    cached, and the blocks loaded."""
+    hit, cached, loaded = set(), set(), 0
+    rows = rt.stores.device_kv().tensor
+    for i, prompt in enumerate(prompts):
+        request = Request(f"r{i}", prompt, 1)
+        full = len(prompt) // 4
+        keys = rt.host.block_keys(request, 0, full)
+        state = rt.arrive(request)
+        device = rt.host.lookup(request).num_blocks
+        hit.update(keys[:device])
+        assert rt.admit(state, 1024) > 0
+        n = rt.counters.host_hit_blocks - loaded
+        loaded += n
+        for key, block_id in zip(keys[device : device + n], state.block_ids[device : device + n]):
+            assert (rows[block_id] == content(key)).all()  # a loaded block holds its own bytes
+        for key, block_id in zip(keys[device + n :], state.block_ids[device + n : full]):
+            rows[block_id] = content(key)  # computed
+        cached.update(keys)
+        state.num_computed_tokens = state.num_tokens
+        rt.finish(state)
+    rt.stores.report()  # (every write counted)
+    return hit, cached, loaded
+
+
+def held(rt: Runtime, name: str) -> set[int]:
+    return set(next(s.instance for s in rt.stores.stores if s.selection.name == name).blocks)
+
+
+shared_prompts = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(4, 40), st.integers(0, 8)), min_size=1, max_size=24
+).map(lambda picks: [[p * 1000 + t for t in range(n)] + [9000 + i] * extra for i, (p, n, extra) in enumerate(picks)])
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompts=shared_prompts)
+def test_each_tier_holds_what_its_write_rule_offers_it(stores, prompts):
+    """Four dict stores (they keep all they are offered) under the four
+    rules: a reused-only tier never holds a block the device did not hit;
+    written through, a tier holds every block cached (or every block hit)
+    as soon as it is."""
+    rt = ruled_runtime(list(RULES))
+    hit, cached, _ = drive(rt, prompts)
+    assert held(rt, "reused") <= hit and held(rt, "reused") <= held(rt, "evicted")
+    assert held(rt, "reused-through") == hit
+    assert held(rt, "through") == cached
+    report = rt.stores.report()
+    assert report["evicted"]["written_blocks"] == rt.counters.evicted_blocks
+    rt.check_invariants()
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompts=shared_prompts)
+def test_a_tier_written_through_serves_the_same_bytes_as_one_written_on_eviction(stores, prompts):
+    on_eviction = ruled_runtime(["evicted"])
+    through = ruled_runtime(["through"])
+    # drive checks every loaded block's bytes; both load the same blocks.
+    assert drive(on_eviction, prompts) == drive(through, prompts)
+    on_eviction.check_invariants()
+    through.check_invariants()
+
+
+def test_a_reused_only_tier_writes_fewer_blocks_and_an_eviction_copies_nothing_to_a_write_through_tier(stores):
+    prompts = [[p * 1000 + t for t in range(24)] + [9000 + i] * 4 for i, p in enumerate([0, 1, 0, 2, 3, 0, 1, 2])]
+    rt = ruled_runtime(list(RULES))
+    hit, cached, loaded = drive(rt, prompts)
+    report = rt.stores.report()
+    assert 0 < report["reused"]["written_blocks"] < report["evicted"]["written_blocks"]
+    # Written through: every block cached (one loaded back is offered again as it is cached again).
+    assert held(rt, "through") == cached and len(cached) > len(held(rt, "evicted"))
+    rounds = report["through"]["put_rounds"]
+    rt.reset_prefix_cache()  # every cached block evicted
+    assert rt.stores.report()["through"]["put_rounds"] == rounds  # already written: no copy at eviction
+    assert loaded > 0
+
+
+def test_a_write_rule_not_known_is_named():
+    from sagellm_core.errors import ConfigError
+
+    bad = RULED.format(tiers='"host"') + '[kv_stores.host]\nwrite = "hot"\n'
+    with pytest.raises(ConfigError, match=r"\[kv_stores\.host\] write = 'hot': one of all, reused"):
+        settings_from_toml(bad)
+    bad = RULED.format(tiers='"host"') + '[kv_stores.host]\nwrite_on = "admission"\n'
+    with pytest.raises(ConfigError, match=r"\[kv_stores\.host\] write_on = 'admission': one of eviction, through"):
+        settings_from_toml(bad)
+    # The runtime's keys are taken out; the store gets its own.
+    good = settings_from_toml(
+        RULED.format(tiers='"host"') + '[kv_stores.host]\nwrite = "reused"\ncapacity_blocks = 8\n'
+    )
+    assert good.kv_stores.tiers[0].params == {"capacity_blocks": 8}
+    assert good.kv_stores.rules[0].write == "reused"

@@ -18,7 +18,8 @@ oldest first. A block whose bytes were altered on disk is caught by the
 runtime's checksum check when it is read back, and removed. A full disk
 (``ENOSPC``, ``EDQUOT``) stops the writes with one warning: the store keeps
 serving what it has and offloads nothing more. Past ``capacity_blocks`` the
-block used longest ago is deleted.
+block used longest ago is deleted, or the one a ``sagellm.eviction`` policy
+picks (``eviction``: :class:`~sagellm_core.kit.store_eviction.StoreEviction`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
+from sagellm_core.kit.store_eviction import StoreEviction
 from sagellm_core.types import CachedBlock, KVCaches, StoredBlocks, completed
 from sagellm_plugin_kv_stores import records
 from sagellm_plugin_kv_stores.host import NOTHING
@@ -61,6 +63,9 @@ class DiskSettings:
     #: fsync each file and its folder before it counts as written (survives
     #: power loss, not only a killed process; much slower).
     fsync: bool = False
+    #: The ``sagellm.eviction`` policy that picks what goes past capacity;
+    #: empty: the block used (read or written) longest ago.
+    eviction: str = field(default="", validator=validators.instance_of(str))
 
 
 class DiskStore:
@@ -81,6 +86,8 @@ class DiskStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="sagellm-disk-store")
         self._full = False
         self.counts: Counter[str] = Counter()
+        where = f"[kv_stores.{context.name}] eviction"
+        self.policy = StoreEviction(settings.eviction, self.capacity, where) if settings.eviction else None
 
     @hookimpl
     def sagellm_kv_caches_allocated(self, kv_caches: KVCaches) -> None:
@@ -107,6 +114,8 @@ class DiskStore:
                     found.append((path.stat().st_mtime_ns, key, path))
         for _, key, path in sorted(found):
             self._held[key] = path
+        if self.policy is not None:
+            self.policy.written(list(self._held))
         self.counts["recovered"] += len(found)
         self._evict_over_capacity()
 
@@ -181,14 +190,21 @@ class DiskStore:
             with self._lock:
                 self._held[key] = path
                 self._held.move_to_end(key)
+                if self.policy is not None:
+                    self.policy.written([key])
                 self._evict_over_capacity()
             written += 1
         return written
 
     def _evict_over_capacity(self) -> None:
-        """Delete the blocks used longest ago past capacity, but pinned ones
-        (under the lock, or at start)."""
+        """Delete the blocks used longest ago (or the policy's victims) past
+        capacity, but pinned ones (under the lock, or at start)."""
         excess = len(self._held) - self.capacity
+        if self.policy is not None and excess > 0:
+            for key in self.policy.make_room(excess, self._pins):
+                self._held.pop(key).unlink(missing_ok=True)
+                self.counts["evicted"] += 1
+            return
         for key in list(self._held):
             if excess <= 0:
                 break
@@ -207,6 +223,8 @@ class DiskStore:
             with self._lock:
                 if key in self._held:
                     self._held.move_to_end(key)
+                    if self.policy is not None:
+                        self.policy.read([key])
         views = tuple(staged.view(i) for i in range(len(keys)))
         return completed(StoredBlocks(staged.source, tuple(range(len(keys))), views, tuple(checksums)))
 
@@ -252,6 +270,8 @@ class DiskStore:
                 if path is not None:
                     path.unlink(missing_ok=True)
                     self.counts["removed"] += 1
+            if self.policy is not None:
+                self.policy.dropped(keys)
 
     def stats(self) -> Mapping[str, int]:
         self._writer.submit(lambda: None).result()  # the writes queued so far are done

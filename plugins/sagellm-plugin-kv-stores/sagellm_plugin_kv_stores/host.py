@@ -3,7 +3,9 @@
 ``capacity_blocks`` rows shaped like the device's blocks (pinned on a CUDA
 device): blocks the device evicts are copied in, found again by content
 key, and read back instead of recomputed. A full store reuses the row
-written longest ago (:class:`~sagellm_core.kit.slots.SlotIndex`).
+written longest ago (:class:`~sagellm_core.kit.slots.SlotIndex`), or those
+of the blocks a ``sagellm.eviction`` policy picks (``eviction``:
+:class:`~sagellm_core.kit.store_eviction.StoreEviction`).
 
 Admission: a copy pays for itself only if the block comes back. Once the
 store's whole content has turned over with none read back (twice the blocks
@@ -26,6 +28,7 @@ from attrs import field, frozen, validators
 
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.kit.slots import SlotIndex
+from sagellm_core.kit.store_eviction import StoreEviction
 from sagellm_core.types import CachedBlock, KVCaches, StoredBlocks, block_checksum, completed
 from sagellm_plugin_kv_stores.rows import HostRows
 
@@ -40,6 +43,9 @@ NOTHING = completed(0)
 class HostSettings:
     #: Blocks the store holds (each the device's KV bytes of one block).
     capacity_blocks: int = field(default=4096, validator=[validators.instance_of(int), validators.ge(0)])
+    #: The ``sagellm.eviction`` policy that picks the rows reused once the
+    #: store is full; empty: the row written longest ago.
+    eviction: str = field(default="", validator=validators.instance_of(str))
 
 
 class HostStore:
@@ -48,7 +54,9 @@ class HostStore:
     Settings = HostSettings
 
     def __init__(self, settings: HostSettings, context: PluginContext):
-        self.index = SlotIndex(settings.capacity_blocks)
+        where = f"[kv_stores.{context.name}] eviction"
+        self.policy = StoreEviction(settings.eviction, settings.capacity_blocks, where) if settings.eviction else None
+        self.index = SlotIndex(settings.capacity_blocks, self.policy.make_room if self.policy is not None else None)
         self.rows: HostRows | None = None
         #: The checksum of each row's content, recorded when it was written.
         self.checksums = [0] * settings.capacity_blocks
@@ -78,6 +86,8 @@ class HostStore:
             return NOTHING
         rows = self.rows
         rows.copy_in([b.block_id for b in blocks], slots)
+        if self.policy is not None:
+            self.policy.written([b.key for b in blocks])
         for slot in slots:
             self.checksums[slot] = block_checksum(rows.view(slot))
         self.written_since_read += len(slots)
@@ -88,6 +98,8 @@ class HostStore:
         assert rows is not None
         slots = tuple(self.index.slots(keys))
         self.written_since_read = 0
+        if self.policy is not None:
+            self.policy.read(keys)
         views = tuple(rows.view(slot) for slot in slots)
         return completed(StoredBlocks(rows.source, slots, views, tuple(self.checksums[s] for s in slots)))
 
@@ -102,6 +114,8 @@ class HostStore:
 
     def remove(self, keys: Sequence[int]) -> None:
         self.index.forget(keys)
+        if self.policy is not None:
+            self.policy.dropped(keys)
 
     def stats(self) -> Mapping[str, int]:
         return {"held": len(self.index), "declining": int(self.declining)}
