@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -72,6 +74,17 @@ def block_hashes(
         parent = sha256((parent or root, tokens, extra_keys if page == 0 else None))
         out.append(parent)
     return out
+
+
+def content_keys(hashes: Sequence[bytes]) -> tuple[int, ...]:
+    """Each 32-byte hash's key (:attr:`CachedBlock.key`): its first 8 bytes,
+    little-endian, as :class:`CachedBlock` keys are made at insertion; read
+    as one array of words, not one ``int.from_bytes`` a block: a tier
+    lookup asks for a whole prompt's keys at once."""
+    words = array("Q", b"".join(hashes))
+    if sys.byteorder == "big":
+        words.byteswap()
+    return tuple(words[::4])
 
 
 @frozen
@@ -244,7 +257,7 @@ class HashPrefixCache:
     def sagellm_block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[int, ...]:
         num_blocks = min(num_blocks, request.num_prompt_tokens // self.block_size)
         hashes = self._request_hashes(request, request.prompt_token_ids, num_blocks)  # memoised per request
-        return tuple(int.from_bytes(h[:8], "little") for h in hashes[start:])
+        return content_keys(hashes[start:])
 
     @hookimpl
     def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:
