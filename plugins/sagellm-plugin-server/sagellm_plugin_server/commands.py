@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,11 @@ def _prefix_caching(base: Settings, enable: bool, flags: dict) -> dict[tuple[str
     return out
 
 
-def build_server(settings: Settings):
+def build_server(settings: Settings, plugins: Sequence[object] = ()):
     """(app, engine thread, model name) for a config whose engine is torch;
-    the thread is not started."""
+    the thread is not started. ``plugins`` are registered on the engine's
+    runtime before it starts (observers a caller adds: a cluster instance's
+    KV-event publisher)."""
     from sagellm_core.drivers.engines import LiveEngine, build_engine, sized_pool
     from sagellm_core.runtime import Runtime
 
@@ -109,7 +112,10 @@ def build_server(settings: Settings):
         raise ConfigError(
             f"{settings.path}: [engine] name = {settings.engine.name!r}; `sagellm serve` serves the torch engine"
         )
-    core = engine.start(Runtime(sized_pool(settings, engine)))
+    rt = Runtime(sized_pool(settings, engine))
+    for plugin in plugins:
+        rt.host.pm.register(plugin)
+    core = engine.start(rt)
     metrics = ServerMetrics(settings.eviction.name if settings.eviction else "none")
     server = settings.section("server")
     thread = EngineThread(core, server.max_waiting, metrics.observe)

@@ -22,9 +22,10 @@ def free_port() -> int:
 class Server:
     """``sagellm serve`` in a subprocess on 127.0.0.1, ended by the fixture:
     ``Server(config)`` serves a config file, ``Server(args=[...])`` takes
-    ``sagellm serve``'s arguments (a model and flags)."""
+    ``sagellm serve``'s arguments (a model and flags); it must answer
+    ``/health`` within ``start_timeout_s``."""
 
-    def __init__(self, config: Path | None = None, args: Sequence[str] = ()):
+    def __init__(self, config: Path | None = None, args: Sequence[str] = (), start_timeout_s: float = 120.0):
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -35,7 +36,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"sagellm serve exited: {self.process.stdout.read()}")
@@ -46,7 +47,7 @@ class Server:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError("sagellm serve did not become healthy in 120 s")
+        raise RuntimeError(f"sagellm serve did not become healthy in {start_timeout_s:g} s")
 
     def stop(self) -> None:
         self.process.terminate()

@@ -1,0 +1,242 @@
+"""One instance of a served cluster, in a process of its own: ``sagellm
+serve``'s app on the instance's config (the server plugin's
+``build_server``), with its KV events published, and two routes the front
+reads:
+
+* ``GET /kv/events?start=N``: the instance's KV event batches from number
+  ``N`` on (:mod:`.events`, vLLM's wire format, hex-encoded), and the number
+  of the next one; ``batches`` is ``null`` when batch ``N`` is no longer kept.
+* ``POST /kv/keys`` ``{"token_ids": [...], "cache_salt": null}``: the block
+  keys of that prompt as this instance's prefix cache computes them, which
+  the front looks up in its index.
+
+Both run on the engine's thread (``EngineThread.call``), where the block
+observations arrive, so that a batch is never cut mid-event.
+
+A prefill or decode instance also joins the front's store (``--store-port``)
+for its links (``--links``, one per prefill-decode pair, as
+:mod:`.gloo` names them) and answers:
+
+* prefill: ``POST /kv/prefill`` ``{"request_id", "token_ids", "link"}``:
+  computes the prompt (one output token, discarded), leases its blocks and
+  offers them on the link (:class:`~.gloo.PrefillServer`); the leases are
+  served from a task that polls while any is open;
+* decode: ``POST /kv/pull`` ``{"request_id", "token_ids", "link",
+  "timeout_s"}``: pulls the prompt's blocks into its cache
+  (:class:`~.gloo.DecodePuller`), ending done, failed or expired within
+  the deadline; the request itself then comes as any other, and computes
+  what the pull did not bring;
+* both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
+  by outcome (decode).
+
+The lease and the pull run on the engine's thread (they allocate and free
+blocks): a transfer holds that instance's steps for its length, bounded by
+its deadline.
+
+Run as ``python -m sagellm_plugin_cluster.instance --config FILE --port N``
+(the launcher, :mod:`.launcher`, does)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+import attrs
+from pydantic import BaseModel
+from sagellm_plugin_server.engine_thread import QueueFull
+from sagellm_plugin_server.protocol import error
+
+from sagellm_core import config as config_mod
+from sagellm_core.errors import RequestError, SagellmError
+from sagellm_core.types import Request
+
+from .events import KVEventPublisher
+from .gloo import DecodePuller, KVTensors, PrefillServer
+
+#: Seconds between two polls of a prefill instance's open leases.
+LEASE_POLL_S = 0.005
+
+
+class KeysRequest(BaseModel):
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class TransferRequest(BaseModel):
+    request_id: str
+    token_ids: list[int]
+    link: str
+    timeout_s: float = 10.0
+
+
+@attrs.frozen
+class Transfers:
+    """How a prefill or decode instance reaches its peers."""
+
+    role: str
+    store_port: int
+    links: tuple[str, ...]
+    lease_s: float
+    send_timeout_s: float
+
+
+def build_instance(settings, transfers: Transfers | None = None):  # type: ignore[no-untyped-def]
+    """(app, engine thread) for an instance's config; the thread is not started."""
+    from sagellm_plugin_server.commands import build_server
+
+    # The front reads the batches back (replay); nothing is pushed.
+    publisher = KVEventPublisher(settings.block_size, lambda seq, payload: None)
+    kv = KVTensors()
+    app, thread, _ = build_server(settings, plugins=[publisher, kv])
+    rt = thread.core.rt
+    if transfers is not None:
+        _add_transfer_routes(app, thread, kv, transfers)
+
+    @app.get("/kv/events")
+    async def events(start: int = 0) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            publisher.flush(time.time())
+            batches = publisher.replay(start)
+            listed = None if batches is None else [[seq, payload.hex()] for seq, payload in batches]
+            return {"batches": listed, "next": publisher.next_seq}
+
+        return await thread.call(read)  # type: ignore[no-any-return]
+
+    @app.post("/kv/keys")
+    async def keys(body: KeysRequest) -> dict[str, Any]:
+        request = Request("keys", body.token_ids, 1, cache_salt=body.cache_salt)
+        full = len(body.token_ids) // rt.block_size
+        found = await thread.call(lambda: rt.host.block_keys(request, 0, full) if full else ())
+        return {"keys": list(found)}
+
+    return app, thread
+
+
+def _add_transfer_routes(app, thread, kv: KVTensors, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
+    from .workers import connect
+
+    store = connect(transfers.store_port, 30)
+    if transfers.role == "prefill":
+        _add_prefill_routes(app, thread, kv, store, transfers)
+    else:
+        _add_decode_routes(app, thread, kv, store, transfers)
+
+
+def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
+    from sagellm_plugin_torch.sampling import SamplingParams
+
+    rt = thread.core.rt
+    servers = {
+        link: PrefillServer(rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s)
+        for link in transfers.links
+    }
+    polling: list[asyncio.Task[None]] = []
+
+    async def serve_leases() -> None:
+        def poll() -> bool:
+            now = time.monotonic()
+            for server in servers.values():
+                server.poll(now)
+            return any(server.busy for server in servers.values())
+
+        while await thread.call(poll):
+            await asyncio.sleep(LEASE_POLL_S)
+
+    @app.post("/kv/prefill")
+    async def prefill(body: TransferRequest) -> Any:
+        server = servers.get(body.link)
+        if server is None:
+            return error(400, f"link {body.link!r}: this instance serves {', '.join(servers)}", param="link")
+        request = Request(body.request_id, body.token_ids, 1)
+        try:
+            outputs = await thread.submit([(request, SamplingParams(max_tokens=1))])
+        except (RequestError, QueueFull) as exc:
+            return error(503, f"prefill of {body.request_id}: {exc}", kind="server_error")
+        while True:
+            out = await outputs.get()
+            if isinstance(out, BaseException):
+                return error(500, f"prefill of {body.request_id}: engine stopped: {out!r}", kind="server_error")
+            if out.finished:
+                break
+        if out.finish_reason == "rejected":
+            return error(503, f"prefill of {body.request_id}: rejected", kind="server_error")
+        offered = await thread.call(lambda: server.offer(request, time.monotonic()))
+        if not polling or polling[-1].done():
+            polling.append(asyncio.create_task(serve_leases()))
+            del polling[:-1]
+        return {"offered_blocks": offered}
+
+    @app.get("/kv/transfers")
+    async def leases() -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            ended: dict[str, int] = {}
+            for server in servers.values():
+                for status, n in server.leases.ended.items():
+                    ended[status.value] = ended.get(status.value, 0) + n
+            sends = sum(s.sends for s in servers.values())
+            return {
+                "leases_ended": ended,
+                "sends": sends,
+                "send_failures": sum(s.send_failures for s in servers.values()),
+            }
+
+        return await thread.call(read)  # type: ignore[no-any-return]
+
+
+def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
+    rt = thread.core.rt
+    pullers = {link: DecodePuller(rt, kv, store, link) for link in transfers.links}
+
+    @app.post("/kv/pull")
+    async def pull(body: TransferRequest) -> Any:
+        puller = pullers.get(body.link)
+        if puller is None:
+            return error(400, f"link {body.link!r}: this instance serves {', '.join(pullers)}", param="link")
+        request = Request(body.request_id, body.token_ids, 1)
+        status = await thread.call(lambda: puller.pull(request, body.timeout_s))
+        return {"status": status.value}
+
+    @app.get("/kv/transfers")
+    async def pulls() -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            counts = [attrs.asdict(p.counts) for p in pullers.values()]
+            return {key: sum(c[key] for c in counts) for key in counts[0]} if counts else {}
+
+        return await thread.call(read)  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sagellm_plugin_cluster.instance", description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
+    parser.add_argument("--store-port", type=int, help="the front's store (prefill and decode instances)")
+    parser.add_argument("--links", default="", help="this instance's links, comma-separated")
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--send-timeout-s", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    transfers = None
+    if args.role != "colocated":
+        links = tuple(link for link in args.links.split(",") if link)
+        transfers = Transfers(args.role, args.store_port, links, args.lease_s, args.send_timeout_s)
+    try:
+        app, thread = build_instance(config_mod.load(args.config), transfers)
+    except SagellmError as exc:
+        print(f"sagellm: error: {exc}", file=sys.stderr)
+        return 1
+    thread.start()
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level)
+    finally:
+        thread.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

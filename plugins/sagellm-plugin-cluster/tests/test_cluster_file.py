@@ -1,0 +1,179 @@
+"""The cluster file of ``sagellm serve --cluster``: a good one gives each
+instance an id and its config; a bad one is one ConfigError line naming
+the file and the key, whatever it holds (fuzzed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sagellm_plugin_cluster import clusterfile
+
+from sagellm_core.errors import ConfigError
+
+INSTANCE = """
+[engine]
+name = "{engine}"
+model = "{model}"
+[prefix_cache]
+plugin = "radix"
+block_size = {block_size}
+[kv_pool]
+plugin = "paged"
+num_blocks = 64
+[eviction]
+plugin = "lru"
+[scheduler]
+passes = ["fcfs"]
+"""
+
+
+def instance_config(folder: Path, name: str, engine: str = "torch", model: str = "m", block_size: int = 16) -> str:
+    (folder / name).write_text(INSTANCE.format(engine=engine, model=model, block_size=block_size))
+    return name
+
+
+def write(folder: Path, text: str) -> Path:
+    path = folder / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    instance_config(tmp_path, "a.toml")
+    instance_config(tmp_path, "b.toml")
+    return tmp_path
+
+
+def test_instances_named_by_config_and_count(folder: Path) -> None:
+    path = write(
+        folder,
+        '[router]\nplugin = "least-loaded"\n[[instance]]\nconfig = "a.toml"\ncount = 2\n'
+        '[[instance]]\nconfig = "b.toml"\n',
+    )
+    spec = clusterfile.load(path)
+    assert [i.instance_id for i in spec.instances] == ["a-0", "a-1", "b-0"]
+    assert [i.config_path for i in spec.instances] == [folder / "a.toml"] * 2 + [folder / "b.toml"]
+    assert {i.role for i in spec.instances} == {"colocated"}
+    assert spec.router.plugin_name == "least-loaded"
+    assert spec.start_timeout_s == 300
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nreplicas = 2\n',
+            "instance[0]: unknown key 'replicas'",
+        ),
+        ('speed = 1\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n', "unknown key 'speed'"),
+        ('[[instance]]\nconfig = "a.toml"\n', "[router] plugin: missing"),
+        ('[router]\nplugin = "kv-aware"\n', "[[instance]]: missing"),
+        ('[router]\nplugin = "kv-aware"\n[[instance]]\ncount = 2\n', "instance[0].config: missing"),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "nope.toml"\n',
+            "instance[0].config = 'nope.toml': no file",
+        ),
+        ('[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\ncount = 0\n', "instance[0].count = 0"),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nrole = "decoder"\n',
+            "instance[0].role = 'decoder'",
+        ),
+        (
+            'start_timeout_s = -1\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n',
+            "start_timeout_s = -1",
+        ),
+        ('[router]\nplugin = "no-such-router"\n[[instance]]\nconfig = "a.toml"\n', "[router]"),
+        ("[router\n", "not TOML"),
+    ],
+)
+def test_bad_file_names_the_key(folder: Path, text: str, named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        clusterfile.load(write(folder, text))
+    message = str(caught.value)
+    assert named in message
+    assert str(folder / "cluster.toml") in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        ({"engine": "replay"}, "[engine] name = 'replay'"),
+        ({"model": "other"}, "[engine] model 'other' differs"),
+        ({"block_size": 4}, "[prefix_cache] (plugin, block size) ('radix', 4) differs"),
+    ],
+)
+def test_instance_configs_must_agree(folder: Path, other: dict, named: str) -> None:
+    instance_config(folder, "c.toml", **other)
+    text = '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n[[instance]]\nconfig = "c.toml"\n'
+    with pytest.raises(ConfigError, match=r"instance\[1\]\.config = 'c.toml'") as caught:
+        clusterfile.load(write(folder, text))
+    assert named in str(caught.value)
+
+
+def test_sagellm_serve_cluster_refuses_a_bad_file_before_starting_anything(folder: Path, capsys) -> None:
+    from sagellm_core.cli import main
+
+    path = write(folder, '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\ncount = 0\n')
+    assert main(["serve", "--cluster", str(path)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "instance[0].count = 0" in error and "\n" not in error
+
+
+def test_sagellm_serve_cluster_refuses_one_engine_flags(folder: Path, capsys) -> None:
+    from sagellm_core.cli import main
+
+    path = write(folder, '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n')
+    assert main(["serve", "--cluster", str(path), "--max-num-seqs", "4", "--device", "cpu"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "--device, --max-num-seqs" in error and "cluster file" in error
+
+
+def test_missing_file_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--cluster .*nowhere.toml"):
+        clusterfile.load(tmp_path / "nowhere.toml")
+
+
+scalars = st.one_of(
+    st.integers(-3, 70), st.floats(allow_nan=False, allow_infinity=False), st.booleans(), st.text(max_size=8)
+)
+values = st.one_of(scalars, st.lists(scalars, max_size=3), st.sampled_from(["a.toml", "b.toml", "kv-aware"]))
+keys = st.sampled_from([*clusterfile.TOP_KEYS, *clusterfile.INSTANCE_KEYS, "plugin", "other"])
+tables = st.dictionaries(keys, values, max_size=4)
+files = st.fixed_dictionaries(
+    {},
+    optional={
+        "start_timeout_s": values,
+        "router": st.one_of(values, tables, st.just({"plugin": "round-robin"})),
+        "instance": st.one_of(values, st.lists(tables, max_size=3), st.just([{"config": "a.toml"}])),
+        "other": values,
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files)
+def test_fuzz_any_table_loads_or_is_one_line_error(folder: Path, table: dict) -> None:
+    path = write(folder, msgspec.toml.encode(table).decode())
+    try:
+        spec = clusterfile.load(path)
+    except ConfigError as exc:
+        assert str(path) in str(exc) and "\n" not in str(exc)
+    else:
+        assert spec.instances and all(i.config_path.is_file() for i in spec.instances)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=80))
+def test_fuzz_any_bytes_load_or_are_one_line_error(folder: Path, data: bytes) -> None:
+    path = folder / "cluster.toml"
+    path.write_bytes(data)
+    try:
+        clusterfile.load(path)
+    except ConfigError as exc:
+        assert "\n" not in str(exc)

@@ -1,0 +1,204 @@
+"""``sagellm serve --cluster``: two colocated instances of the torch engine
+(a tiny random Llama, CPU) behind the routing front, and one prefill with
+one decode instance (1P1D, KV pulled over gloo). Greedy outputs through
+the front equal one instance's (``sagellm serve`` on the same config),
+streamed or not; requests sharing a prefix meet on one instance under the
+KV-aware router; with the prefill instance killed, the decode instance
+computes each prompt (the failed transfers counted) and answers the same;
+every instance process is gone once the front stops, or once an instance
+fails to start. Marked ``engine`` (each process loads
+torch and the model): ``tox -e cluster-transfer`` runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sagellm_plugin_torch")
+pytest.importorskip("sagellm_plugin_server")
+
+import httpx  # noqa: E402
+from sagellm_plugin_cluster import clusterfile  # noqa: E402
+from sagellm_plugin_cluster.launcher import Launcher  # noqa: E402
+from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
+
+from sagellm_core.errors import SagellmError  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+#: Six prompts over two shared prefixes of several blocks (block size 4).
+PREFIXES = ["alpha beta gamma delta epsilon zeta eta theta", "one two three four five six seven eight nine"]
+PROMPTS = [f"{PREFIXES[i % 2]} tail {i} " + "word " * i for i in range(6)]
+CHATS = [[{"role": "user", "content": f"{PREFIXES[0]} question {i}"}] for i in range(2)]
+START_S = 150.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A child that exited but was not yet reaped by its parent is gone too.
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def serve_cluster(cluster: Path) -> Server:
+    """``sagellm serve --cluster FILE`` in a subprocess on a free port."""
+    return Server(args=["--cluster", str(cluster)], start_timeout_s=START_S)
+
+
+def stop(front: Server) -> int:
+    """Stop the front (SIGTERM) and return its exit status; it has as long
+    as its instances take to stop (``Server.stop`` kills at 20 s)."""
+    front.process.terminate()
+    try:
+        return front.process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        front.process.kill()
+        raise
+
+
+def settled_stats(url: str, n: int) -> dict:
+    """``/kv/stats`` once the front has counted ``n`` requests (a stream is
+    counted after its last chunk, which the client may read first)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(f"{url}/kv/stats", params={"check_invariants": True}, timeout=60).json()
+        if sum(stats["requests"].values()) >= n or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def complete(url: str, prompt: str) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["text"]
+
+
+def chat_stream(url: str, messages: list[dict]) -> str:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+    text = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+    return "".join(text)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    from sagellm_plugin_torch import testing
+
+    folder = tmp_path_factory.mktemp("serve-cluster")
+    model = testing.save_tiny_llama(folder / "model")
+    config = server_config(folder, model, max_num_seqs=4)
+    cluster = folder / "cluster.toml"
+    cluster.write_text(
+        f'start_timeout_s = {START_S}\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "{config.name}"\ncount = 2\n'
+    )
+    return folder, config, cluster
+
+
+@pytest.fixture(scope="module")
+def disaggregated(configs):
+    folder, config, _ = configs
+    cluster = folder / "pd.toml"
+    instances = "".join(f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\n' for role in ("prefill", "decode"))
+    cluster.write_text(f'start_timeout_s = {START_S}\npull_timeout_s = 20\n[router]\nplugin = "kv-aware"\n{instances}')
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def reference(configs):
+    """Each prompt's greedy output from one instance: ``sagellm serve`` alone."""
+    _, config, _ = configs
+    server = Server(config)
+    try:
+        return [complete(server.url, p) for p in PROMPTS], [chat_stream(server.url, m) for m in CHATS]
+    finally:
+        server.stop()
+
+
+def test_front_answers_as_one_instance_and_stops_every_child(configs, reference):
+    _, _, cluster = configs
+    front = serve_cluster(cluster)
+    try:
+        completions = [complete(front.url, p) for p in PROMPTS]
+        chats = [chat_stream(front.url, m) for m in CHATS]
+        models = httpx.get(f"{front.url}/v1/models").json()
+        stats = settled_stats(front.url, len(PROMPTS) + len(CHATS))
+    finally:
+        code = stop(front)
+    assert (completions, chats) == reference
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert stats["router"] == "kv-aware"
+    assert stats["requests"] == {"forwarded": len(PROMPTS) + len(CHATS), "failed": 0}
+    instances = stats["instances"]
+    assert sum(i["routed"] for i in instances.values()) == len(PROMPTS) + len(CHATS)
+    assert {i["invariants"] for i in instances.values()} == {"ok"}
+    # Prompts sent one at a time over two prefixes: once a prefix's blocks
+    # are published, its later prompts go where they are, and hit them.
+    assert sum(i["block_hit_rate"] > 0 for i in instances.values()) >= 1
+    assert code == 128 + signal.SIGTERM  # stopped by the signal, after its instances
+    assert not [pid for pid in (i["pid"] for i in instances.values()) if alive(pid)]
+
+
+def test_disaggregated_answers_as_one_instance_and_falls_back_to_recompute(disaggregated, reference):
+    front = serve_cluster(disaggregated)
+    try:
+        completions = [complete(front.url, p) for p in PROMPTS]
+        chats = [chat_stream(front.url, m) for m in CHATS]
+        stats = settled_stats(front.url, len(PROMPTS) + len(CHATS))
+        by_role = {i["role"]: i for i in stats["instances"].values()}
+        os.kill(by_role["prefill"]["pid"], signal.SIGKILL)
+        after_kill = [complete(front.url, p) for p in PROMPTS[:2]]
+        after = settled_stats(front.url, len(PROMPTS) + len(CHATS) + 2)
+    finally:
+        stop(front)
+    assert (completions, chats) == reference
+    assert after_kill == reference[0][:2]
+    served = len(PROMPTS) + len(CHATS)
+    assert stats["transfers"] == {"done": served, "failed": 0, "expired": 0}
+    pulled = by_role["decode"]["transfers"]
+    assert pulled["done"] == served and pulled["blocks"] > 0 and pulled["recomputed_tokens"] == 0
+    assert by_role["prefill"]["transfers"]["leases_ended"]["done"] == served
+    assert {i["invariants"] for i in by_role.values()} == {"ok"}
+    # The prefill instance gone: each request's transfer failed, and the
+    # decode instance computed the prompt, its accounting whole.
+    assert after["transfers"] == {"done": served, "failed": 2, "expired": 0}
+    assert after["requests"] == {"forwarded": served + 2, "failed": 0}
+    decode = next(i for i in after["instances"].values() if i["role"] == "decode")
+    assert decode["invariants"] == "ok"
+    assert not [pid for pid in (i["pid"] for i in by_role.values()) if alive(pid)]
+
+
+def test_failed_start_stops_every_instance(configs, tmp_path):
+    folder, config, _ = configs
+    broken = tmp_path / "broken.toml"
+    broken.write_text(config.read_text())
+    good = tmp_path / "good.toml"
+    good.write_text(config.read_text())
+    # The broken instance's model folder is emptied after the file is
+    # checked: it exits while loading.
+    model = tmp_path / "model"
+    model.mkdir()
+    broken.write_text(config.read_text().replace(str(folder / "model"), str(model)))
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('[router]\nplugin = "round-robin"\n[[instance]]\nconfig = "good.toml"\n')
+    spec = clusterfile.load(cluster)
+    broken_spec = clusterfile.InstanceSpec("broken-0", "colocated", broken, spec.instances[0].settings)
+    launcher = Launcher(clusterfile.ClusterSpec(cluster, (*spec.instances, broken_spec), spec.router, START_S))
+    with pytest.raises(SagellmError, match="instance broken-0 .* exited with"):
+        launcher.start()
+    assert len(launcher.running) == 2
+    assert not [r for r in launcher.running if r.process.poll() is None]
