@@ -9,7 +9,8 @@
 * Azure CSV traces: lengths only; every prompt is distinct (no sharing).
 * The built-in generator: multi-tenant chat sessions with a shared system
   prompt per tenant and multi-turn growth. Seeded; needs no files. Its
-  ``[workload]`` keys are :class:`GeneratorSettings`.
+  ``[workload]`` keys are :class:`HintedSettings`: the sessions' shape, and
+  the client hints they send.
 * Any other ``source`` names a ``sagellm.workloads`` entry point of an
   installed package: an object ``load(settings)`` yielding requests, whose
   ``Settings`` (if it has one) is the attrs class of the ``[workload]`` keys
@@ -40,7 +41,7 @@ import attrs
 from sagellm_core import registry
 from sagellm_core.config import MAX_TOKENS, WORKLOAD_GROUP, WorkloadSettings
 from sagellm_core.errors import ConfigError, SagellmError, TraceError
-from sagellm_core.types import TOKEN_ARRAY_TYPECODE, Request
+from sagellm_core.types import TOKEN_ARRAY_TYPECODE, KVHints, Request
 
 #: Token ids of synthetic (unshared) text start here, above the id space of
 #: trace blocks and generator vocabularies, so they never collide.
@@ -348,14 +349,69 @@ class GeneratorSettings:
             raise ValueError(f"tenant_skew = {self.tenant_skew!r}: at most 8")
 
 
+@attrs.frozen
+class HintedSettings(GeneratorSettings):
+    """The ``[workload]`` keys of a source that knows its sessions: the
+    generator's, and the client hints its requests carry (:class:`Hinter`)."""
+
+    #: Send the hints the application knows.
+    hints: bool = False
+    #: The share of the requests whose hints say the opposite about whether
+    #: their session goes on.
+    hints_wrong: float = 0.0
+    #: The share of the requests that send no hints.
+    hints_missing: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key in ("hints_wrong", "hints_missing"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key} = {getattr(self, key)!r}: a share, from 0 to 1")
+        if self.hints_wrong + self.hints_missing > 1:
+            raise ValueError("hints_wrong + hints_missing: at most 1")
+
+
+RELEASE = KVHints(release=True)
+
+
+class Hinter:
+    """The hints a workload's clients send. The truth is whether the session
+    ends with this request (its last turn: ``release``) or goes on (the
+    ``going_on`` hints: pins of a shared prefix, retention); a share
+    ``hints_wrong`` of the requests state the opposite, ``hints_missing``
+    send none. Its draws are its own stream (seeded from the workload's
+    seed), so the workload's requests do not depend on them. Options that
+    are not :class:`HintedSettings` (or say ``hints = false``) send none."""
+
+    def __init__(self, options: GeneratorSettings, seed: int):
+        hinted = isinstance(options, HintedSettings) and options.hints
+        self.wrong = options.hints_wrong if hinted else 0.0
+        self.missing = options.hints_missing if hinted else 1.0
+        self.rng = random.Random(seed * 1_000_003 + 34)
+
+    def __call__(self, ends: bool, going_on: KVHints | None = None) -> KVHints | None:
+        if self.missing >= 1.0:
+            return None
+        draw = self.rng.random()
+        if draw < self.missing:
+            return None
+        if draw < self.missing + self.wrong:
+            ends = not ends
+        return RELEASE if ends else going_on
+
+
 def generate(settings: WorkloadSettings) -> Iterator[Request]:
     """Multi-tenant chat sessions. Each tenant has a system prompt shared by
     all its sessions; turn k's prompt is the system prompt, every earlier user
     message and reply, and a new user message, so a session's prefix grows.
     Lengths are lognormal around the configured means; arrivals are a Poisson
-    process of sessions plus exponential think times between turns."""
+    process of sessions plus exponential think times between turns. With
+    ``hints = true`` (:class:`HintedSettings`) each turn but a session's last
+    pins its tenant's system prompt, and the last releases the session."""
     s: GeneratorSettings = settings.options
     rng = random.Random(settings.seed)
+    hint = Hinter(s, settings.seed)
+    going_on = KVHints(pin=s.system_prompt_tokens) if s.system_prompt_tokens > 0 else None
     vocab = 32000
 
     def text(mean: int) -> array:
@@ -391,6 +447,7 @@ def generate(settings: WorkloadSettings) -> Iterator[Request]:
             tenant=f"tenant-{tenant}",
             session_id=f"s{session}",
             output_token_ids=reply,
+            kv_hints=hint(turn + 1 >= s.turns, going_on),
         )
         if turn + 1 < s.turns:
             # The next turn is sent after the reply is read; replay cannot know
@@ -400,7 +457,7 @@ def generate(settings: WorkloadSettings) -> Iterator[Request]:
 
 
 #: The ``[workload]`` keys the generator reads (its ``sagellm.workloads`` entry point's ``Settings``).
-generate.Settings = GeneratorSettings  # type: ignore[attr-defined]
+generate.Settings = HintedSettings  # type: ignore[attr-defined]
 
 
 def count(settings: WorkloadSettings) -> int | None:

@@ -6,7 +6,8 @@ import pytest
 from sagellm_core.config import WorkloadSettings
 from sagellm_core.errors import TraceError
 from sagellm_core.replay import workloads
-from sagellm_core.replay.workloads import GeneratorSettings
+from sagellm_core.replay.workloads import GeneratorSettings, HintedSettings
+from sagellm_core.types import KVHints
 
 
 def write_mooncake(path, rows):
@@ -175,6 +176,36 @@ def test_generator_sessions_share_system_prompts_and_grow():
     assert len({r.prompt_token_ids[:64].tobytes() for r in tenant0}) == 1
     first = {r.tenant: r.prompt_token_ids[:64].tobytes() for r in requests}
     assert first["tenant-0"] != first["tenant-1"]
+
+
+def test_the_generator_sends_the_hints_its_sessions_know_and_changes_no_request():
+    """Truthful: every turn but a session's last pins the tenant's system
+    prompt, the last releases the session; a stated share wrong (the
+    opposite about whether the session goes on) or missing; the requests the
+    same in every mode."""
+
+    def load(**keys):
+        options = HintedSettings(tenants=2, sessions_per_tenant=40, turns=3, system_prompt_tokens=64, **keys)
+        return list(workloads.load(WorkloadSettings(seed=5, options=options)))
+
+    def facts(requests):
+        return [(r.request_id, r.prompt_token_ids.tobytes(), r.arrival_s, r.session_id) for r in requests]
+
+    plain, told = load(), load(hints=True)
+    assert facts(told) == facts(plain) and all(r.kv_hints is None for r in plain)
+    last = {r.session_id: r.request_id for r in told}
+    for r in told:
+        ends = last[r.session_id] == r.request_id
+        assert r.kv_hints == (KVHints(release=True) if ends else KVHints(pin=64)), r.request_id
+    for key in ("hints_wrong", "hints_missing"):
+        spoiled = load(hints=True, **{key: 0.3})
+        assert facts(spoiled) == facts(told)
+        changed = [(a.kv_hints, b.kv_hints) for a, b in zip(told, spoiled) if a.kv_hints != b.kv_hints]
+        assert 0.2 < len(changed) / len(told) < 0.4, key
+        if key == "hints_missing":
+            assert all(b is None for _, b in changed)
+        else:
+            assert all(b is not None and a.release != b.release for a, b in changed)
 
 
 def test_generator_is_seeded():

@@ -244,28 +244,55 @@ def test_without_hints_it_is_its_fallback_block_for_block(fallback, seed, num_bl
     assert runs[0] == runs[1] and runs[0][0]
 
 
-@pytest.mark.parametrize("source", ["agentic", "tenant-mix"])
-def test_without_hints_a_suite_workload_replays_as_its_fallback(source):
-    text = f"""
+SUITE_WORKLOAD = """
 [engine]
 name = "replay"
 mode = "cache-only"
 [workload]
 source = "{source}"
-sessions_per_tenant = 4
+sessions_per_tenant = {sessions}
+{hints}
 [prefix_cache]
 plugin = "radix"
 block_size = 64
 [kv_pool]
 plugin = "paged"
-num_blocks = 300
+num_blocks = {num_blocks}
 [eviction]
-plugin = "{{policy}}"
+{eviction}
 """
-    reports = [session.run(settings_from_toml(text.format(policy=p))).report for p in ("hints", "lru")]
+
+
+def replay_report(source: str, sessions: int, num_blocks: int, eviction: str, hints: str = "") -> dict:
+    text = SUITE_WORKLOAD.format(
+        source=source, sessions=sessions, hints=hints, num_blocks=num_blocks, eviction=eviction
+    )
+    return session.run(settings_from_toml(text)).report
+
+
+@pytest.mark.parametrize("source", ["agentic", "tenant-mix"])
+def test_without_hints_a_suite_workload_replays_as_its_fallback(source):
+    reports = [replay_report(source, 4, 300, f'plugin = "{p}"') for p in ("hints", "lru")]
     for key in ("block_hit_rate", "evicted_blocks", "hit_blocks"):
         assert reports[0][key] == reports[1][key], key
     assert reports[0]["evicted_blocks"] > 0
+
+
+@pytest.mark.parametrize("source", ["generator", "rag"])
+def test_releases_that_prove_right_are_always_followed(source):
+    """With truthful hints, or some missing, no released conversation comes
+    back, so ``release_trust`` never turns a release off: the policy chooses
+    as with every release followed, block for block. With wrong hints it
+    does turn them off (the runs differ)."""
+
+    def report(spoiled: str, trust: float) -> tuple:
+        eviction = f'plugin = "hints"\nrelease_trust = {trust}'
+        r = replay_report(source, 10, 150, eviction, hints=f"hints = true\n{spoiled}")
+        return r["block_hit_rate"], r["evicted_blocks"], r["hit_blocks"]
+
+    for spoiled in ("", "hints_missing = 0.3"):
+        assert report(spoiled, 0.7) == report(spoiled, 0.0), spoiled
+    assert report("hints_wrong = 0.3", 0.7) != report("hints_wrong = 0.3", 0.0)
 
 
 # ------------------------------------------------------------ torch engine --

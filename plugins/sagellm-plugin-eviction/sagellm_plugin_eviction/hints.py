@@ -21,6 +21,10 @@ continues, which prefix its agents share, when a tool call will be back
   shared system prompt or document: a block another conversation used is
   shared from then on) are evicted before any other, oldest release first.
   The conversation is the hint's ``cache_key``, else the request's session.
+  A release is followed only from a tenant whose releases have proved right
+  (``release_trust``): a released conversation that sends another request
+  was released wrongly, and a tenant whose share of releases not refuted
+  falls below ``release_trust`` is not followed until it rises again.
 * Everything else (no hint, or a protection ended) is the fallback's: the
   fallback observes every block event but the protected blocks' releases,
   and chooses among what is left. With no hints at all, this policy is its
@@ -49,6 +53,7 @@ from sagellm_core.types import (
     CachedBlock,
     EvictionCandidates,
     EvictionDecision,
+    KVHints,
     PrefixMatch,
     Request,
     RequestOutcome,
@@ -87,6 +92,39 @@ class HintSettings:
     #: follows them hits at least as much as one that does not (wrong hints
     #: then cost little); false: always follow them.
     judged: bool = field(default=True, validator=validators.instance_of(bool))
+    #: Follow a tenant's ``release`` only while at least this share of its
+    #: releases so far were right (counted with one right release before
+    #: the first; a wrong one is a released conversation that sends another
+    #: request); 0: always.
+    release_trust: float = field(default=0.7, converter=float, validator=[validators.ge(0), validators.le(1)])
+
+
+class ReleaseRecord:
+    """Each tenant's releases and the wrong ones among them: a released
+    conversation that came back. Shared by a policy and its advised shadow,
+    which sees no arrivals."""
+
+    def __init__(self, trust: float):
+        self.trust = trust
+        self.releases: dict[str, int] = {}
+        self.wrong: dict[str, int] = {}
+        self._released: dict[str, str] = {}  # conversation released -> its tenant
+
+    def arrived(self, request: Request, conversation: str | None, hints: KVHints | None) -> None:
+        """A request arrived: its conversation was released wrongly if it
+        was released before; a release it carries is counted."""
+        if self._released:
+            tenant = self._released.pop(conversation, None) if conversation is not None else None
+            if tenant is not None:
+                self.wrong[tenant] = self.wrong.get(tenant, 0) + 1
+        if hints is not None and hints.release and conversation is not None:
+            self.releases[request.tenant] = self.releases.get(request.tenant, 0) + 1
+            self._released[conversation] = request.tenant
+
+    def trusted(self, tenant: str) -> bool:
+        """Whether ``tenant``'s releases are right often enough to follow."""
+        releases = self.releases.get(tenant, 0)
+        return (releases - self.wrong.get(tenant, 0) + 1) >= self.trust * (releases + 1)
 
 
 class _Unprotected:
@@ -175,6 +213,8 @@ class HintEviction(PriorityEviction):
         self._context, self._settings = context, settings
         self.requested = 0
         self.switches: list[tuple[int, bool]] = []
+        #: Each tenant's releases and the wrong ones, for ``release_trust``.
+        self.releases = ReleaseRecord(settings.release_trust)
 
     def priority(self, block: CachedBlock, now_s: float) -> int:
         return 0  # (monotone: release order decides)
@@ -201,6 +241,7 @@ class HintEviction(PriorityEviction):
             if owner.setdefault(block.block_id, conversation) != conversation:
                 shared.add(block.block_id)
         hints = request.kv_hints
+        self.releases.arrived(request, conversation, hints)
         if hints is None:
             return
         if hints.pin:
@@ -264,8 +305,8 @@ class HintEviction(PriorityEviction):
                 kept = {block.block_id for block in protected}
                 given = tuple(block for block in blocks if block.block_id not in kept)
         self.fallback.tell("sagellm_blocks_released", given, now_s, request)
-        if hints is not None and hints.release and request is not None:  # first once it has finished
-            self._ending[request.request_id] = own
+        if hints is not None and hints.release and request is not None and self.releases.trusted(request.tenant):
+            self._ending[request.request_id] = own  # first once it has finished
         if (
             self._judged
             and blocks
@@ -321,6 +362,7 @@ class HintEviction(PriorityEviction):
         if self._duel is None:
             capacity, context = self._context.num_blocks, self._context
             advised = HintEviction(attrs.evolve(self._settings, judged=False), context)
+            advised.releases = self.releases  # it sees no arrivals: the releases proved here
             self._duel = (
                 ShadowCache(_Expert.named(self._settings.fallback, context, FALLBACKS), capacity),
                 ShadowCache(_Expert("advised", advised), capacity),

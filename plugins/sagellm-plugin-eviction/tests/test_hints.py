@@ -160,12 +160,33 @@ def test_without_hints_it_chooses_as_lru():
     assert policy.select(5, EVERY_BLOCK).victim_ids == lru.select(5, EVERY_BLOCK).victim_ids == (2, 1, 0, 12, 11)
 
 
+@pytest.mark.parametrize("release_trust", [0.5, 0.0])
+def test_releases_of_a_tenant_whose_released_conversations_come_back_are_not_followed(release_trust):
+    """The tenant ``liar`` releases conversation L on every turn, and L comes
+    back three times: three of its four releases were wrong, below half, so
+    its fourth is not followed (LRU's order stands: U, older, goes first),
+    while ``honest``'s release is (``release_trust = 0``: every release is)."""
+    policy = HintEviction(HintSettings(judged=False, release_trust=release_trust), CTX)
+    for turn in range(3):
+        serve(policy, request(f"l{turn}", "L", KVHints(release=True), tenant="liar"), chain(10 * turn, 2), turn)
+        evict(policy, (10 * turn, 10 * turn + 1))
+    serve(policy, request("u", "U", tenant="honest"), chain(50, 2), 2.5)
+    serve(policy, request("l3", "L", KVHints(release=True), tenant="liar"), chain(60, 2), 3.0)
+    assert (policy.releases.releases, policy.releases.wrong) == ({"liar": 4}, {"liar": 3})
+    assert victims(policy, 2) == ((51, 50) if release_trust else (61, 60))
+    serve(policy, request("h", "H", KVHints(release=True), tenant="honest"), chain(70, 2), 4.0)
+    first = (71, 70) if release_trust else (61, 60, 71, 70)  # honest's release is followed either way
+    assert victims(policy, len(first)) == first
+    assert policy.releases.trusted("honest") and policy.releases.trusted("liar") == (release_trust == 0)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
         ({"fallback": "nope"}, "fallback = 'nope': one of lru"),
         ({"pin_share": 0.8}, "pin_share"),
         ({"pin_ttl_s": 0}, "pin_ttl_s"),
+        ({"release_trust": 1.5}, "release_trust"),
     ],
 )
 def test_settings_are_checked(settings, message):

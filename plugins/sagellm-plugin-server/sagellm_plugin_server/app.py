@@ -173,9 +173,13 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics, pin
             )
         except HintError as exc:
             return error(400, str(exc), param=exc.param)
-        if hints is not None and hints.prefetch:
-            # A prefetch loads the prompt's KV (the runtime takes host-tier
-            # blocks back at admission) and answers no text.
+        prefetch = hints is not None and hints.prefetch
+        if prefetch:
+            # The runtime loads a store's blocks onto the device only into an
+            # admitted request's blocks, and caches them once it has computed
+            # a token: a prefetch is the prompt's stores' prefetch started at
+            # once, then a one-token admission that loads them, whose token
+            # is not an answer.
             for name, asked in (("n", body.n > 1), ("stream", body.stream)):
                 if asked:
                     return error(400, f"kv_hints.prefetch answers no text: {name} is not taken with it", param=name)
@@ -227,7 +231,7 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics, pin
             )
             group.append((request, sampling))
         try:
-            outputs = await engine.submit(group)
+            outputs = await engine.submit(group, prefetch=prefetch)
         except (RequestError, QueueFull) as exc:
             if undo_pin is not None:
                 undo_pin()
@@ -248,7 +252,6 @@ def build_app(engine: EngineThread, model_name: str, metrics: ServerMetrics, pin
             async for _ in events:
                 pass
         answers = []
-        prefetch = hints is not None and hints.prefetch
         for c in choices:
             if prefetch:  # the token it sampled is not an answer
                 c.detok, c.logprobs = Detokenizer(tokenizer, []), []

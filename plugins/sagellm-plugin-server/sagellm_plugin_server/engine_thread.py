@@ -69,11 +69,14 @@ class EngineThread:
         self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
-    async def submit(self, group: list[tuple[Request, SamplingParams]]) -> asyncio.Queue:
+    async def submit(self, group: list[tuple[Request, SamplingParams]], prefetch: bool = False) -> asyncio.Queue:
         """Queue a group of requests for one prompt (``n`` choices; one
         request for ``n = 1``); the outputs of all of them arrive on the
-        returned queue. Raises RequestError (they can never be served) or
-        QueueFull, with nothing queued."""
+        returned queue. With ``prefetch``, the first request's blocks that
+        the KV stores hold start moving up the tiers as it is queued
+        (``Runtime.prefetch``), so they are loaded, or counted late or
+        wasted, when it is admitted. Raises RequestError (they can never be
+        served) or QueueFull, with nothing queued."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
 
@@ -86,6 +89,8 @@ class EngineThread:
             (first, sampling), siblings = group[0], group[1:]
             for request, params in [(first, sampling), *(siblings if not self._shares_prompts else [])]:
                 self.core.add_request(request, params)
+            if prefetch:
+                self.core.rt.prefetch(self.core.requests[first.request_id])
             if siblings and self._shares_prompts:
                 self._siblings[first.request_id] = list(siblings)
             for request, _ in group:

@@ -49,6 +49,8 @@ def kv_stats(core: EngineCore) -> dict[str, Any]:
         "token_hit_rate": round(c.hit_tokens / c.query_tokens, 6) if c.query_tokens else 0.0,
         "host_hit_blocks": c.host_hit_blocks,
         "evicted_blocks": c.evicted_blocks,
+        # Per KV store: its writes, loads and prefetches (started, late, wasted).
+        "stores": {name: tier.summary() for name, tier in c.tiers.items()},
         "tenants": {
             tenant: {"query_blocks": q, "hit_blocks": h, "block_hit_rate": round(h / q, 6) if q else 0.0}
             for tenant, (q, h) in sorted(c.tenant_blocks.items())

@@ -78,19 +78,41 @@ def test_a_released_conversation_is_evicted_before_an_older_one(tmp_path, tiny_m
 
 
 def test_a_prefetch_brings_a_prefix_from_the_host_tier_to_the_device(tmp_path, tiny_model_dir):
+    """The hint starts the host store's prefetch of the prompt's blocks
+    (counted: started, none late or wasted), its admission loads them onto
+    the device, and the next request finds every block there."""
     server = start(tmp_path, tiny_model_dir, "lru", offload=True)
     try:
         complete(server, A)
         assert httpx.post(f"{server.url}/kv/reset_prefix_cache").json()["evicted_blocks"] > 0  # A's blocks to the host
-        host_before = kv(server)["host_hit_blocks"]
+        before = kv(server)
+        host_before, prefetch_before = before["host_hit_blocks"], before["stores"]["host"]
+        assert prefetch_before["prefetch_rounds"] == 0
         answer = complete(server, A, tenant="prefetch", extra_body={"kv_hints": {"prefetch": True}})
         assert answer.choices[0].text == ""  # a prefetch answers no text
-        loaded = kv(server)["host_hit_blocks"] - host_before
+        after = kv(server)
+        loaded = after["host_hit_blocks"] - host_before
         assert loaded > 0 and hits(server, "prefetch") == 0
+        store = after["stores"]["host"]
+        assert (store["prefetch_rounds"], store["prefetched_blocks"]) == (1, loaded)
+        assert (store["late_prefetches"], store["wasted_prefetched_blocks"]) == (0, 0)
         complete(server, A, tenant="next")
         stats = kv(server, check=True)
         assert hits(server, "next") == (len(A) - 1) // BLOCK  # every block on the device
         assert stats["host_hit_blocks"] - host_before == loaded and stats["invariants"] == "ok"
+        assert stats["stores"]["host"]["prefetch_rounds"] == 1  # a request without the hint starts none
+    finally:
+        server.stop()
+
+
+def test_a_prefetch_of_a_prefix_no_store_holds_starts_nothing(tmp_path, tiny_model_dir):
+    server = start(tmp_path, tiny_model_dir, "lru", offload=True)
+    try:
+        answer = complete(server, B, extra_body={"kv_hints": {"prefetch": True}})
+        assert answer.choices[0].text == ""
+        stats = kv(server, check=True)
+        assert stats["stores"]["host"]["prefetch_rounds"] == 0 and stats["host_hit_blocks"] == 0
+        assert stats["invariants"] == "ok"
     finally:
         server.stop()
 

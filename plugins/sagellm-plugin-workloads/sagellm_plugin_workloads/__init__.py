@@ -34,62 +34,12 @@ from itertools import accumulate
 import attrs
 
 from sagellm_core.config import MAX_TOKENS, WorkloadSettings
-from sagellm_core.replay.workloads import GeneratorSettings
+from sagellm_core.replay.workloads import GeneratorSettings, HintedSettings, Hinter
 from sagellm_core.types import TOKEN_ARRAY_TYPECODE, KVHints, Request
 
 #: Token ids start here: above the generator's vocabulary and the trace
 #: loaders' ids, though each run replays one workload anyway.
 BASE_TOKEN = 1 << 40
-
-
-@attrs.frozen
-class HintedSettings(GeneratorSettings):
-    """The ``[workload]`` keys of these sources: the generator's, and the
-    client hints the requests carry."""
-
-    #: Send the hints the application knows (``Hinter``).
-    hints: bool = False
-    #: The share of the requests whose hints say the opposite about whether
-    #: their session goes on.
-    hints_wrong: float = 0.0
-    #: The share of the requests that send no hints.
-    hints_missing: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        for key in ("hints_wrong", "hints_missing"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"{key} = {getattr(self, key)!r}: a share, from 0 to 1")
-        if self.hints_wrong + self.hints_missing > 1:
-            raise ValueError("hints_wrong + hints_missing: at most 1")
-
-
-RELEASE = KVHints(release=True)
-
-
-class Hinter:
-    """The hints a workload's clients send. The truth is whether the session
-    ends with this request (its last turn: ``release``) or goes on (the
-    ``going_on`` hints: pins of a shared prefix, retention); a share
-    ``hints_wrong`` of the requests state the opposite, ``hints_missing``
-    send none. Its draws are its own stream (seeded from the workload's
-    seed), so the workload's requests do not depend on them."""
-
-    def __init__(self, options: GeneratorSettings, seed: int):
-        hinted = isinstance(options, HintedSettings) and options.hints
-        self.wrong = options.hints_wrong if hinted else 0.0
-        self.missing = options.hints_missing if hinted else 1.0
-        self.rng = random.Random(seed * 1_000_003 + 34)
-
-    def __call__(self, ends: bool, going_on: KVHints | None = None) -> KVHints | None:
-        if self.missing >= 1.0:
-            return None
-        draw = self.rng.random()
-        if draw < self.missing:
-            return None
-        if draw < self.missing + self.wrong:
-            ends = not ends
-        return RELEASE if ends else going_on
 
 
 class Text:

@@ -130,7 +130,7 @@ def test_the_noisy_neighbour_refuses_bad_keys_naming_them():
 
 def load_hinted(source, **keys):
     """The source's requests with the hint keys (``hints``, ``hints_wrong``, ``hints_missing``) among ``keys``."""
-    from sagellm_plugin_workloads import HintedSettings
+    from sagellm_core.replay.workloads import HintedSettings
 
     return list(workloads.load(WorkloadSettings(source=source, options=HintedSettings(**keys))))
 
@@ -176,7 +176,7 @@ def test_a_stated_share_of_the_hints_is_wrong_or_missing(key):
     ],
 )
 def test_hint_shares_are_checked(keys, message):
-    from sagellm_plugin_workloads import HintedSettings
+    from sagellm_core.replay.workloads import HintedSettings
 
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         HintedSettings(hints=True, **keys)
