@@ -71,6 +71,14 @@ def test_held_out_half_and_summary(small_suite, tmp_path):
     assert "| agents | held-out |" in suite.markdown(rows)
 
 
+def test_worker_processes_give_the_rows_of_one_process(small_suite, tmp_path):
+    parsed, where = suite.read_suite(small_suite)
+    one = suite.evaluate(parsed, where, ["lfu"], split="all", traces=tmp_path)
+    two = suite.evaluate(parsed, where, ["lfu"], split="all", traces=tmp_path, workers=2)
+    assert two == one
+    assert {row["workload"] for row in one} == {"chat", "agents"}
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sagellm_core import hookimpl
+from sagellm_core.cli import add_workers_option
 from sagellm_core.config import WORKLOAD_GROUP, WORKLOAD_SOURCES, parse, source_options
 from sagellm_core.errors import SagellmError
 from sagellm_core.replay import session, workloads
@@ -189,11 +190,20 @@ def _unavailable(entry: dict, where: str, traces: Path) -> str | None:
 
 
 def evaluate(
-    suite, where, policies, split="tune", traces=None, progress=False, console=None, hints: Sequence[str] = ("none",)
+    suite,
+    where,
+    policies,
+    split="tune",
+    traces=None,
+    progress=False,
+    console=None,
+    hints: Sequence[str] = ("none",),
+    workers: int = 1,
 ) -> list[dict]:
     """One row per workload, capacity and policy (and hint mode, labelled
     ``POLICY [MODE]`` unless ``hints`` is only ``none``): hit rate, ratio to
-    LRU, share of the LRU-to-Belady gap closed."""
+    LRU, share of the LRU-to-Belady gap closed. The runs are planned first,
+    then replayed in ``workers`` local processes (``session.run_many``)."""
     console = console or Console(stderr=True)
     traces = traces or default_traces()
     for mode in hints:
@@ -206,45 +216,43 @@ def evaluate(
     for entry, why in unavailable:
         if why is not None:
             console.print(f"evaluate-policies: skipping {entry['name']}: {why}", soft_wrap=True)
-    rows = []
+    settings_of: dict[tuple, tuple] = {}  # (workload, capacity, policy, hints run) -> (settings, label)
+    plan = []  # (entry, fraction, capacity, {column: run key})
     for entry in (entry for entry, why in unavailable if why is None):
         reused, largest = footprint(_settings(entry, where, traces, 1, "lru"))
         hinted = sends_hints(entry)
         for fraction in suite["fractions"]:
             capacity = max(round(reused * fraction), 2 * largest + 1)
-            runs: dict[str, tuple[str, str, float]] = {}  # column -> (policy, hints run, hit rate)
+            columns = {}
             for policy in names:
                 for mode in ("none",) if policy in REFERENCES else hints:
-                    run_mode = mode if hinted else "none"
+                    run_mode = mode if hinted else "none"  # a workload without hints runs once for every mode
                     column = f"{policy} [{mode}]" if labelled and policy not in REFERENCES else policy
-                    same = [run for run in runs.values() if run[:2] == (policy, run_mode)]
-                    if not same:  # (a workload without hints runs once for every mode)
-                        label = f"{entry['name']} {capacity} {column}"
+                    key = columns[column] = (entry["name"], capacity, policy, run_mode)
+                    if key not in settings_of:
                         settings = _settings(entry, where, traces, capacity, policy, run_mode)
-                        same = [
-                            (
-                                policy,
-                                run_mode,
-                                session.run(settings, label=label, progress=progress).report["block_hit_rate"],
-                            )
-                        ]
-                    runs[column] = same[0]
-            rates = {column: run[2] for column, run in runs.items()}
-            lru, best = rates["lru"], rates["belady"]
-            for policy in rates:
-                gap = best - lru
-                rows.append(
-                    {
-                        "workload": entry["name"],
-                        "split": entry["split"],
-                        "fraction": fraction,
-                        "num_blocks": capacity,
-                        "policy": policy,
-                        "block_hit_rate": rates[policy],
-                        "ratio_to_lru": rates[policy] / lru if lru > 0 else None,
-                        "gap_closed": (rates[policy] - lru) / gap if gap >= MIN_GAP else None,
-                    }
-                )
+                        settings_of[key] = (settings, f"{entry['name']} {capacity} {column}")
+            plan.append((entry, fraction, capacity, columns))
+    results = session.run_many(list(settings_of.values()), workers=workers, progress=progress)
+    rate_of = {key: result.report["block_hit_rate"] for key, result in zip(settings_of, results)}
+    rows = []
+    for entry, fraction, capacity, columns in plan:
+        rates = {column: rate_of[key] for column, key in columns.items()}
+        lru, best = rates["lru"], rates["belady"]
+        gap = best - lru
+        for policy in rates:
+            rows.append(
+                {
+                    "workload": entry["name"],
+                    "split": entry["split"],
+                    "fraction": fraction,
+                    "num_blocks": capacity,
+                    "policy": policy,
+                    "block_hit_rate": rates[policy],
+                    "ratio_to_lru": rates[policy] / lru if lru > 0 else None,
+                    "gap_closed": (rates[policy] - lru) / gap if gap >= MIN_GAP else None,
+                }
+            )
     return rows
 
 
@@ -399,6 +407,7 @@ def cmd_evaluate_policies(args) -> int:
         Path(args.traces) if args.traces else None,
         progress=not args.quiet,
         hints=args.hints or ("none",),
+        workers=args.workers,
     )
     if not rows:
         raise SagellmError(f"evaluate-policies: no workload of split {args.split!r} could run here")
@@ -444,4 +453,5 @@ def sagellm_register_commands(subparsers) -> None:
     p.add_argument("--markdown", help="write the tables to this Markdown file")
     p.add_argument("--plot", help="write a bar chart of the gap closed to this image file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_workers_option(p)
     p.set_defaults(func=cmd_evaluate_policies)
