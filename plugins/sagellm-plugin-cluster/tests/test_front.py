@@ -10,16 +10,21 @@ import asyncio
 import json
 from typing import Any
 
-import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sagellm_plugin_cluster.events import BlockStored, KVEventBatch, encode
-from sagellm_plugin_cluster.front import Member, build_front
 
-from sagellm_core.drivers.router import Router
-from sagellm_core.kit.testing import settings_from_toml
+# The front is the `serve` extra's (FastAPI, httpx): without it, nothing here runs.
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
 
-from .conftest import CONFIG
+from sagellm_plugin_cluster.events import BlockStored, KVEventBatch, encode  # noqa: E402
+from sagellm_plugin_cluster.front import Member, build_front  # noqa: E402
+
+from sagellm_core.drivers.router import Router  # noqa: E402
+from sagellm_core.kit.testing import settings_from_toml  # noqa: E402
+
+from .conftest import CONFIG  # noqa: E402
 
 BLOCK = 4  # conftest.CONFIG's
 
