@@ -4,6 +4,7 @@ the file and the key, whatever it holds (fuzzed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,13 @@ def test_instance_configs_must_agree(folder: Path, other: dict, named: str) -> N
     assert named in str(caught.value)
 
 
+#: `sagellm serve` is the server plugin's command (the `serve` extra); `--cluster` joins it.
+needs_serve = pytest.mark.skipif(
+    importlib.util.find_spec("sagellm_plugin_server") is None, reason="sagellm serve needs sagellm-plugin-server"
+)
+
+
+@needs_serve
 def test_sagellm_serve_cluster_refuses_a_bad_file_before_starting_anything(folder: Path, capsys) -> None:
     from sagellm_core.cli import main
 
@@ -126,6 +134,7 @@ def test_sagellm_serve_cluster_refuses_a_bad_file_before_starting_anything(folde
     assert "instance[0].count = 0" in error and "\n" not in error
 
 
+@needs_serve
 def test_sagellm_serve_cluster_refuses_one_engine_flags(folder: Path, capsys) -> None:
     from sagellm_core.cli import main
 
