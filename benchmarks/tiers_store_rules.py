@@ -83,9 +83,16 @@ def main() -> None:
         "| write | write_on | eviction | device hit rate | host hit rate | blocks written | bytes written"
         " | put rounds |\n|---|---|---|---:|---:|---:|---:|---:|"
     )
+    written: dict[tuple[str, str, str], int] = {}
     for row in ROWS:
         report = run(row, args.max_requests, args.host_blocks)
         host = report["kv_stores"]["host"]
+        # Each row did what its label says: its store was written under its
+        # rule and gave hits back, and reused-only wrote no more than all.
+        written[row] = host["written_blocks"]
+        assert host["written_blocks"] > 0 and report["host_hit_rate"] > 0, (row, host)
+        if row[0] == "reused":
+            assert written[row] <= written[("all", row[1], row[2])], (row, written)
         print(
             f"| {row[0]} | {row[1]} | {row[2] or 'its own (oldest written)'} | {report['block_hit_rate']:.4f}"
             f" | {report['host_hit_rate']:.4f} | {host['written_blocks']:,} | {host['bytes_written']:,}"
