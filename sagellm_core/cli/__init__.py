@@ -78,13 +78,20 @@ def add_set_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_workers_option(parser: argparse.ArgumentParser) -> None:
-    """``--workers N``: on every command that replays several configs."""
+    """``--workers N`` and ``--executor NAME``: on every command that replays several configs."""
     parser.add_argument(
         "--workers",
         type=int,
         default=1,
         metavar="N",
-        help="replay the runs in N local processes at once (default 1: one after another, with progress bars)",
+        help="replay N runs at once (default 1: one after another here, with progress bars)",
+    )
+    parser.add_argument(
+        "--executor",
+        default="local",
+        metavar="NAME",
+        help="where the runs replay: local (processes on this machine, the default) or an executor plugin's,"
+        " e.g. ray (Ray tasks on the cluster RAY_ADDRESS names, else a Ray started here; sagellm-plugin-ray)",
     )
 
 
@@ -122,7 +129,7 @@ def cmd_compare(args) -> int:
     all_settings = [_settings(args, path, overrides) for path in args.config]
     session.check_same_workload(all_settings)
     jobs = [(settings, Path(settings.path).stem) for settings in all_settings]
-    results = session.run_many(jobs, workers=args.workers, progress=not args.quiet)
+    results = session.run_many(jobs, workers=args.workers, executor=args.executor, progress=not args.quiet)
     report.print_reports([r.report for r in results])
     _write_outputs(args, results)
     return 0
@@ -139,7 +146,7 @@ def cmd_sweep(args) -> int:
     for value in values:  # configs side by side replay one workload (the axis may be a workload key)
         session.check_same_workload([settings for _, v, settings in plan if v == value])
     jobs = [(settings, f"{Path(path).stem} {name}={value}") for path, value, settings in plan]
-    results = session.run_many(jobs, workers=args.workers, progress=not args.quiet)
+    results = session.run_many(jobs, workers=args.workers, executor=args.executor, progress=not args.quiet)
     runs = [(Path(path).stem, value, result) for (path, value, _), result in zip(plan, results)]
     reports = [r.report for _, _, r in runs]
     for (_, value, _), rep in zip(runs, reports):

@@ -6,19 +6,21 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sagellm_core import config as config_mod
+from sagellm_core import registry
 from sagellm_core.config import Settings
 from sagellm_core.drivers.engines import EnginePlugin, build_engine, engine_sections, sized_pool
 from sagellm_core.drivers.recorder import Recorder
-from sagellm_core.errors import ConfigError, PluginError
+from sagellm_core.errors import ConfigError, PluginError, PluginStartError
 from sagellm_core.replay import workloads
 from sagellm_core.replay.report import build
 from sagellm_core.runtime import Runtime
@@ -131,21 +133,69 @@ def run(settings: Settings, *, label: str | None = None, progress: bool = False)
     return RunResult(build(rt, recorder, mode, wall, label, counted.read), recorder, rt)
 
 
-def _run_quietly(settings: Settings, label: str) -> RunResult:
+def _run_quietly(job: tuple[Settings, str]) -> RunResult:
+    settings, label = job
     return run(settings, label=label).without_runtime()
 
 
-def run_many(jobs: Sequence[tuple[Settings, str]], *, workers: int = 1, progress: bool = False) -> list[RunResult]:
+#: The entry point group of the executors that replay several runs at once
+#: (``--executor``): ``local`` here, others from plugins (``ray``).
+EXECUTORS = "sagellm.executors"
+
+
+class Executor(Protocol):
+    """Replays runs that share nothing, several at a time: an executor
+    plugin (group ``sagellm.executors``) is this class, built with no
+    arguments."""
+
+    def map(
+        self, run: Callable[[tuple[Settings, str]], RunResult], jobs: Sequence[tuple[Settings, str]], workers: int
+    ) -> list[RunResult]:
+        """``run`` of each of ``jobs``, at most ``workers`` at once; the
+        results in the order of ``jobs``. An error raised by a run is raised
+        here as it was raised there."""
+        ...
+
+
+class LocalProcesses:
+    """The ``local`` executor: fresh local interpreters (``spawn``), so a
+    plugin's state never crosses runs."""
+
+    def map(
+        self, run: Callable[[tuple[Settings, str]], RunResult], jobs: Sequence[tuple[Settings, str]], workers: int
+    ) -> list[RunResult]:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+            return list(pool.map(run, jobs))
+
+
+def load_executor(name: str) -> Executor:
+    """The executor plugin ``name``; a ConfigError naming ``--executor`` when
+    none is installed by that name."""
+    where = f"--executor {name}"
+    ep = registry.find(EXECUTORS, name, where)
+    if ep is None:
+        names = ", ".join(sorted(registry.installed(EXECUTORS))) or "none"
+        raise ConfigError(f"{where}: no such executor; installed: {names} (Ray tasks: pip install sagellm-plugin-ray)")
+    try:
+        cls = ep.load()
+    except (Exception, SystemExit) as exc:  # an import error inside a third-party plugin
+        raise PluginStartError(f"{where}: {ep.value} failed to import: {type(exc).__name__}: {exc}") from exc
+    return cls()
+
+
+def run_many(
+    jobs: Sequence[tuple[Settings, str]], *, workers: int = 1, executor: str = "local", progress: bool = False
+) -> list[RunResult]:
     """Run each ``(settings, label)`` of ``jobs`` and return their results
     (without runtimes: each holds a whole cache) in the order given. Runs
-    share nothing, so ``workers`` > 1 replays them in that many local
-    processes at once (fresh interpreters: a plugin's state never crosses
-    runs); the figures are the same as one at a time."""
+    share nothing, so ``executor`` may replay them ``workers`` at once: the
+    ``local`` one in that many local processes, an executor plugin where it
+    places them (``ray``: Ray tasks); the figures are the same as one at a
+    time. One local worker replays here, one run after another."""
     if type(workers) is not int or workers < 1:
         raise ConfigError(f"--workers {workers!r}: a whole number of processes, at least 1")
-    if workers == 1 or len(jobs) < 2:
+    chosen = load_executor(executor)
+    if isinstance(chosen, LocalProcesses) and (workers == 1 or len(jobs) < 2):
         return [run(settings, label=label, progress=progress).without_runtime() for settings, label in jobs]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
-        futures = [pool.submit(_run_quietly, settings, label) for settings, label in jobs]
-        return [future.result() for future in futures]
+    return chosen.map(_run_quietly, jobs, workers)

@@ -127,3 +127,22 @@ def test_unknown_engine_names_its_adapter_distribution():
         build_engine(settings)
     assert str(err.value).startswith("cfg.toml: [engine]: unknown engine plugin 'sglang'; installed: ")
     assert str(err.value).endswith("(first-party engine plugins: pip install sagellm-plugin-sglang)")
+
+
+def test_unknown_executor_names_the_option_and_the_installed():
+    from sagellm_core.replay import session
+
+    with pytest.raises(ConfigError) as caught:
+        session.run_many([], executor="slurm")
+    message = str(caught.value)
+    assert message.splitlines() == [message]
+    assert "--executor slurm: no such executor; installed: local" in message
+    assert "pip install sagellm-plugin-ray" in message
+
+
+def test_a_blocked_executor_is_refused(monkeypatch, capsys):
+    from sagellm_core.replay import session
+
+    monkeypatch.setenv(registry.BLOCK_ENV, "sagellm.executors:local")
+    with pytest.raises(ConfigError, match="--executor local: plugin 'local'.*blocked"):
+        session.run_many([], executor="local")

@@ -327,3 +327,11 @@ def test_max_requests_must_be_positive(value, capsys):
     assert main(["replay", "--max-requests", value, "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(f"--max-requests {value}: at least 1") and "\n" not in err
+
+
+def test_unknown_executor_is_a_one_line_error(tmp_path, capsys):
+    a = tmp_path / "a.toml"
+    a.write_text('[kv_pool]\nplugin = "paged"\nnum_blocks = 300\n')
+    assert main(["compare", "--config", str(a), "--config", str(a), "--executor", "slurm", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--executor slurm: no such executor" in err

@@ -199,11 +199,12 @@ def evaluate(
     console=None,
     hints: Sequence[str] = ("none",),
     workers: int = 1,
+    executor: str = "local",
 ) -> list[dict]:
     """One row per workload, capacity and policy (and hint mode, labelled
     ``POLICY [MODE]`` unless ``hints`` is only ``none``): hit rate, ratio to
     LRU, share of the LRU-to-Belady gap closed. The runs are planned first,
-    then replayed in ``workers`` local processes (``session.run_many``)."""
+    then replayed ``workers`` at a time by ``executor`` (``session.run_many``)."""
     console = console or Console(stderr=True)
     traces = traces or default_traces()
     for mode in hints:
@@ -233,7 +234,7 @@ def evaluate(
                         settings = _settings(entry, where, traces, capacity, policy, run_mode)
                         settings_of[key] = (settings, f"{entry['name']} {capacity} {column}")
             plan.append((entry, fraction, capacity, columns))
-    results = session.run_many(list(settings_of.values()), workers=workers, progress=progress)
+    results = session.run_many(list(settings_of.values()), workers=workers, executor=executor, progress=progress)
     rate_of = {key: result.report["block_hit_rate"] for key, result in zip(settings_of, results)}
     rows = []
     for entry, fraction, capacity, columns in plan:
@@ -408,6 +409,7 @@ def cmd_evaluate_policies(args) -> int:
         progress=not args.quiet,
         hints=args.hints or ("none",),
         workers=args.workers,
+        executor=args.executor,
     )
     if not rows:
         raise SagellmError(f"evaluate-policies: no workload of split {args.split!r} could run here")

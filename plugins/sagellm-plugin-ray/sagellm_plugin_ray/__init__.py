@@ -1,0 +1,1 @@
+"""sagellm on Ray: replays as Ray tasks (:class:`.executor.RayTasks`)."""
