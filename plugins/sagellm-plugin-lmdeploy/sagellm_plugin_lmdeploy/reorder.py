@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+from sagellm_core.errors import PluginError
 from sagellm_core.types import Request, RequestStatus, ScheduleIR, SequenceState
 from sagellm_plugin_lmdeploy.compat import _PrefillReorderer
 
@@ -72,4 +73,11 @@ class SagellmPrefillReorderer(_PrefillReorderer):
             max_num_seqs=self.prefill_scheduler.scheduler_config.max_batches,
         )
         runtime.schedule(ir)
+        if ir.chunk_limits:
+            # LMDeploy sizes each prefill itself: the caps would be dropped unsaid.
+            raise PluginError(
+                f"{runtime.host.who('scheduler')} set chunk_limits (per-request chunk caps), which the lmdeploy"
+                " engine does not honour: LMDeploy sizes each prefill itself; run chunk-capping passes"
+                " (tenant-shares) on the replay or torch engine"
+            )
         return ready + [by_state[id(state)] for state in ir.waiting]

@@ -425,3 +425,24 @@ def test_the_kv_pool_plugin_picks_lmdeploys_physical_blocks():
     assert set(table.tolist()) == set(range(16)) - set(
         rt.host.plugins["kv_pool"][0].instance._free
     )  # the paged pool's ids
+
+
+def test_a_pass_that_caps_chunks_is_refused_not_dropped():
+    """LMDeploy sizes each prefill itself: a pass's chunk limits (two
+    waiting prefills, tenant-shares capping their tenant at one token) end the step with
+    one line naming the pass, rather than being dropped unsaid."""
+    rt = runtime(
+        '[kv_pool]\nnum_blocks = 64\n[eviction]\nplugin = "lru"\n[scheduler]\npasses = ["fcfs", "tenant-shares"]\n'
+        '[scheduler.tenant-shares]\ncaps = {"default" = 0.0}\n'
+    )
+    with installed(rt):
+        scheduler = build_scheduler(64, 16, max_batches=2)
+        for number, start in enumerate([1000, 2000], start=1):
+            scheduler.add_session(number).add_sequence(
+                np.arange(start, start + 70, dtype=np.int64), sampling_param=lm.SamplingParam(max_new_tokens=1)
+            )
+        with pytest.raises(PluginError) as caught:
+            scheduler.schedule(is_prefill=True, prealloc_size=16)
+    message = str(caught.value)
+    assert message.splitlines() == [message]
+    assert "tenant-shares" in message and "chunk_limits" in message and "lmdeploy engine does not honour" in message

@@ -36,6 +36,7 @@ from functools import partial
 from itertools import islice, repeat
 from operator import attrgetter
 
+from sagellm_core.errors import PluginError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import (
     EMPTY_MATCH,
@@ -57,6 +58,17 @@ from sagellm_plugin_vllm.compat import (
 )
 from sagellm_plugin_vllm.connector import SagellmConnector
 from sagellm_plugin_vllm.live import load_runtime
+
+
+def _chunk_limits_refused(rt: Runtime) -> PluginError:
+    """A pass capped requests' chunks (``ScheduleIR.chunk_limits``): vLLM
+    sizes each request's chunk itself, so the caps would be dropped unsaid."""
+    return PluginError(
+        f"{rt.host.who('scheduler')} set chunk_limits (per-request chunk caps), which the vllm engine"
+        " does not honour: vLLM sizes each request's chunk itself; run chunk-capping passes (tenant-shares)"
+        " on the replay or torch engine"
+    )
+
 
 #: vLLM request -> its SequenceState (set at add_request).
 _sagellm_state = attrgetter("sagellm_state")
@@ -338,6 +350,8 @@ class SagellmDecisions:
         )
         try:
             moved = self.sagellm.schedule(ir)
+            if ir.chunk_limits:
+                raise _chunk_limits_refused(self.sagellm)
         except BaseException:
             self.waiting.reordered = True  # a pass may have reordered the list in place
             raise

@@ -253,3 +253,19 @@ def test_first_tokens_are_stamped_with_and_without_passes(passes):
     for outcome in outcomes:
         assert outcome.num_output_tokens == 5
         assert outcome.first_token_s < outcome.finish_s  # stamped when it came, 4 steps before the last
+
+
+def test_a_pass_that_caps_chunks_is_refused_not_dropped():
+    """vLLM sizes each request's chunk itself: a pass's chunk limits
+    (tenant-shares capping the tenant every request of the replay through vLLM has) end the run
+    with one line naming the pass, rather than being dropped unsaid."""
+    config = (
+        '[engine]\nname = "vllm"\n[kv_pool]\nnum_blocks = 400\n[eviction]\nplugin = "lru"\n'
+        '[scheduler]\npasses = ["fcfs", "tenant-shares"]\n[scheduler.tenant-shares]\ncaps = {"default" = 0.01}\n'
+        "[report]\nhook_timing = false\n"
+    )
+    with pytest.raises(PluginError) as caught:
+        session.run(settings_from_toml(config))
+    message = str(caught.value)
+    assert message.splitlines() == [message]
+    assert "tenant-shares" in message and "chunk_limits" in message and "vllm engine does not honour" in message
