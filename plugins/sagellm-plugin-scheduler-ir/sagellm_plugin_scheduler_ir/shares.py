@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import compress, count
 from operator import attrgetter
 
 from attrs import field, frozen, validators
@@ -142,27 +143,35 @@ class TenantSharesPass:
         room = {t: max(1, _fraction(cap, budget)) for t, cap in self.caps.items()}
         owed = {t: n for t, share in self.shares.items() if (n := min(_fraction(share, budget), room.get(t, budget)))}
         given: dict[int, int] = {}  # position -> tokens given, where any
+        # The positions of the tenants a phase concerns are picked at C speed
+        # (``compress`` over a lazy ``map``, which sees the sets as they shrink).
         if owed:  # the guaranteed shares, each tenant's to its requests in order
-            for i, tenant in enumerate(tenants):
-                left_owed = owed.get(tenant)
-                if left_owed:
-                    own = min(ask(i), left_owed)
-                    owed[tenant] = left_owed - own
-                    if own:
-                        given[i] = own
-                        if tenant in room:
-                            room[tenant] -= own
-                    if own == left_owed and not any(owed.values()):
+            for i in compress(count(), map(owed.__contains__, tenants)):
+                tenant = tenants[i]
+                left_owed = owed[tenant]
+                own = min(ask(i), left_owed)
+                if own:
+                    given[i] = own
+                    if tenant in room:
+                        room[tenant] -= own
+                if own == left_owed:
+                    del owed[tenant]
+                    if not owed:
                         break
+                else:
+                    owed[tenant] = left_owed - own
         left = budget - sum(given.values())
-        reached = 0  # the positions before this one were offered the leftover
-        while left > 0 and reached < len(tenants):  # what is left, to every request in order
-            i, tenant = reached, tenants[reached]
-            reached += 1
+        open_tenants = {t for t in set(tenants) if room.get(t, left) > 0}
+        for i in compress(count(), map(open_tenants.__contains__, tenants)):  # what is left, to every request in order
+            if left <= 0:
+                break
+            tenant = tenants[i]
             more = min(ask(i) - given.get(i, 0), room.get(tenant, left), left)
             if more > 0:
                 given[i] = given.get(i, 0) + more
+                left -= more
                 if tenant in room:
                     room[tenant] -= more
-                left -= more
+                    if room[tenant] <= 0:  # at its cap: its requests' asks are not read
+                        open_tenants.discard(tenant)
         return given
