@@ -52,6 +52,10 @@ class RunsSettings:
     max_moves: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
     #: Steps at least between two rounds.
     min_steps_between: int = field(default=32, validator=[validators.instance_of(int), validators.gt(0)])
+    #: What a round moves: ``"islands"`` (cached blocks between two free
+    #: runs, into other runs) or ``"gather"`` (the cached blocks beside the
+    #: longest free run, into the shortest runs, filling them).
+    moves: str = field(default="islands", validator=validators.in_(("islands", "gather")))
 
 
 class RunsPool:
@@ -72,6 +76,7 @@ class RunsPool:
         self.max_fragmentation = settings.max_fragmentation
         self.max_moves = settings.max_moves
         self.min_steps_between = settings.min_steps_between
+        self.plan = self.plan_islands if settings.moves == "islands" else self.plan_gather
         self._steps = self._next_round = 0
         self._kv: KVCaches | None = None
         if not settings.compact:
@@ -197,7 +202,7 @@ class RunsPool:
         self._next_round = self._steps + self.min_steps_between
         return self.plan(movable)
 
-    def plan(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+    def plan_islands(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
         """Moves of islands (cached blocks between two free runs, every one
         movable), smallest first, each into the smallest free run that holds
         it; a run that an island's move joins takes no island, and a run
@@ -227,6 +232,39 @@ class RunsPool:
             filled.add(start)
             if length > size:
                 room.add((length - size, start + size))
+        return tuple(moves)
+
+    def plan_gather(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+        """Moves that fill the shortest free runs, whole, with the movable
+        blocks beside the longest run, nearest first (those after it, then
+        those before it): each filled run is one run fewer, and the blocks
+        moved out join the longest run (a free run that the blocks after or
+        before it reach is joined as well, and so never filled)."""
+        if len(self._length) < 2:
+            return ()
+        length, start = self._by_length[-1]
+        is_free, limit = self._is_free, self.max_moves
+        donors: list[int] = []
+        joined: set[int] = set()
+        after = start + length
+        while after < self.num_blocks and len(donors) < limit and after in movable:
+            donors.append(after)
+            after += 1
+        if after < self.num_blocks and is_free[after]:
+            joined.add(after)
+        before = start - 1
+        while before >= 0 and len(donors) < limit and before in movable:
+            donors.append(before)
+            before -= 1
+        if before >= 0 and is_free[before]:
+            joined.add(self._start[before])
+        moves: list[tuple[int, int]] = []
+        for run_length, run_start in self._by_length:
+            if run_start == start or run_start in joined:
+                continue
+            if len(moves) + run_length > min(limit, len(donors)):
+                break
+            moves.extend(zip(donors[len(moves) : len(moves) + run_length], range(run_start, run_start + run_length)))
         return tuple(moves)
 
     @hookimpl
