@@ -290,6 +290,16 @@ def contiguity(args) -> None:
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
+        ("buddy", {("kv_pool", "plugin"): "buddy"}),
+        (
+            "runs, gather every step",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "compact"): True,
+                ("kv_pool", "moves"): "gather",
+                ("kv_pool", "min_steps_between"): 1,
+            },
+        ),
     ]
     for label, pool in pools:
         compacting = pool.get(("kv_pool", "compact"), False)

@@ -38,6 +38,8 @@ from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import BlockAllocation, EvictionCandidates, KVCaches, PoolUsage, Request
 
 _NO_BLOCKS = BlockAllocation(())
+#: The longest free runs a gathering round looks beside for blocks to move.
+GATHER_TRIES = 8
 
 
 @frozen
@@ -236,13 +238,30 @@ class RunsPool:
 
     def plan_gather(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
         """Moves that fill the shortest free runs, whole, with the movable
-        blocks beside the longest run, nearest first (those after it, then
-        those before it): each filled run is one run fewer, and the blocks
-        moved out join the longest run (a free run that the blocks after or
-        before it reach is joined as well, and so never filled)."""
-        if len(self._length) < 2:
-            return ()
-        length, start = self._by_length[-1]
+        blocks beside a long run, nearest first (those after it, then those
+        before it): each filled run is one run fewer, and the blocks moved
+        out join the long run (a free run that the blocks after or before it
+        reach is joined as well, and so never filled). The long run is the
+        longest of the ``GATHER_TRIES`` longest beside which there are blocks
+        to move."""
+        by_length = self._by_length
+        for length, start in list(by_length.islice(max(0, len(by_length) - GATHER_TRIES), reverse=True)):
+            donors, joined = self._beside(start, length, movable)
+            moves: list[tuple[int, int]] = []
+            for run_length, run_start in by_length:
+                if run_start == start or run_start in joined:
+                    continue
+                if len(moves) + run_length > len(donors):
+                    break
+                moves.extend(zip(donors[len(moves) :], range(run_start, run_start + run_length)))
+            if moves:
+                return tuple(moves)
+        return ()
+
+    def _beside(self, start: int, length: int, movable: EvictionCandidates) -> tuple[list[int], set[int]]:
+        """The movable blocks after the free run at ``start``, nearest first,
+        then those before it, ``max_moves`` at most; and the free runs they
+        reach."""
         is_free, limit = self._is_free, self.max_moves
         donors: list[int] = []
         joined: set[int] = set()
@@ -258,14 +277,7 @@ class RunsPool:
             before -= 1
         if before >= 0 and is_free[before]:
             joined.add(self._start[before])
-        moves: list[tuple[int, int]] = []
-        for run_length, run_start in self._by_length:
-            if run_start == start or run_start in joined:
-                continue
-            if len(moves) + run_length > min(limit, len(donors)):
-                break
-            moves.extend(zip(donors[len(moves) : len(moves) + run_length], range(run_start, run_start + run_length)))
-        return tuple(moves)
+        return donors, joined
 
     @hookimpl
     def sagellm_blocks_moved(self, moves: tuple[tuple[int, int], ...]) -> None:
