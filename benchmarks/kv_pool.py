@@ -273,6 +273,21 @@ def p99(values: list[int]) -> int:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def fresh_runs(freed: set[int], in_use, num_blocks: int) -> int:
+    """Free runs made only of ``freed`` blocks (used blocks, or the pool's
+    ends, on both sides)."""
+    still = sorted(b for b in freed if b not in in_use)
+    runs = 0
+    for i, b in enumerate(still):
+        starts = i == 0 or still[i - 1] != b - 1
+        if starts and (b == 0 or b - 1 in in_use):
+            end = b
+            while end + 1 in freed and end + 1 not in in_use:
+                end += 1
+            runs += end + 1 == num_blocks or end + 1 in in_use
+    return runs
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -283,9 +298,10 @@ def contiguity(args) -> None:
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
         " free-block fragmentation (mean) | utilisation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
-        " compaction plan p50 (µs) | wall (s) |"
+        " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
+        " fragmentation of runs freed in the step (mean) |"
     )
-    print("|---|" + "---:|" * 12)
+    print("|---|" + "---:|" * 14)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
@@ -317,8 +333,34 @@ def contiguity(args) -> None:
             return finish(state, output_token_ids)
 
         rt.finish = finishing  # type: ignore[method-assign]
+        freed: set[int] = set()  # blocks freed since the last sample
+        free_blocks = rt.host.free_blocks
+
+        def freeing(block_ids, free_blocks=free_blocks, freed=freed):
+            block_ids = tuple(block_ids)
+            freed.update(block_ids)
+            return free_blocks(block_ids)
+
+        rt.host.free_blocks = freeing  # type: ignore[method-assign]
+        real_sample = recorder_mod.Recorder.sample
+        tally = [0, 0, 0.0]  # steps sampled, of which with at most one free block, the fresh runs' fragmentation
+
+        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample):
+            real_sample(recorder, rt, now_s, usage)
+            tally[0] += 1
+            if usage.num_free_blocks <= 1:
+                tally[1] += 1
+            else:  # runs made only of blocks the step freed: no compaction before the step reaches them
+                fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
+                tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
+            freed.clear()
+
+        recorder_mod.Recorder.sample = sampling  # type: ignore[method-assign]
         start = time.perf_counter()
-        recorder = engine.run(rt, session.workloads.load(settings.workload))
+        try:
+            recorder = engine.run(rt, session.workloads.load(settings.workload))
+        finally:
+            recorder_mod.Recorder.sample = real_sample  # type: ignore[method-assign]
         wall = time.perf_counter() - start
         r = report_mod.build(rt, recorder, "timed", wall, label)
         check(
@@ -326,11 +368,15 @@ def contiguity(args) -> None:
         )
         check(label, (r["compaction"]["rounds"] > 0) == compacting, f"{r['compaction']['rounds']} compaction rounds")
         check(label, len(counts) == r["requests"], f"{len(counts)} finishes seen of {r['requests']} requests")
+        check(
+            label, tally[0] == recorder.used_block_samples, f"{tally[0]} samples seen of {recorder.used_block_samples}"
+        )
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
-            f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |",
+            f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
+            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} |",
             flush=True,
         )
     print()
