@@ -20,10 +20,12 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   says): each chat tenant's block hit rate and TTFT p99 against alone,
   Jain's index over all the tenants' hit rates; the slowest chat turns
   against the same turns alone; the passes' hook time.
-* ``contiguity``: a timed replay with ``paged`` against ``runs`` and
-  ``runs`` with compaction: the pieces (runs of adjacent ids) of each
-  request's blocks when it finishes, the free blocks' fragmentation, the
-  blocks compaction moved, allocation latency.
+* ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
+  with compaction (islands; gathering every step) and ``buddy``: the pieces
+  (runs of adjacent ids) of each request's blocks when it finishes, the
+  free blocks' fragmentation, the blocks compaction moved, allocation
+  latency; and what of the fragmentation no compaction before a step
+  reaches (the runs made only of the step's own frees).
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against

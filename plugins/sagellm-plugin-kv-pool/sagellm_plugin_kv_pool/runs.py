@@ -22,7 +22,9 @@ length, last block -> start, and the runs sorted by length):
   ``min_steps_between`` steps, so a fragmentation that moves cannot cure
   (blocks that requests hold) costs nothing per step. When the engine has
   KV tensors (the torch engine), the moved blocks' KV is copied through the
-  engine's device (``KVCaches.copy_blocks``) before the step runs.
+  engine's device (``KVCaches.copy_blocks``) before the step runs. With
+  ``moves = "gather"`` a round instead fills the shortest free runs, whole,
+  with the movable blocks beside a long free run, which joins them.
 
 Allocation and free are O(log runs) per run taken or freed.
 """
