@@ -320,6 +320,8 @@ def contiguity(args) -> None:
         ),
     ]
     for label, pool in pools:
+        if args.pools and label not in args.pools:
+            continue
         compacting = pool.get(("kv_pool", "compact"), False)
         overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
@@ -489,6 +491,7 @@ def main() -> None:
     p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")
     p.add_argument("--blocks", type=int, default=30000)
     p.add_argument("--max-requests", type=int, default=2000)
+    p.add_argument("--pools", nargs="*", help="only the rows with these labels")
     p.set_defaults(func=contiguity)
     p = parts.add_parser("offload")
     p.add_argument("--device", default="cpu")

@@ -243,7 +243,8 @@ class RunsPool:
         blocks beside a long run, nearest first (those after it, then those
         before it): each filled run is one run fewer, and the blocks moved
         out join the long run (a free run that the blocks after or before it
-        reach is joined as well, and so never filled). The long run is the
+        reach is joined as well, and so never filled; nor is a run right
+        after a request's last block, which it grows into). The long run is the
         longest of the ``GATHER_TRIES`` longest beside which there are blocks
         to move."""
         by_length = self._by_length
@@ -251,8 +252,8 @@ class RunsPool:
             donors, joined = self._beside(start, length, movable)
             moves: list[tuple[int, int]] = []
             for run_length, run_start in by_length:
-                if run_start == start or run_start in joined:
-                    continue
+                if run_start == start or run_start in joined or run_start - 1 in self._tail_of:
+                    continue  # (a run right after a request's last block is where it grows in place)
                 if len(moves) + run_length > len(donors):
                     break
                 moves.extend(zip(donors[len(moves) :], range(run_start, run_start + run_length)))

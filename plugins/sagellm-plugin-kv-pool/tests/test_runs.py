@@ -186,3 +186,16 @@ def test_gathering_fills_the_shortest_runs_with_the_blocks_beside_the_longest():
     p2.sagellm_blocks_moved(moves=moves)
     consistent(p2)
     assert free_runs(p2) == [(10, 9)]  # 10-15 and 16-18: one run
+
+
+def test_gathering_leaves_the_run_a_request_grows_into():
+    p = pool(12, compact=True, moves="gather", min_steps_between=1)
+    take(p, 2, request("a"))  # 0-1: a's last block is 1
+    take(p, 10)
+    p.sagellm_free_blocks(block_ids=(2, 5, 8, 9, 10, 11))  # free: 2 (after a's tail), 5, 8-11
+    moves = p.plan(movable={7})
+    assert moves == ((7, 5),)  # 5 filled from beside the longest run; 2 is left for a to grow into
+    p.sagellm_blocks_moved(moves=moves)
+    assert free_runs(p) == [(2, 1), (7, 5)]
+    assert take(p, 1, request("a")) == (2,)
+    consistent(p)
