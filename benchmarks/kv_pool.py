@@ -309,6 +309,7 @@ def contiguity(args) -> None:
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
         ("buddy", {("kv_pool", "plugin"): "buddy"}),
+        ("runs, gather", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "gather"}),
         (
             "runs, gather every step",
             {
