@@ -20,10 +20,12 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   says): each chat tenant's block hit rate and TTFT p99 against alone,
   Jain's index over all the tenants' hit rates; the slowest chat turns
   against the same turns alone; the passes' hook time.
-* ``contiguity``: a timed replay with ``paged`` against ``runs`` and
-  ``runs`` with compaction: the pieces (runs of adjacent ids) of each
-  request's blocks when it finishes, the free blocks' fragmentation, the
-  blocks compaction moved, allocation latency.
+* ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
+  with compaction (islands; gathering every step) and ``buddy``: the pieces
+  (runs of adjacent ids) of each request's blocks when it finishes, the
+  free blocks' fragmentation, the blocks compaction moved, allocation
+  latency; and what of the fragmentation no compaction before a step
+  reaches (the runs made only of the step's own frees).
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
@@ -273,6 +275,21 @@ def p99(values: list[int]) -> int:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def fresh_runs(freed: set[int], in_use, num_blocks: int) -> int:
+    """Free runs made only of ``freed`` blocks (used blocks, or the pool's
+    ends, on both sides)."""
+    still = sorted(b for b in freed if b not in in_use)
+    runs = 0
+    for i, b in enumerate(still):
+        starts = i == 0 or still[i - 1] != b - 1
+        if starts and (b == 0 or b - 1 in in_use):
+            end = b
+            while end + 1 in freed and end + 1 not in in_use:
+                end += 1
+            runs += end + 1 == num_blocks or end + 1 in in_use
+    return runs
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -283,15 +300,29 @@ def contiguity(args) -> None:
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
         " free-block fragmentation (mean) | utilisation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
-        " compaction plan p50 (µs) | wall (s) |"
+        " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
+        " fragmentation of runs freed in the step (mean) |"
     )
-    print("|---|" + "---:|" * 12)
+    print("|---|" + "---:|" * 14)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
+        ("buddy", {("kv_pool", "plugin"): "buddy"}),
+        ("runs, gather", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "gather"}),
+        (
+            "runs, gather every step",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "compact"): True,
+                ("kv_pool", "moves"): "gather",
+                ("kv_pool", "min_steps_between"): 1,
+            },
+        ),
     ]
     for label, pool in pools:
+        if args.pools and label not in args.pools:
+            continue
         compacting = pool.get(("kv_pool", "compact"), False)
         overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
@@ -307,8 +338,34 @@ def contiguity(args) -> None:
             return finish(state, output_token_ids)
 
         rt.finish = finishing  # type: ignore[method-assign]
+        freed: set[int] = set()  # blocks freed since the last sample
+        free_blocks = rt.host.free_blocks
+
+        def freeing(block_ids, free_blocks=free_blocks, freed=freed):
+            block_ids = tuple(block_ids)
+            freed.update(block_ids)
+            return free_blocks(block_ids)
+
+        rt.host.free_blocks = freeing  # type: ignore[method-assign]
+        real_sample = recorder_mod.Recorder.sample
+        tally = [0, 0, 0.0]  # steps sampled, of which with at most one free block, the fresh runs' fragmentation
+
+        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample):
+            real_sample(recorder, rt, now_s, usage)
+            tally[0] += 1
+            if usage.num_free_blocks <= 1:
+                tally[1] += 1
+            else:  # runs made only of blocks the step freed: no compaction before the step reaches them
+                fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
+                tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
+            freed.clear()
+
+        recorder_mod.Recorder.sample = sampling  # type: ignore[method-assign]
         start = time.perf_counter()
-        recorder = engine.run(rt, session.workloads.load(settings.workload))
+        try:
+            recorder = engine.run(rt, session.workloads.load(settings.workload))
+        finally:
+            recorder_mod.Recorder.sample = real_sample  # type: ignore[method-assign]
         wall = time.perf_counter() - start
         r = report_mod.build(rt, recorder, "timed", wall, label)
         check(
@@ -316,11 +373,15 @@ def contiguity(args) -> None:
         )
         check(label, (r["compaction"]["rounds"] > 0) == compacting, f"{r['compaction']['rounds']} compaction rounds")
         check(label, len(counts) == r["requests"], f"{len(counts)} finishes seen of {r['requests']} requests")
+        check(
+            label, tally[0] == recorder.used_block_samples, f"{tally[0]} samples seen of {recorder.used_block_samples}"
+        )
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
-            f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |",
+            f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
+            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} |",
             flush=True,
         )
     print()
@@ -431,6 +492,7 @@ def main() -> None:
     p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")
     p.add_argument("--blocks", type=int, default=30000)
     p.add_argument("--max-requests", type=int, default=2000)
+    p.add_argument("--pools", nargs="*", help="only the rows with these labels")
     p.set_defaults(func=contiguity)
     p = parts.add_parser("offload")
     p.add_argument("--device", default="cpu")

@@ -170,7 +170,7 @@ KEYS = {
         "document_turns",
     ],
     "prefix_cache": ["plugin", "block_size", "pin_after_hits", "max_pinned_share", "isolate", "events"],
-    "kv_pool": ["plugin", "num_blocks", "compact", "max_fragmentation", "max_moves", "min_steps_between"],
+    "kv_pool": ["plugin", "num_blocks", "compact", "max_fragmentation", "max_moves", "min_steps_between", "moves"],
     "eviction": ["plugin"],
     "lifetime": ["plugin", "fallback"],
     "scheduler": ["passes"],
@@ -194,7 +194,7 @@ config_values = st.one_of(
     hostile_scalars,
     st.sampled_from(
         [
-            *("radix", "lru", "LRU", "paged", "runs", "quota", "footprint", "noisy-neighbour"),
+            *("radix", "lru", "LRU", "paged", "runs", "buddy", "gather", "quota", "footprint", "noisy-neighbour"),
             *("../../etc/passwd", "events.jsonl", "/tmp/x", "generator"),
         ]
     ),

@@ -173,9 +173,9 @@ def test_a_compacting_pool_is_refused_beside_a_policy_that_cannot_follow_moves()
 COMPACT = 'plugin = "runs"\ncompact = true\nmax_fragmentation = 0.0\nmin_steps_between = 1\n'
 
 
-def runs_config(compact: bool, prefix_cache: str, eviction: str, budget: int, blocks: int) -> str:
+def runs_config(compact: bool, prefix_cache: str, eviction: str, budget: int, blocks: int, moves="islands") -> str:
     text = config(budget, blocks, pool="runs", prefix_cache=prefix_cache, eviction=eviction)
-    return text.replace('plugin = "runs"\n', COMPACT) if compact else text
+    return text.replace('plugin = "runs"\n', COMPACT + f'moves = "{moves}"\n') if compact else text
 
 
 @settings(max_examples=20, deadline=None)
@@ -186,14 +186,17 @@ def runs_config(compact: bool, prefix_cache: str, eviction: str, budget: int, bl
     sizes=requests,
     prefix_cache=st.sampled_from(["radix", "hash"]),
     eviction=st.sampled_from(["lru", "lfu", "fair"]),
+    moves=st.sampled_from(["islands", "gather"]),
 )
-def test_compaction_preserves_every_cached_block_s_bytes_and_keys(seed, blocks, budget, sizes, prefix_cache, eviction):
+def test_compaction_preserves_every_cached_block_s_bytes_and_keys(
+    seed, blocks, budget, sizes, prefix_cache, eviction, moves
+):
     """Each cached block's KV row holds its key from when it was cached; after
     every step, every cached block's row still does, and the run hits and
     preempts exactly as without compaction."""
     outcomes = []
     for compact in (False, True):
-        e = engine(runs_config(compact, prefix_cache, eviction, budget, blocks))
+        e = engine(runs_config(compact, prefix_cache, eviction, budget, blocks, moves))
         kv = numpy.zeros((blocks,), dtype=numpy.uint64)
 
         def copy(src, src_ids, dst, dst_ids):

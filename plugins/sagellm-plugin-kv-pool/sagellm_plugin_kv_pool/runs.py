@@ -22,7 +22,9 @@ length, last block -> start, and the runs sorted by length):
   ``min_steps_between`` steps, so a fragmentation that moves cannot cure
   (blocks that requests hold) costs nothing per step. When the engine has
   KV tensors (the torch engine), the moved blocks' KV is copied through the
-  engine's device (``KVCaches.copy_blocks``) before the step runs.
+  engine's device (``KVCaches.copy_blocks``) before the step runs. With
+  ``moves = "gather"`` a round instead fills the shortest free runs, whole,
+  with the movable blocks beside a long free run, which joins them.
 
 Allocation and free are O(log runs) per run taken or freed.
 """
@@ -38,6 +40,8 @@ from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import BlockAllocation, EvictionCandidates, KVCaches, PoolUsage, Request
 
 _NO_BLOCKS = BlockAllocation(())
+#: The longest free runs a gathering round looks beside for blocks to move.
+GATHER_TRIES = 8
 
 
 @frozen
@@ -52,6 +56,10 @@ class RunsSettings:
     max_moves: int = field(default=256, validator=[validators.instance_of(int), validators.gt(0)])
     #: Steps at least between two rounds.
     min_steps_between: int = field(default=32, validator=[validators.instance_of(int), validators.gt(0)])
+    #: What a round moves: ``"islands"`` (cached blocks between two free
+    #: runs, into other runs) or ``"gather"`` (the cached blocks beside the
+    #: longest free run, into the shortest runs, filling them).
+    moves: str = field(default="islands", validator=validators.in_(("islands", "gather")))
 
 
 class RunsPool:
@@ -72,6 +80,7 @@ class RunsPool:
         self.max_fragmentation = settings.max_fragmentation
         self.max_moves = settings.max_moves
         self.min_steps_between = settings.min_steps_between
+        self.plan = self.plan_islands if settings.moves == "islands" else self.plan_gather
         self._steps = self._next_round = 0
         self._kv: KVCaches | None = None
         if not settings.compact:
@@ -197,7 +206,7 @@ class RunsPool:
         self._next_round = self._steps + self.min_steps_between
         return self.plan(movable)
 
-    def plan(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+    def plan_islands(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
         """Moves of islands (cached blocks between two free runs, every one
         movable), smallest first, each into the smallest free run that holds
         it; a run that an island's move joins takes no island, and a run
@@ -228,6 +237,50 @@ class RunsPool:
             if length > size:
                 room.add((length - size, start + size))
         return tuple(moves)
+
+    def plan_gather(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+        """Moves that fill the shortest free runs, whole, with the movable
+        blocks beside a long run, nearest first (those after it, then those
+        before it): each filled run is one run fewer, and the blocks moved
+        out join the long run (a free run that the blocks after or before it
+        reach is joined as well, and so never filled; nor is a run right
+        after a request's last block, which it grows into). The long run is the
+        longest of the ``GATHER_TRIES`` longest beside which there are blocks
+        to move."""
+        by_length = self._by_length
+        for length, start in list(by_length.islice(max(0, len(by_length) - GATHER_TRIES), reverse=True)):
+            donors, joined = self._beside(start, length, movable)
+            moves: list[tuple[int, int]] = []
+            for run_length, run_start in by_length:
+                if run_start == start or run_start in joined or run_start - 1 in self._tail_of:
+                    continue  # (a run right after a request's last block is where it grows in place)
+                if len(moves) + run_length > len(donors):
+                    break
+                moves.extend(zip(donors[len(moves) :], range(run_start, run_start + run_length)))
+            if moves:
+                return tuple(moves)
+        return ()
+
+    def _beside(self, start: int, length: int, movable: EvictionCandidates) -> tuple[list[int], set[int]]:
+        """The movable blocks after the free run at ``start``, nearest first,
+        then those before it, ``max_moves`` at most; and the free runs they
+        reach."""
+        is_free, limit = self._is_free, self.max_moves
+        donors: list[int] = []
+        joined: set[int] = set()
+        after = start + length
+        while after < self.num_blocks and len(donors) < limit and after in movable:
+            donors.append(after)
+            after += 1
+        if after < self.num_blocks and is_free[after]:
+            joined.add(after)
+        before = start - 1
+        while before >= 0 and len(donors) < limit and before in movable:
+            donors.append(before)
+            before -= 1
+        if before >= 0 and is_free[before]:
+            joined.add(self._start[before])
+        return donors, joined
 
     @hookimpl
     def sagellm_blocks_moved(self, moves: tuple[tuple[int, int], ...]) -> None:

@@ -144,10 +144,11 @@ def test_a_round_moves_islands_into_free_runs_and_copies_their_kv():
     st.lists(st.booleans(), min_size=24, max_size=64),
     st.lists(st.booleans(), min_size=64, max_size=64),
     st.integers(1, 64),
+    st.sampled_from(["islands", "gather"]),
 )
-def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(free, movable, max_moves):
+def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(free, movable, max_moves, kind):
     n = len(free)
-    p = pool(n, compact=True, max_moves=max_moves)
+    p = pool(n, compact=True, max_moves=max_moves, moves=kind)
     take(p, n)
     p.sagellm_free_blocks(block_ids=tuple(b for b in range(n) if free[b]))
     can_move = {b for b in range(n) if not free[b] and movable[b]}
@@ -159,3 +160,42 @@ def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(fr
     p.sagellm_blocks_moved(moves=moves)
     consistent(p)
     assert len(free_runs(p)) <= before - (1 if moves else 0)
+
+
+def test_gathering_fills_the_shortest_runs_with_the_blocks_beside_the_longest():
+    p = pool(20, compact=True, moves="gather", min_steps_between=1)
+    take(p, 20)
+    # free: 1 (1), 4-5 (2), 10-15 (6), 18 (1); in use: 16-17 cached, 9 held
+    p.sagellm_free_blocks(block_ids=(1, 4, 5, *range(10, 16), 18))
+    kv = FakeKV(20)
+    p.sagellm_kv_caches_allocated(kv_caches=KVCaches(kv, 0, kv.copy))
+    moves = p.sagellm_plan_compaction(movable={2, 3, 6, 7, 8, 16, 17})
+    # 16-17 lie between the longest run and 18: moving them joins 18, which is
+    # not filled; 9 (held) stops the blocks before it; the run at 1 is filled
+    # with 16 (the shortest run first), 4-5 has one donor left for two holes.
+    assert moves == ((16, 1),)
+    p.sagellm_blocks_moved(moves=moves)
+    assert kv.rows[1] == 1016
+    consistent(p)
+    assert free_runs(p) == [(4, 2), (10, 7), (18, 1)]
+    p2 = pool(20, compact=True, moves="gather", min_steps_between=1)
+    take(p2, 20)
+    p2.sagellm_free_blocks(block_ids=(1, 4, 5, *range(10, 16)))
+    moves = p2.plan(movable={16, 17, 18, 19, 9})  # four blocks after the longest run, then one before it
+    assert moves == ((16, 1), (17, 4), (18, 5))
+    p2.sagellm_blocks_moved(moves=moves)
+    consistent(p2)
+    assert free_runs(p2) == [(10, 9)]  # 10-15 and 16-18: one run
+
+
+def test_gathering_leaves_the_run_a_request_grows_into():
+    p = pool(12, compact=True, moves="gather", min_steps_between=1)
+    take(p, 2, request("a"))  # 0-1: a's last block is 1
+    take(p, 10)
+    p.sagellm_free_blocks(block_ids=(2, 5, 8, 9, 10, 11))  # free: 2 (after a's tail), 5, 8-11
+    moves = p.plan(movable={7})
+    assert moves == ((7, 5),)  # 5 filled from beside the longest run; 2 is left for a to grow into
+    p.sagellm_blocks_moved(moves=moves)
+    assert free_runs(p) == [(2, 1), (7, 5)]
+    assert take(p, 1, request("a")) == (2,)
+    consistent(p)

@@ -33,6 +33,9 @@ within the step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from itertools import compress, count
+from operator import attrgetter
 
 from attrs import field, frozen, validators
 
@@ -63,6 +66,10 @@ class TenantSharesSettings:
                 raise ValueError(f"shares: tenant {tenant!r} is guaranteed {share}, more than its cap")
 
 
+_tenant = attrgetter("request.tenant")
+_request_id = attrgetter("request.request_id")
+
+
 def _fraction(share: float, tokens: int) -> int:
     # Whole tokens, down; the epsilon keeps 0.29 of 100 at 29 (0.29 * 100 is 28.999...).
     return math.floor(share * tokens + 1e-9)
@@ -80,46 +87,91 @@ class TenantSharesPass:
 
     @hookimpl
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
-        budget = ir.token_budget
-        asks: list[tuple[str, str, int, int]] = []  # (request id, tenant, tokens asked, tokens it has anyway)
-        for state in ir.running:
-            budget -= 1  # a decode's token, or a running prefill's floor
-            if state.in_prefill:
-                left = state.num_tokens - state.num_computed_tokens
-                asks.append((state.request_id, state.request.tenant, left - 1, 1))
-        for state in ir.waiting:
-            left = state.num_tokens - state.cached_tokens_hint
-            asks.append((state.request_id, state.request.tenant, max(1, left), 0))
-        if budget <= 0 or not asks:
+        running, waiting = ir.running, ir.waiting
+        budget = ir.token_budget - len(running)  # a decode's token, or a running prefill's floor, each
+        prefills = [state for state in running if state.in_prefill]
+        if budget <= 0 or not (prefills or waiting):
             return
-        given = self._divide(asks, budget)
-        limits = ir.chunk_limits
-        for (request_id, _, asked, floor), tokens in zip(asks, given):
-            if tokens < asked:
-                limits[request_id] = min(limits.get(request_id, floor + tokens), floor + tokens)
+        # The asks are the running prefills', then the waiting requests', in
+        # order; only those that a share or the leftover reaches are read one
+        # by one (the waiting queue's tenants are read at C speed), so a long
+        # queue of requests that get nothing costs a dict update, not a loop.
+        num_prefills = len(prefills)
+        tenants = [state.request.tenant for state in prefills]
+        tenants += map(_tenant, waiting)
+        asks: dict[int, int] = {}  # position -> tokens asked (read when first needed)
 
-    def _divide(self, asks: list[tuple[str, str, int, int]], budget: int) -> list[int]:
-        """Each ask's tokens: the guaranteed tenants' shares first, each
-        tenant's in order, then what is left in order, every tenant within
-        its cap."""
-        asked: dict[str, int] = {}
-        for _, tenant, tokens, _ in asks:
-            asked[tenant] = asked.get(tenant, 0) + tokens
-        room = {t: max(1, _fraction(self.caps[t], budget)) if t in self.caps else budget for t in asked}
-        owed = {t: min(n, _fraction(self.shares.get(t, 0.0), budget), room[t]) for t, n in asked.items()}
-        left = budget - sum(owed.values())
-        given = []
-        for _, tenant, tokens, _ in asks:
-            own = min(tokens, owed[tenant])
-            owed[tenant] -= own
-            room[tenant] -= own
-            given.append(own)
-        for i, (_, tenant, tokens, _) in enumerate(asks):
+        def ask(i: int) -> int:
+            tokens = asks.get(i)
+            if tokens is None:
+                if i < num_prefills:
+                    state = prefills[i]
+                    tokens = state.num_tokens - state.num_computed_tokens - 1
+                else:
+                    state = waiting[i - num_prefills]
+                    tokens = max(1, state.num_tokens - state.cached_tokens_hint)
+                asks[i] = tokens
+            return tokens
+
+        given = self._divide(tenants, ask, budget)
+        limits = ir.chunk_limits
+        for i in range(num_prefills):  # a running prefill keeps its floor of one token
+            tokens = given.get(i, 0)
+            if tokens < ask(i):
+                request_id = prefills[i].request_id
+                limits[request_id] = min(limits.get(request_id, 1 + tokens), 1 + tokens)
+        # A waiting request that no share or leftover reached asks for a token
+        # at least and is given none: held back (0), all of them at once.
+        held = dict.fromkeys(map(_request_id, waiting), 0)
+        for i, tokens in asks.items():
+            if i >= num_prefills:
+                request_id = waiting[i - num_prefills].request.request_id
+                if given.get(i, 0) < tokens:
+                    held[request_id] = given.get(i, 0)
+                else:
+                    del held[request_id]
+        for request_id in limits.keys() & held.keys():  # an earlier pass's cap stands where it is lower
+            held[request_id] = min(limits[request_id], held[request_id])
+        limits.update(held)
+
+    def _divide(self, tenants: list[str], ask: Callable[[int], int], budget: int) -> dict[int, int]:
+        """Position -> the tokens it is given, where any: the guaranteed
+        tenants' shares first, each tenant's in order, then what is left in
+        order, every tenant within its cap."""
+        # A capped tenant's room; an uncapped one's never binds (it is at
+        # least what is left of the step).
+        room = {t: max(1, _fraction(cap, budget)) for t, cap in self.caps.items()}
+        owed = {t: n for t, share in self.shares.items() if (n := min(_fraction(share, budget), room.get(t, budget)))}
+        given: dict[int, int] = {}  # position -> tokens given, where any
+        # The positions of the tenants a phase concerns are picked at C speed
+        # (``compress`` over a lazy ``map``, which sees the sets as they shrink).
+        if owed:  # the guaranteed shares, each tenant's to its requests in order
+            for i in compress(count(), map(owed.__contains__, tenants)):
+                tenant = tenants[i]
+                left_owed = owed[tenant]
+                own = min(ask(i), left_owed)
+                if own:
+                    given[i] = own
+                    if tenant in room:
+                        room[tenant] -= own
+                if own == left_owed:
+                    del owed[tenant]
+                    if not owed:
+                        break
+                else:
+                    owed[tenant] = left_owed - own
+        left = budget - sum(given.values())
+        open_tenants = {t for t in set(tenants) if room.get(t, left) > 0}
+        for i in compress(count(), map(open_tenants.__contains__, tenants)):  # what is left, to every request in order
             if left <= 0:
                 break
-            more = min(tokens - given[i], room[tenant], left)
+            tenant = tenants[i]
+            more = min(ask(i) - given.get(i, 0), room.get(tenant, left), left)
             if more > 0:
-                given[i] += more
-                room[tenant] -= more
+                given[i] = given.get(i, 0) + more
                 left -= more
+                if tenant in room:
+                    room[tenant] -= more
+                    if room[tenant] <= 0:  # at its cap: its requests' asks are not read
+                        open_tenants.discard(tenant)
         return given

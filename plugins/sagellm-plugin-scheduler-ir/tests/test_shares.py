@@ -139,3 +139,79 @@ def test_every_tenant_that_asks_gets_its_share_and_no_cap_is_passed(spec, budget
         assert tokens <= room  # the cap
         if sum(given.values()) < divided:  # work-conserving: tokens left over only where nobody may take them
             assert tokens == asked[tenant] or tokens == room
+
+
+def reference_limits(shares: dict, caps: dict, ir: ScheduleIR) -> dict[str, int]:
+    """The pass's rule read literally (every ask built, every tenant's room
+    kept, every request's limit written one by one), the spec the pass's
+    faster reading must agree with."""
+    budget = ir.token_budget
+    asks = []
+    for state in ir.running:
+        budget -= 1
+        if state.in_prefill:
+            asks.append((state.request_id, state.request.tenant, state.num_tokens - state.num_computed_tokens - 1, 1))
+    for state in ir.waiting:
+        asks.append((state.request_id, state.request.tenant, max(1, state.num_tokens - state.cached_tokens_hint), 0))
+    limits = dict(ir.chunk_limits)
+    if budget <= 0 or not asks:
+        return limits
+    asked: dict[str, int] = {}
+    for _, tenant, tokens, _ in asks:
+        asked[tenant] = asked.get(tenant, 0) + tokens
+    fraction = lambda share, n: math.floor(share * n + 1e-9)  # noqa: E731
+    room = {t: max(1, fraction(caps[t], budget)) if t in caps else budget for t in asked}
+    owed = {t: min(n, fraction(shares.get(t, 0.0), budget), room[t]) for t, n in asked.items()}
+    left = budget - sum(owed.values())
+    given = []
+    for _, tenant, tokens, _ in asks:
+        own = min(tokens, owed[tenant])
+        owed[tenant] -= own
+        room[tenant] -= own
+        given.append(own)
+    for i, (_, tenant, tokens, _) in enumerate(asks):
+        if left <= 0:
+            break
+        more = min(tokens - given[i], room[tenant], left)
+        if more > 0:
+            given[i] += more
+            room[tenant] -= more
+            left -= more
+    for (request_id, _, asked_tokens, floor), tokens in zip(asks, given):
+        if tokens < asked_tokens:
+            limits[request_id] = min(limits.get(request_id, floor + tokens), floor + tokens)
+    return limits
+
+
+_fractions = st.dictionaries(st.sampled_from(TENANTS), st.sampled_from([0.0, 0.03125, 0.1, 0.25, 0.3, 0.5]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.data(),
+    _fractions,
+    _fractions,
+    st.integers(1, 3000),
+    st.lists(st.tuples(st.sampled_from(TENANTS), st.integers(1, 900), st.integers(0, 900), st.integers(0, 3))),
+    st.lists(st.tuples(st.sampled_from(TENANTS), st.integers(1, 900), st.integers(0, 900), st.integers(0, 2))),
+)
+def test_the_pass_decides_exactly_as_its_rule_read_literally(data, shares, caps, budget, run, wait):
+    shares = {t: s for t, s in shares.items() if s <= caps.get(t, 1.0)}
+    while sum(shares.values()) > 1:
+        shares.pop(next(iter(shares)))
+    running_states = []
+    for i, (tenant, prompt, computed, generated) in enumerate(run):
+        # A running request has a token left to compute (the last, or the next decode's).
+        state = running(f"run-{i}", tenant, prompt, min(computed, prompt + generated - 1), generated)
+        running_states.append(state)
+    waiting_states = []
+    for i, (tenant, prompt, cached, generated) in enumerate(wait):
+        state = waiting(f"wait-{i}", tenant, prompt, cached=min(cached, prompt))
+        state.num_output_tokens = generated  # a preempted request waits with its output to recompute
+        waiting_states.append(state)
+    ids = [s.request_id for s in running_states + waiting_states]
+    earlier = data.draw(st.dictionaries(st.sampled_from(ids), st.integers(0, 500)) if ids else st.just({}))
+    ir = ScheduleIR(0.0, waiting_states, running_states, budget, 64, dict(earlier))
+    expected = reference_limits(shares, caps, ir)
+    shares_pass(shares=shares, caps=caps).sagellm_schedule_pass(ir=ir)
+    assert ir.chunk_limits == expected
