@@ -24,10 +24,12 @@ continues, which prefix its agents share, when a tool call will be back
   A tenant's releases are followed only while following them has paid
   (:class:`ReleaseOutcomes`): following a release evicts a released block
   instead of the fallback's victim, so it pays while the blocks the tenant
-  releases come back less often than the blocks the fallback evicts, both
-  counted within ``release_window`` pool sizes of evictions (how long the
-  fallback would have kept a released block). Counted on every release,
-  followed or not, so a tenant whose hints turn right is followed again.
+  releases come back no more often than the blocks the fallback evicts,
+  both counted within ``release_window`` pool sizes of evictions. Counted
+  on every release, followed or not, so a tenant whose hints turn right is
+  followed again; asked when the releasing request finishes and again at
+  every victim choice, so the released blocks of a tenant that stops being
+  followed go back to the fallback's order.
 * Everything else (no hint, or a protection ended) is the fallback's: the
   fallback observes every block event but the protected blocks' releases,
   and chooses among what is left. With no hints at all, this policy is its
@@ -35,7 +37,8 @@ continues, which prefix its agents share, when a tool call will be back
 
 On :class:`~sagellm_core.kit.eviction.PriorityEviction`: its own order is
 the released conversations' blocks (release order, leaves first). Cost: per
-released block a few dict operations; a pin hashes the pinned prompt pages
+released block a few dict operations, and from the first release on a few
+per block used or evicted (the release judge's watch); a pin hashes the pinned prompt pages
 that are not cached yet (SHA-256, as the prefix cache keys them) and, from
 the first pin on, every cached block's key is read; choosing k victims is
 the fallback's choice plus O(k) from the released queue.
@@ -44,9 +47,8 @@ the fallback's choice plus O(k) from the released queue.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
-from itertools import repeat
 
 import attrs
 from attrs import field, frozen, validators
@@ -126,17 +128,21 @@ class ReleaseOutcomes:
     have evicted its own victim: it costs a hit when the released block is
     used again before the fallback would have evicted it, and it earns one
     when the victim spared is used again. So each block a tenant releases
-    (followed or not) is watched for ``window`` evictions -- at most how
-    long the fallback keeps a block once it is evictable: used again within
-    them, it came back; not, it was rightly released; and each block the
-    fallback evicts is watched as long: cached again within them, the
+    (followed or not) is watched for ``window`` evictions (the fallback
+    keeps an evictable block at most a pool size of them): used again
+    within them, it came back; not, it was rightly released; and each block
+    the fallback evicts is watched as long: cached again within them, the
     fallback evicted a block still needed. A tenant's releases are followed
     while the share of its released blocks that come back is at most the
     share of the fallback's victims that do (one released block that did
-    not come back assumed before its first; the fallback's share is 0 before
-    it has evicted a block). Both shares weigh the recent evictions most
-    (halved every ``half_life`` evictions), so a tenant whose hints turn
-    right, or a workload whose cache turns tight, is followed again.
+    not come back assumed before its first; the fallback's share is 0 until
+    a victim's window has closed). A released block's return counts at
+    once, a victim's only when its window closes (as one that did not come
+    back does, so the share is not that of the quick returns alone): what
+    is not yet known errs towards the fallback. Both shares weigh the
+    recent evictions most (halved every ``half_life`` evictions), so a
+    tenant whose hints turn right, or a cache that turns tight, is
+    followed again.
 
     Cost: a few dict operations per released, used and evicted block, from
     the first release on (nothing is watched before it)."""
@@ -307,6 +313,7 @@ class HintEviction(PriorityEviction):
             str, tuple[str, list[CachedBlock]]
         ] = {}  # request with release -> (tenant, the blocks only its conversation used)
         self._first: dict[int, str] = {}  # block in the released order -> the tenant that released it
+        self._first_count: Counter[str] = Counter()  # tenant -> its blocks in the released order
         self.pins_taken = 0
         self.pins_refused = 0
         self.unpins = 0
@@ -385,7 +392,10 @@ class HintEviction(PriorityEviction):
         if first:
             super().sagellm_blocks_released(first, self.latest_s)
             if self._release_judged:
-                self._first.update(zip((b.block_id for b in first), repeat(tenant)))
+                for block in first:
+                    self._forget_first(block.block_id)  # (released again: counted once, for its latest tenant)
+                    self._first[block.block_id] = tenant
+                self._first_count[tenant] += len(first)
 
     def _follows(self, tenant: str) -> bool:
         return not self._release_judged or self.outcomes.follows(tenant)
@@ -393,12 +403,21 @@ class HintEviction(PriorityEviction):
     def _unfollow(self) -> None:
         """The released blocks of tenants no longer followed leave the
         released order (the fallback's order holds them already)."""
-        dropped = {tenant for tenant in set(self._first.values()) if not self._follows(tenant)}
+        dropped = {tenant for tenant in self._first_count if not self._follows(tenant)}
         if dropped:
             out = [block_id for block_id, tenant in self._first.items() if tenant in dropped]
             for block_id in out:
                 del self._first[block_id]
+            for tenant in dropped:
+                del self._first_count[tenant]
             super().sagellm_blocks_touched(tuple(self._blocks[block_id] for block_id in out))
+
+    def _forget_first(self, block_id: int) -> None:
+        tenant = self._first.pop(block_id, None)
+        if tenant is not None:
+            self._first_count[tenant] -= 1
+            if not self._first_count[tenant]:
+                del self._first_count[tenant]
 
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -424,7 +443,7 @@ class HintEviction(PriorityEviction):
             self._watch.used(blocks)
         if self._first:
             for block in blocks:
-                self._first.pop(block.block_id, None)
+                self._forget_first(block.block_id)
         self.fallback.tell("sagellm_blocks_touched", blocks, now_s)
         super().sagellm_blocks_touched(blocks)
 
@@ -473,7 +492,8 @@ class HintEviction(PriorityEviction):
             self._deadline.pop(block_id, None)
             self._owner.pop(block_id, None)
             self._shared.discard(block_id)
-            self._first.pop(block_id, None)
+            if self._first:
+                self._forget_first(block_id)
             if self._by_key is not None:
                 same = self._by_key.get(block.key)
                 if same is not None:
