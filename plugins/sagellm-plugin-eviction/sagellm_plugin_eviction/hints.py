@@ -101,8 +101,8 @@ class HintSettings:
     #: Follow a tenant's ``release`` only while its released blocks come
     #: back (are used again) within this many pool sizes of evictions at
     #: most as often as the blocks the fallback evicts do; 0: always.
-    #: (0.5 and 1 tie on the policy suite's tune part; 0.5 was taken.)
-    release_window: float = field(default=0.5, converter=float, validator=validators.ge(0))
+    #: (Chosen on the policy suite's tune part among 0.5, 1 and 2.)
+    release_window: float = field(default=1.0, converter=float, validator=validators.ge(0))
 
 
 class _Tally:
@@ -126,23 +126,28 @@ class ReleaseOutcomes:
 
     Following a release evicts a released block where the fallback would
     have evicted its own victim: it costs a hit when the released block is
-    used again before the fallback would have evicted it, and it earns one
-    when the victim spared is used again. So each block a tenant releases
-    (followed or not) is watched for ``window`` evictions (the fallback
-    keeps an evictable block at most a pool size of them): used again
-    within them, it came back; not, it was rightly released; and each block
-    the fallback evicts is watched as long: cached again within them, the
+    used again after following the release evicted it but before the
+    fallback would have, and it earns one when the victim spared is used
+    again. So each block a tenant releases (followed or not) is watched for
+    ``window`` evictions (the fallback keeps an evictable block at most a
+    pool size of them). Used again within them, it came back at a cost if
+    following the release evicted it (it is cached again) or, where the
+    release was not followed, would have by then (more blocks evicted since
+    than stood before it in the released order); used again sooner, it
+    cost nothing and counts neither way (a document the next question
+    reads); not used again, it was rightly released. Each block the
+    fallback evicts is watched as long: cached again within them, the
     fallback evicted a block still needed. A tenant's releases are followed
-    while the share of its released blocks that come back is at most the
-    share of the fallback's victims that do (one released block that did
-    not come back assumed before its first; the fallback's share is 0 until
-    a victim's window has closed). A released block's return counts at
-    once, a victim's only when its window closes (as one that did not come
-    back does, so the share is not that of the quick returns alone): what
-    is not yet known errs towards the fallback. Both shares weigh the
-    recent evictions most (halved every ``half_life`` evictions), so a
-    tenant whose hints turn right, or a cache that turns tight, is
-    followed again.
+    while the share of its released blocks that came back at a cost is at
+    most the share of the fallback's victims that came back (one released
+    block that did not come back assumed before its first; the fallback's
+    share is 0 until a victim's window has closed). A released block's
+    return counts at once, a victim's only when its window closes (as one
+    that did not come back does, so the share is not that of the quick
+    returns alone): what is not yet known errs towards the fallback. Both
+    shares weigh the recent evictions most (halved every ``half_life``
+    evictions), so a tenant whose hints turn right, or a cache that turns
+    tight, is followed again.
 
     Cost: a few dict operations per released, used and evicted block, from
     the first release on (nothing is watched before it)."""
@@ -153,7 +158,9 @@ class ReleaseOutcomes:
         self._per_eviction = 0.5 ** (1.0 / max(1.0, half_life))
         self.tenants: dict[str, _Tally] = {}
         self.fallback = _Tally()
-        self._released: dict[int, tuple[str, int]] = {}  # content key -> (tenant, released at)
+        #: content key -> (tenant, released at, blocks before it in the released
+        #: order then where the release was not followed, else None)
+        self._released: dict[int, tuple[str, int, int | None]] = {}
         self._released_order: deque[tuple[int, int]] = deque()  # (released at, key), oldest first
         self._evicted: dict[int, int] = {}  # key the fallback evicted -> evicted at (negative: cached again since)
         self._evicted_order: deque[tuple[int, int]] = deque()
@@ -163,30 +170,38 @@ class ReleaseOutcomes:
         """From the first release on."""
         return bool(self.tenants)
 
-    def released(self, tenant: str, blocks: Iterable[CachedBlock]) -> None:
-        """``tenant`` released ``blocks`` (those only its conversation used)."""
+    def released(self, tenant: str, blocks: Iterable[CachedBlock], ahead: int | None) -> None:
+        """``tenant`` released ``blocks`` (those only its conversation used,
+        root first): followed (``ahead`` None), or not, with ``ahead``
+        blocks in the released order that would have gone before them."""
         tally = self.tenants.get(tenant)
         if tally is None:
             tally = self.tenants[tenant] = _Tally()
             tally.gone, tally.at = 1.0, self.evictions  # the right release assumed before the first
-        now = self.evictions
-        for block in blocks:
-            self._released[block.key] = (tenant, now)
+        now, blocks = self.evictions, list(blocks)
+        last = len(blocks) - 1
+        for index, block in enumerate(blocks):  # (the released order takes a chain leaf first)
+            self._released[block.key] = (tenant, now, None if ahead is None else ahead + last - index)
             self._released_order.append((now, block.key))
 
-    def used(self, blocks: Iterable[CachedBlock]) -> None:
-        """``blocks`` were hit or cached: released ones came back."""
+    def used(self, blocks: Iterable[CachedBlock], again: bool = False) -> None:
+        """``blocks`` were hit, or cached ``again``: released ones came back,
+        at a cost if following the release evicted them (they are cached
+        again) or, where it was not followed, would have by now."""
         released = self._released
         for block in blocks:
             entry = released.pop(block.key, None)
-            if entry is not None:
+            if entry is None:
+                continue
+            ahead = entry[2]
+            if again or (ahead is not None and self.evictions - entry[1] > ahead):
                 tally = self.tenants[entry[0]]
                 tally.decay(self.evictions, self._per_eviction)
                 tally.back += 1
 
     def cached(self, blocks: Iterable[CachedBlock]) -> None:
         """``blocks`` were cached: those the fallback evicted were still needed."""
-        self.used(blocks)
+        self.used(blocks, again=True)
         evicted = self._evicted
         if evicted:
             for block in blocks:
@@ -212,9 +227,10 @@ class ReleaseOutcomes:
             entry = released.get(key)
             if entry is not None and entry[1] == at:
                 del released[key]
-                tally = self.tenants[entry[0]]
-                tally.decay(self.evictions, per)
-                tally.gone += 1
+                if entry[2] is None or entry[2] < self.window:  # (else following it would not have evicted it)
+                    tally = self.tenants[entry[0]]
+                    tally.decay(self.evictions, per)
+                    tally.gone += 1
         order, evicted = self._evicted_order, self._evicted
         while order and order[0][0] <= due:
             at, key = order.popleft()
@@ -386,7 +402,12 @@ class HintEviction(PriorityEviction):
         finished (a preempted one comes back for them), if its tenant's
         releases are followed then."""
         tenant, ending = self._ending.pop(request_id, ("", ()))
-        if not ending or not self._follows(tenant):
+        if not ending:
+            return
+        follows = self._follows(tenant)
+        if self._watch is not None and self._release_judged:
+            self._watch.released(tenant, ending, None if follows else len(self._queue))
+        if not follows:
             return
         first = tuple(b for b in ending if b.block_id in self._evictable and b.block_id not in self._withheld)
         if first:
@@ -467,8 +488,6 @@ class HintEviction(PriorityEviction):
                 given = tuple(block for block in blocks if block.block_id not in kept)
         self.fallback.tell("sagellm_blocks_released", given, now_s, request)
         if hints is not None and hints.release and request is not None:
-            if self._watch is not None and self._release_judged:
-                self._watch.released(request.tenant, own)
             self._ending[request.request_id] = (request.tenant, own)  # first once it has finished
         if (
             self._judged

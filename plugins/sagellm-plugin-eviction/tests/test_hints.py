@@ -164,15 +164,18 @@ def test_without_hints_it_chooses_as_lru():
 
 @pytest.mark.parametrize("release_window", [1.0, 0.0])
 def test_releases_of_a_tenant_whose_released_blocks_come_back_are_not_followed(release_window):
-    """The tenant ``liar`` releases conversation L, and L comes back (its
-    blocks hit) while the fallback's victims so far did not: liar's next
-    release is not followed (LRU's order stands: U, older, goes first),
-    while ``honest``'s is, none of its released blocks having come back
-    (``release_window = 0``: every release is followed)."""
+    """The tenant ``liar`` releases conversation L, whose blocks are evicted
+    first, and L comes back for them while the fallback's victims so far
+    did not: liar's next release is not followed (LRU's order stands: L's
+    first turn, cached again, and U go first), while ``honest``'s is, none
+    of its released blocks having come back (``release_window = 0``: every
+    release is followed)."""
     policy = HintEviction(HintSettings(judged=False, release_window=release_window), CTX)
     first_turn = chain(0, 2)
     serve(policy, request("l0", "L", KVHints(release=True), tenant="liar"), first_turn, 0.0)
-    serve(policy, request("l1", "L", tenant="liar"), first_turn, 1.0, match=PrefixMatch(first_turn), cached=())
+    assert victims(policy, 2) == (1, 0)
+    evict(policy, (1, 0))
+    serve(policy, request("l1", "L", tenant="liar"), first_turn, 1.0)  # cached again: it came back
     serve(policy, request("u", "U", tenant="honest"), chain(50, 2), 2.5)
     serve(policy, request("l2", "L", KVHints(release=True), tenant="liar"), chain(60, 2), 3.0)
     assert victims(policy, 2) == ((1, 0) if release_window else (61, 60))
@@ -181,7 +184,20 @@ def test_releases_of_a_tenant_whose_released_blocks_come_back_are_not_followed(r
     assert victims(policy, len(first)) == first
     if release_window:
         assert policy.outcomes.follows("honest") and not policy.outcomes.follows("liar")
-        assert policy.outcomes.share_back("liar") == 2 / 3  # two blocks back, one right release assumed
+        assert policy.outcomes.share_back("liar") == pytest.approx(2 / 3, abs=0.01)  # two back, one right assumed
+
+
+def test_a_released_block_used_again_before_following_would_have_evicted_it_costs_nothing():
+    """B's blocks stand behind A's in the released order; B comes back after
+    one eviction, before following B's release would have reached them: no
+    outcome is counted, and liar's releases are still followed."""
+    policy = HintEviction(HintSettings(judged=False), CTX)
+    serve(policy, request("a", "A", KVHints(release=True), tenant="liar"), chain(10, 2), 1.0)
+    serve(policy, request("b", "B", KVHints(release=True), tenant="liar"), chain(20, 2), 2.0)
+    evict(policy, (11,))
+    b_turn = chain(20, 2)
+    serve(policy, request("b2", "B", tenant="liar"), b_turn, 3.0, match=PrefixMatch(b_turn), cached=())
+    assert policy.outcomes.share_back("liar") == 0.0 and policy.outcomes.follows("liar")
 
 
 def test_a_tenant_no_longer_followed_has_its_released_blocks_put_back_in_the_fallbacks_order():
@@ -189,12 +205,12 @@ def test_a_tenant_no_longer_followed_has_its_released_blocks_put_back_in_the_fal
     releases prove wrong: the blocks go back to LRU's order, not first."""
     policy = HintEviction(HintSettings(judged=False), CTX)
     serve(policy, request("old", "O"), chain(0, 2), 0.0)
-    serve(policy, request("a", "A", KVHints(release=True), tenant="liar"), chain(10, 2), 1.0)
-    serve(policy, request("b", "B", KVHints(release=True), tenant="liar"), chain(20, 2), 2.0)
-    assert victims(policy, 2) == (11, 10)  # followed: nothing of liar's has come back yet
-    b_turn = chain(20, 2)
-    serve(policy, request("b2", "B", tenant="liar"), b_turn, 3.0, match=PrefixMatch(b_turn), cached=())
-    assert victims(policy, 4) == (1, 0, 11, 10)  # B came back: A's release is withdrawn too
+    for t, (session, first) in enumerate((("A", 10), ("B", 20), ("C", 40))):
+        serve(policy, request(session.lower(), session, KVHints(release=True), tenant="liar"), chain(first, 2), 1.0 + t)
+    assert victims(policy, 4) == (11, 10, 21, 20)  # followed: nothing of liar's has come back yet
+    evict(policy, (11, 10, 21, 20))
+    serve(policy, request("b2", "B", tenant="liar"), chain(20, 2), 4.0)  # B cached again: it came back
+    assert victims(policy, 4) == (1, 0, 41, 40)  # C's release is withdrawn too
 
 
 def test_the_fallbacks_victims_that_come_back_make_releases_pay():
@@ -202,7 +218,7 @@ def test_the_fallbacks_victims_that_come_back_make_releases_pay():
     hit the fallback lost, once its window closes; one that is not, as a
     right eviction: the fallback's share is what a release is held to."""
     outcomes = ReleaseOutcomes(window=4, half_life=1e9)
-    outcomes.released("t", chain(0, 1))  # watching from the first release on
+    outcomes.released("t", list(chain(0, 1)), 0)  # watching from the first release on
     evicted = chain(10, 4)
     outcomes.evicted(evicted, {b.block_id for b in evicted})
     outcomes.cached(evicted[:1])  # the first victim needed again
@@ -306,14 +322,15 @@ def released_by_two_tenants(rounds: int, hot: int, one_shots: int, scan_every: i
 def test_wrong_releases_stop_being_followed_and_right_ones_do_not(rounds, hot, one_shots, scan_every, length, capacity):
     """Whatever the mix and the capacity: the tenant whose released blocks
     come back stops being followed, so the policy (the shadow caches' judge
-    off: this judge alone) keeps LRU's hits less at most the first round's
-    wrong releases; the tenant whose releases prove right is still followed."""
+    off: this judge alone) keeps LRU's hits less at most what its first two
+    rounds of wrong releases can cost; the tenant whose releases prove right
+    is still followed."""
     ctx = PluginContext("p", block_size=4, num_blocks=capacity)
     trace = lambda: released_by_two_tenants(rounds, hot, one_shots, scan_every, length)  # noqa: E731
     lru = hits(LRUEviction(None, ctx), trace(), capacity)
     policy = HintEviction(HintSettings(judged=False), ctx)
     judged = hits(policy, trace(), capacity)
-    assert judged >= lru - hot * (length + 1)
+    assert judged >= lru - 2 * hot * (length + 2)
     outcomes = policy.outcomes
     if outcomes.evictions:
         assert not outcomes.follows("liar") or outcomes.share_back("liar") <= outcomes.share_back(None)
