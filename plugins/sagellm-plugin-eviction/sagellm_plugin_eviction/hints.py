@@ -219,7 +219,9 @@ class ReleaseOutcomes:
         self._expire()
 
     def _expire(self) -> None:
-        """The blocks watched ``window`` evictions that did not come back."""
+        """Close the windows of the blocks watched ``window`` evictions:
+        a released block still here was rightly released; a victim counts
+        as it went (cached again, or not)."""
         due, per = self.evictions - self.window, self._per_eviction
         order, released = self._released_order, self._released
         while order and order[0][0] <= due:
@@ -244,8 +246,9 @@ class ReleaseOutcomes:
                     self.fallback.gone += 1
 
     def share_back(self, tenant: str | None = None) -> float:
-        """The decayed share of ``tenant``'s released blocks (``None``: of
-        the fallback's victims) that came back; 0 before any was judged."""
+        """The decayed share of ``tenant``'s released blocks that came back
+        at a cost (``None``: of the fallback's victims that came back); 0
+        before any was judged."""
         tally = self.fallback if tenant is None else self.tenants.get(tenant)
         if tally is None:
             return 0.0
@@ -325,9 +328,8 @@ class HintEviction(PriorityEviction):
         self._by_key: dict[int, set[int]] | None = None  # key -> cached blocks, from the first pin on
         self._owner: dict[int, str | None] = {}  # cached block -> the conversation that used it first
         self._shared: set[int] = set()  # cached blocks two conversations used
-        self._ending: dict[
-            str, tuple[str, list[CachedBlock]]
-        ] = {}  # request with release -> (tenant, the blocks only its conversation used)
+        # request with release -> (its tenant, the blocks only its conversation used)
+        self._ending: dict[str, tuple[str, list[CachedBlock]]] = {}
         self._first: dict[int, str] = {}  # block in the released order -> the tenant that released it
         self._first_count: Counter[str] = Counter()  # tenant -> its blocks in the released order
         self.pins_taken = 0
