@@ -278,21 +278,31 @@ def test_without_hints_a_suite_workload_replays_as_its_fallback(source):
     assert reports[0]["evicted_blocks"] > 0
 
 
+def hinted_report(source: str, spoiled: str, window: float, num_blocks: int = 150) -> tuple:
+    eviction = f'plugin = "hints"\nrelease_window = {window}'
+    r = replay_report(source, 10, num_blocks, eviction, hints=f"hints = true\n{spoiled}")
+    return r["block_hit_rate"], r["evicted_blocks"], r["hit_blocks"]
+
+
 @pytest.mark.parametrize("source", ["generator", "rag"])
 def test_releases_that_prove_right_are_always_followed(source):
-    """With truthful hints, or some missing, no released conversation comes
-    back, so ``release_trust`` never turns a release off: the policy chooses
-    as with every release followed, block for block. With wrong hints it
-    does turn them off (the runs differ)."""
-
-    def report(spoiled: str, trust: float) -> tuple:
-        eviction = f'plugin = "hints"\nrelease_trust = {trust}'
-        r = replay_report(source, 10, 150, eviction, hints=f"hints = true\n{spoiled}")
-        return r["block_hit_rate"], r["evicted_blocks"], r["hit_blocks"]
-
+    """Truthful releases (and those left when some are missing) never cost a
+    hit: the generator's name blocks no later request uses, RAG's a document
+    another question may use, but before following the release would have
+    evicted it. So the release judge (``release_window``) never turns them
+    off: the policy chooses as with every release followed, block for block."""
     for spoiled in ("", "hints_missing = 0.3"):
-        assert report(spoiled, 0.7) == report(spoiled, 0.0), spoiled
-    assert report("hints_wrong = 0.3", 0.7) != report("hints_wrong = 0.3", 0.0)
+        assert hinted_report(source, spoiled, 1.0) == hinted_report(source, spoiled, 0.0), spoiled
+
+
+def test_releases_that_prove_wrong_are_turned_off():
+    """RAG with 30% of its hints wrong, at 600 blocks: released
+    conversations come back for blocks following their release evicted, so
+    the judge turns the releases off (the run differs from following them
+    all) and stays above LRU."""
+    judged = hinted_report("rag", "hints_wrong = 0.3", 1.0, 600)
+    assert judged != hinted_report("rag", "hints_wrong = 0.3", 0.0, 600)
+    assert judged[0] >= replay_report("rag", 10, 600, 'plugin = "lru"')["block_hit_rate"]
 
 
 # ------------------------------------------------------------ torch engine --

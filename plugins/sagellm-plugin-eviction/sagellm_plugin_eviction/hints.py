@@ -21,10 +21,15 @@ continues, which prefix its agents share, when a tool call will be back
   shared system prompt or document: a block another conversation used is
   shared from then on) are evicted before any other, oldest release first.
   The conversation is the hint's ``cache_key``, else the request's session.
-  A release is followed only from a tenant whose releases have proved right
-  (``release_trust``): a released conversation that sends another request
-  was released wrongly, and a tenant whose share of releases not refuted
-  falls below ``release_trust`` is not followed until it rises again.
+  A tenant's releases are followed only while following them has paid
+  (:class:`ReleaseOutcomes`): following a release evicts a released block
+  instead of the fallback's victim, so it pays while the blocks the tenant
+  releases come back no more often than the blocks the fallback evicts,
+  both counted within ``release_window`` pool sizes of evictions. Counted
+  on every release, followed or not, so a tenant whose hints turn right is
+  followed again; asked when the releasing request finishes and again at
+  every victim choice, so the released blocks of a tenant that stops being
+  followed go back to the fallback's order.
 * Everything else (no hint, or a protection ended) is the fallback's: the
   fallback observes every block event but the protected blocks' releases,
   and chooses among what is left. With no hints at all, this policy is its
@@ -32,7 +37,8 @@ continues, which prefix its agents share, when a tool call will be back
 
 On :class:`~sagellm_core.kit.eviction.PriorityEviction`: its own order is
 the released conversations' blocks (release order, leaves first). Cost: per
-released block a few dict operations; a pin hashes the pinned prompt pages
+released block a few dict operations, and from the first release on a few
+per block used or evicted (the release judge's watch); a pin hashes the pinned prompt pages
 that are not cached yet (SHA-256, as the prefix cache keys them) and, from
 the first pin on, every cached block's key is read; choosing k victims is
 the fallback's choice plus O(k) from the released queue.
@@ -41,6 +47,7 @@ the fallback's choice plus O(k) from the released queue.
 from __future__ import annotations
 
 import heapq
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 
 import attrs
@@ -53,7 +60,6 @@ from sagellm_core.types import (
     CachedBlock,
     EvictionCandidates,
     EvictionDecision,
-    KVHints,
     PrefixMatch,
     Request,
     RequestOutcome,
@@ -92,39 +98,166 @@ class HintSettings:
     #: follows them hits at least as much as one that does not (wrong hints
     #: then cost little); false: always follow them.
     judged: bool = field(default=True, validator=validators.instance_of(bool))
-    #: Follow a tenant's ``release`` only while at least this share of its
-    #: releases so far were right (counted with one right release before
-    #: the first; a wrong one is a released conversation that sends another
-    #: request); 0: always.
-    release_trust: float = field(default=0.7, converter=float, validator=[validators.ge(0), validators.le(1)])
+    #: Follow a tenant's ``release`` only while its released blocks come
+    #: back (are used again) within this many pool sizes of evictions at
+    #: most as often as the blocks the fallback evicts do; 0: always.
+    #: (Chosen on the policy suite's tune part among 0.5, 1 and 2.)
+    release_window: float = field(default=1.0, converter=float, validator=validators.ge(0))
 
 
-class ReleaseRecord:
-    """Each tenant's releases and the wrong ones among them: a released
-    conversation that came back. Shared by a policy and its advised shadow,
-    which sees no arrivals."""
+class _Tally:
+    """Blocks that came back and blocks that did not, each count halved every
+    ``half_life`` evictions."""
 
-    def __init__(self, trust: float):
-        self.trust = trust
-        self.releases: dict[str, int] = {}
-        self.wrong: dict[str, int] = {}
-        self._released: dict[str, str] = {}  # conversation released -> its tenant
+    __slots__ = ("back", "gone", "at")
 
-    def arrived(self, request: Request, conversation: str | None, hints: KVHints | None) -> None:
-        """A request arrived: its conversation was released wrongly if it
-        was released before; a release it carries is counted."""
-        if self._released:
-            tenant = self._released.pop(conversation, None) if conversation is not None else None
-            if tenant is not None:
-                self.wrong[tenant] = self.wrong.get(tenant, 0) + 1
-        if hints is not None and hints.release and conversation is not None:
-            self.releases[request.tenant] = self.releases.get(request.tenant, 0) + 1
-            self._released[conversation] = request.tenant
+    def __init__(self) -> None:
+        self.back = self.gone = 0.0
+        self.at = 0  # the eviction count the figures are decayed to
 
-    def trusted(self, tenant: str) -> bool:
-        """Whether ``tenant``'s releases are right often enough to follow."""
-        releases = self.releases.get(tenant, 0)
-        return (releases - self.wrong.get(tenant, 0) + 1) >= self.trust * (releases + 1)
+    def decay(self, now: int, per_eviction: float) -> None:
+        if now != self.at:
+            factor = per_eviction ** (now - self.at)
+            self.back, self.gone, self.at = self.back * factor, self.gone * factor, now
+
+
+class ReleaseOutcomes:
+    """Whether following each tenant's releases pays, from what happened.
+
+    Following a release evicts a released block where the fallback would
+    have evicted its own victim: it costs a hit when the released block is
+    used again after following the release evicted it but before the
+    fallback would have, and it earns one when the victim spared is used
+    again. So each block a tenant releases (followed or not) is watched for
+    ``window`` evictions (the fallback keeps an evictable block at most a
+    pool size of them). Used again within them, it came back at a cost if
+    following the release evicted it (it is cached again) or, where the
+    release was not followed, would have by then (more blocks evicted since
+    than stood before it in the released order); used again sooner, it
+    cost nothing and counts neither way (a document the next question
+    reads); not used again, it was rightly released. Each block the
+    fallback evicts is watched as long: cached again within them, the
+    fallback evicted a block still needed. A tenant's releases are followed
+    while the share of its released blocks that came back at a cost is at
+    most the share of the fallback's victims that came back (one released
+    block that did not come back assumed before its first; the fallback's
+    share is 0 until a victim's window has closed). A released block's
+    return counts at once, a victim's only when its window closes (as one
+    that did not come back does, so the share is not that of the quick
+    returns alone): what is not yet known errs towards the fallback. Both
+    shares weigh the recent evictions most (halved every ``half_life``
+    evictions), so a tenant whose hints turn right, or a cache that turns
+    tight, is followed again.
+
+    Cost: a few dict operations per released, used and evicted block, from
+    the first release on (nothing is watched before it)."""
+
+    def __init__(self, window: int, half_life: float):
+        self.window = window
+        self.evictions = 0  # the clock: blocks evicted so far
+        self._per_eviction = 0.5 ** (1.0 / max(1.0, half_life))
+        self.tenants: dict[str, _Tally] = {}
+        self.fallback = _Tally()
+        #: content key -> (tenant, released at, blocks before it in the released
+        #: order then where the release was not followed, else None)
+        self._released: dict[int, tuple[str, int, int | None]] = {}
+        self._released_order: deque[tuple[int, int]] = deque()  # (released at, key), oldest first
+        self._evicted: dict[int, int] = {}  # key the fallback evicted -> evicted at (negative: cached again since)
+        self._evicted_order: deque[tuple[int, int]] = deque()
+
+    @property
+    def watching(self) -> bool:
+        """From the first release on."""
+        return bool(self.tenants)
+
+    def released(self, tenant: str, blocks: Iterable[CachedBlock], ahead: int | None) -> None:
+        """``tenant`` released ``blocks`` (those only its conversation used,
+        root first): followed (``ahead`` None), or not, with ``ahead``
+        blocks in the released order that would have gone before them."""
+        tally = self.tenants.get(tenant)
+        if tally is None:
+            tally = self.tenants[tenant] = _Tally()
+            tally.gone, tally.at = 1.0, self.evictions  # the right release assumed before the first
+        now, blocks = self.evictions, list(blocks)
+        last = len(blocks) - 1
+        for index, block in enumerate(blocks):  # (the released order takes a chain leaf first)
+            self._released[block.key] = (tenant, now, None if ahead is None else ahead + last - index)
+            self._released_order.append((now, block.key))
+
+    def used(self, blocks: Iterable[CachedBlock], again: bool = False) -> None:
+        """``blocks`` were hit, or cached ``again``: released ones came back,
+        at a cost if following the release evicted them (they are cached
+        again) or, where it was not followed, would have by now."""
+        released = self._released
+        for block in blocks:
+            entry = released.pop(block.key, None)
+            if entry is None:
+                continue
+            ahead = entry[2]
+            if again or (ahead is not None and self.evictions - entry[1] > ahead):
+                tally = self.tenants[entry[0]]
+                tally.decay(self.evictions, self._per_eviction)
+                tally.back += 1
+
+    def cached(self, blocks: Iterable[CachedBlock]) -> None:
+        """``blocks`` were cached: those the fallback evicted were still needed."""
+        self.used(blocks, again=True)
+        evicted = self._evicted
+        if evicted:
+            for block in blocks:
+                at = evicted.get(block.key)
+                if at is not None and at > 0:
+                    evicted[block.key] = -at  # counted when its window closes, as one that is not
+
+    def evicted(self, blocks: Iterable[CachedBlock], by_fallback: set[int]) -> None:
+        """``blocks`` were evicted, those in ``by_fallback`` the fallback's choice."""
+        for block in blocks:
+            self.evictions += 1
+            if block.block_id in by_fallback:
+                self._evicted[block.key] = self.evictions
+                self._evicted_order.append((self.evictions, block.key))
+        self._expire()
+
+    def _expire(self) -> None:
+        """Close the windows of the blocks watched ``window`` evictions:
+        a released block still here was rightly released; a victim counts
+        as it went (cached again, or not)."""
+        due, per = self.evictions - self.window, self._per_eviction
+        order, released = self._released_order, self._released
+        while order and order[0][0] <= due:
+            at, key = order.popleft()
+            entry = released.get(key)
+            if entry is not None and entry[1] == at:
+                del released[key]
+                if entry[2] is None or entry[2] < self.window:  # (else following it would not have evicted it)
+                    tally = self.tenants[entry[0]]
+                    tally.decay(self.evictions, per)
+                    tally.gone += 1
+        order, evicted = self._evicted_order, self._evicted
+        while order and order[0][0] <= due:
+            at, key = order.popleft()
+            state = evicted.get(key)
+            if state is not None and abs(state) == at:
+                del evicted[key]
+                self.fallback.decay(self.evictions, per)
+                if state < 0:
+                    self.fallback.back += 1
+                else:
+                    self.fallback.gone += 1
+
+    def share_back(self, tenant: str | None = None) -> float:
+        """The decayed share of ``tenant``'s released blocks that came back
+        at a cost (``None``: of the fallback's victims that came back); 0
+        before any was judged."""
+        tally = self.fallback if tenant is None else self.tenants.get(tenant)
+        if tally is None:
+            return 0.0
+        judged = tally.back + tally.gone
+        return tally.back / judged if judged > 0 else 0.0
+
+    def follows(self, tenant: str) -> bool:
+        """Whether following ``tenant``'s releases has paid."""
+        return self.share_back(tenant) <= self.share_back(None)
 
 
 class _Unprotected:
@@ -195,7 +328,10 @@ class HintEviction(PriorityEviction):
         self._by_key: dict[int, set[int]] | None = None  # key -> cached blocks, from the first pin on
         self._owner: dict[int, str | None] = {}  # cached block -> the conversation that used it first
         self._shared: set[int] = set()  # cached blocks two conversations used
-        self._ending: dict[str, list[CachedBlock]] = {}  # request with release -> the blocks only its conversation used
+        # request with release -> (its tenant, the blocks only its conversation used)
+        self._ending: dict[str, tuple[str, list[CachedBlock]]] = {}
+        self._first: dict[int, str] = {}  # block in the released order -> the tenant that released it
+        self._first_count: Counter[str] = Counter()  # tenant -> its blocks in the released order
         self.pins_taken = 0
         self.pins_refused = 0
         self.unpins = 0
@@ -213,8 +349,15 @@ class HintEviction(PriorityEviction):
         self._context, self._settings = context, settings
         self.requested = 0
         self.switches: list[tuple[int, bool]] = []
-        #: Each tenant's releases and the wrong ones, for ``release_trust``.
-        self.releases = ReleaseRecord(settings.release_trust)
+        #: Whether following each tenant's releases has paid (``release_window``);
+        #: ``_watch`` records into it (none in the judge's advised shadow,
+        #: which reads the real cache's).
+        self.outcomes = ReleaseOutcomes(
+            max(1, round(settings.release_window * context.num_blocks)), HALF_LIFE * max(1, context.num_blocks)
+        )
+        self._watch: ReleaseOutcomes | None = self.outcomes
+        self._release_judged = settings.release_window > 0
+        self._fallback_victims: set[int] = set()  # chosen by the fallback, not yet evicted
 
     def priority(self, block: CachedBlock, now_s: float) -> int:
         return 0  # (monotone: release order decides)
@@ -241,7 +384,6 @@ class HintEviction(PriorityEviction):
             if owner.setdefault(block.block_id, conversation) != conversation:
                 shared.add(block.block_id)
         hints = request.kv_hints
-        self.releases.arrived(request, conversation, hints)
         if hints is None:
             return
         if hints.pin:
@@ -259,11 +401,46 @@ class HintEviction(PriorityEviction):
 
     def _release_first(self, request_id: str) -> None:
         """A released conversation's blocks go first once its request has
-        finished (a preempted one comes back for them)."""
-        ending = self._ending.pop(request_id, ())
+        finished (a preempted one comes back for them), if its tenant's
+        releases are followed then."""
+        tenant, ending = self._ending.pop(request_id, ("", ()))
+        if not ending:
+            return
+        follows = self._follows(tenant)
+        if self._watch is not None and self._release_judged:
+            self._watch.released(tenant, ending, None if follows else len(self._queue))
+        if not follows:
+            return
         first = tuple(b for b in ending if b.block_id in self._evictable and b.block_id not in self._withheld)
         if first:
             super().sagellm_blocks_released(first, self.latest_s)
+            if self._release_judged:
+                for block in first:
+                    self._forget_first(block.block_id)  # (released again: counted once, for its latest tenant)
+                    self._first[block.block_id] = tenant
+                self._first_count[tenant] += len(first)
+
+    def _follows(self, tenant: str) -> bool:
+        return not self._release_judged or self.outcomes.follows(tenant)
+
+    def _unfollow(self) -> None:
+        """The released blocks of tenants no longer followed leave the
+        released order (the fallback's order holds them already)."""
+        dropped = {tenant for tenant in self._first_count if not self._follows(tenant)}
+        if dropped:
+            out = [block_id for block_id, tenant in self._first.items() if tenant in dropped]
+            for block_id in out:
+                del self._first[block_id]
+            for tenant in dropped:
+                del self._first_count[tenant]
+            super().sagellm_blocks_touched(tuple(self._blocks[block_id] for block_id in out))
+
+    def _forget_first(self, block_id: int) -> None:
+        tenant = self._first.pop(block_id, None)
+        if tenant is not None:
+            self._first_count[tenant] -= 1
+            if not self._first_count[tenant]:
+                del self._first_count[tenant]
 
     @hookimpl
     def sagellm_blocks_cached(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
@@ -274,6 +451,8 @@ class HintEviction(PriorityEviction):
         if self._by_key is not None:
             for block in blocks:
                 self._by_key.setdefault(block.key, set()).add(block.block_id)
+        if self._watch is not None and self._watch.watching:
+            self._watch.cached(blocks)
         self.fallback.tell("sagellm_blocks_cached", blocks, now_s)
 
     @hookimpl
@@ -283,6 +462,11 @@ class HintEviction(PriorityEviction):
         for block in blocks:
             evictable.discard(block.block_id)
             withheld.pop(block.block_id, None)
+        if self._watch is not None and self._watch.watching:
+            self._watch.used(blocks)
+        if self._first:
+            for block in blocks:
+                self._forget_first(block.block_id)
         self.fallback.tell("sagellm_blocks_touched", blocks, now_s)
         super().sagellm_blocks_touched(blocks)
 
@@ -305,8 +489,8 @@ class HintEviction(PriorityEviction):
                 kept = {block.block_id for block in protected}
                 given = tuple(block for block in blocks if block.block_id not in kept)
         self.fallback.tell("sagellm_blocks_released", given, now_s, request)
-        if hints is not None and hints.release and request is not None and self.releases.trusted(request.tenant):
-            self._ending[request.request_id] = own  # first once it has finished
+        if hints is not None and hints.release and request is not None:
+            self._ending[request.request_id] = (request.tenant, own)  # first once it has finished
         if (
             self._judged
             and blocks
@@ -317,6 +501,10 @@ class HintEviction(PriorityEviction):
     @hookimpl
     def sagellm_blocks_evicted(self, blocks: tuple[CachedBlock, ...], now_s: float) -> None:
         self.latest_s = now_s
+        if self._watch is not None and self._watch.watching:
+            self._watch.evicted(blocks, self._fallback_victims)
+        if self._fallback_victims:
+            self._fallback_victims.difference_update(block.block_id for block in blocks)
         for block in blocks:
             block_id = block.block_id
             self._blocks.pop(block_id, None)
@@ -325,6 +513,8 @@ class HintEviction(PriorityEviction):
             self._deadline.pop(block_id, None)
             self._owner.pop(block_id, None)
             self._shared.discard(block_id)
+            if self._first:
+                self._forget_first(block_id)
             if self._by_key is not None:
                 same = self._by_key.get(block.key)
                 if same is not None:
@@ -339,6 +529,9 @@ class HintEviction(PriorityEviction):
     @hookimpl
     def sagellm_select_victims(self, num_blocks: int, candidates: EvictionCandidates) -> EvictionDecision:
         self._expire(self.latest_s)
+        self._fallback_victims.clear()  # (the last choice's are evicted, or were not taken)
+        if self._first:
+            self._unfollow()
         victims = list(super().sagellm_select_victims(num_blocks, candidates).victim_ids) if self.advice else []
         chosen = set(victims)
         if len(victims) < num_blocks:
@@ -347,6 +540,8 @@ class HintEviction(PriorityEviction):
                 if block_id not in chosen:
                     victims.append(block_id)
                     chosen.add(block_id)
+                    if self.outcomes.watching:
+                        self._fallback_victims.add(block_id)
                     if len(victims) == num_blocks:
                         break
         if len(victims) < num_blocks and self._retained and self.advice:
@@ -362,7 +557,7 @@ class HintEviction(PriorityEviction):
         if self._duel is None:
             capacity, context = self._context.num_blocks, self._context
             advised = HintEviction(attrs.evolve(self._settings, judged=False), context)
-            advised.releases = self.releases  # it sees no arrivals: the releases proved here
+            advised.outcomes, advised._watch = self.outcomes, None  # the real cache's outcomes decide there too
             self._duel = (
                 ShadowCache(_Expert.named(self._settings.fallback, context, FALLBACKS), capacity),
                 ShadowCache(_Expert("advised", advised), capacity),
