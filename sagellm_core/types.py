@@ -501,6 +501,11 @@ class LoadCosts(Protocol):
     def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
         """Seconds to compute ``num_tokens`` prompt tokens after ``num_cached_tokens``."""
 
+    def loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
+        """``num_blocks`` blocks were read from the store ``tier``, checked
+        and copied into the device pool in ``seconds`` (wall time): what an
+        engine that measures its loads learns from."""
+
 
 class KVStore(Protocol):
     """A tier of KV blocks below the device pool (LMCache's storage backend):

@@ -331,6 +331,9 @@ class FixedCosts:
     def recompute_s(self, num_tokens, num_cached_tokens):
         return 0.01 * num_tokens
 
+    def loaded(self, tier, num_blocks, seconds):
+        pass
+
 
 def test_runs_are_loaded_up_to_the_first_one_slower_than_recompute(stores):
     from sagellm_core.stores import ExternalRun

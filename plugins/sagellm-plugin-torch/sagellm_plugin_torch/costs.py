@@ -1,0 +1,104 @@
+"""What loading a KV store's blocks costs against recomputing them, as the
+torch engine measures it (``sagellm_core.types.LoadCosts``): with
+``[kv_stores] load_or_recompute`` (the default) the runtime loads a run of
+blocks from a store only where its expected load time is below the
+expected time to compute its tokens.
+
+* A store's load: latency plus a time per block, fitted to the engine's
+  last loads from that store, each timed by the runtime from the store's
+  read to the blocks' copy into the pool, their checksums checked on the
+  way (:meth:`MeasuredCosts.loaded`). The fit is Theil-Sen's (the median of
+  the slopes between pairs of loads, the median intercept): one load
+  stalled by the machine moves it little. Before its first load a store's
+  cost is unknown, and the load is taken: it is how the store is measured.
+  A store not loaded from for ``remeasure_s`` (every run lost to
+  recompute) is loaded from once more, so that one slow read (a cold disk)
+  does not rule it out for good.
+* Recompute: the median seconds per token of the engine's last steps with
+  a prompt chunk (a step's time over the tokens it computed: its fixed
+  overhead is in it, which leans towards loading). Linear in tokens: the
+  attention's share that grows with the cached context is not modelled.
+  Before the first prefill step it is unknown, and every run is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from statistics import median
+from time import perf_counter
+
+from attrs import define, field
+
+#: Loads kept per store, and prefill steps kept.
+LOAD_WINDOW, STEP_WINDOW = 16, 32
+
+
+@define
+class LinearFit:
+    """``seconds = fixed_s + per_unit_s * units``, fitted to observations."""
+
+    fixed_s: float = 0.0
+    per_unit_s: float = 0.0
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[int, float]]) -> LinearFit:
+        """Theil-Sen over ``(units, seconds)`` points (units > 0), both
+        coefficients kept non-negative; with one size of observation, all
+        per unit."""
+        slopes = [(sj - si) / (uj - ui) for i, (ui, si) in enumerate(points) for uj, sj in points[i + 1 :] if uj != ui]
+        if not slopes:
+            return cls(0.0, median([s / u for u, s in points]))
+        slope = max(0.0, median(slopes))
+        return cls(max(0.0, median([s - slope * u for u, s in points])), slope)
+
+    def at(self, units: int) -> float:
+        return self.fixed_s + self.per_unit_s * units
+
+
+@define
+class MeasuredCosts:
+    """The torch engine's :class:`~sagellm_core.types.LoadCosts`."""
+
+    #: Seconds after a store's last load past which it is loaded from again.
+    remeasure_s: float = 30.0
+    clock: Callable[[], float] = perf_counter
+    _loads: dict[str, deque[tuple[int, float]]] = field(factory=dict)
+    _load_fits: dict[str, LinearFit] = field(factory=dict)
+    _last_load: dict[str, float] = field(factory=dict)
+    _steps: deque[float] = field(factory=lambda: deque(maxlen=STEP_WINDOW))
+    _token_s: float | None = None
+
+    def load_s(self, tier: str, num_blocks: int) -> float:
+        fit = self._load_fits.get(tier)
+        if fit is None or self.clock() - self._last_load[tier] > self.remeasure_s:
+            return 0.0  # not measured (or not lately): load it, and measure it
+        return fit.at(num_blocks)
+
+    def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
+        if self._token_s is None:
+            return math.inf  # not measured yet: every run is loaded
+        return self._token_s * num_tokens
+
+    def loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
+        points = self._loads.setdefault(tier, deque(maxlen=LOAD_WINDOW))
+        points.append((num_blocks, seconds))
+        self._load_fits[tier] = LinearFit.of(list(points))
+        self._last_load[tier] = self.clock()
+
+    def prefilled(self, num_tokens: int, seconds: float) -> None:
+        """A step that computed ``num_tokens`` tokens, a prompt chunk among
+        them, took ``seconds`` (the model's run, synchronised)."""
+        if num_tokens > 0:
+            self._steps.append(seconds / num_tokens)
+            self._token_s = median(self._steps)
+
+    def figures(self) -> dict[str, float]:
+        """The current estimates: each store's latency and seconds a block,
+        the seconds a recomputed token (for reports and benchmarks)."""
+        out = {f"{tier} latency_s": fit.fixed_s for tier, fit in self._load_fits.items()}
+        out.update({f"{tier} block_s": fit.per_unit_s for tier, fit in self._load_fits.items()})
+        if self._token_s is not None:
+            out["token_s"] = self._token_s
+        return out
