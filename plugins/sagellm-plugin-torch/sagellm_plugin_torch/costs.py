@@ -11,9 +11,9 @@ expected time to compute its tokens.
   the slopes between pairs of loads, the median intercept): one load
   stalled by the machine moves it little. Before its first load a store's
   cost is unknown, and the load is taken: it is how the store is measured.
-  A store not loaded from for ``remeasure_s`` (every run lost to
-  recompute) is loaded from once more, so that one slow read (a cold disk)
-  does not rule it out for good.
+  A store asked about ``remeasure_after`` times since its last load
+  (every run lost to recompute) is loaded from once more, so that one slow
+  read (a cold disk) does not rule it out for good.
 * Recompute: the median seconds per token of the engine's last steps with
   a prompt chunk (a step's time over the tokens it computed: its fixed
   overhead is in it, which leans towards loading). Linear in tokens: the
@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from statistics import median
-from time import perf_counter
 
 from attrs import define, field
 
@@ -61,19 +60,21 @@ class LinearFit:
 class MeasuredCosts:
     """The torch engine's :class:`~sagellm_core.types.LoadCosts`."""
 
-    #: Seconds after a store's last load past which it is loaded from again.
-    remeasure_s: float = 30.0
-    clock: Callable[[], float] = perf_counter
+    #: Asks about a store since its last load past which it is loaded from again.
+    remeasure_after: int = 64
     _loads: dict[str, deque[tuple[int, float]]] = field(factory=dict)
     _load_fits: dict[str, LinearFit] = field(factory=dict)
-    _last_load: dict[str, float] = field(factory=dict)
+    _asks: dict[str, int] = field(factory=dict)
     _steps: deque[float] = field(factory=lambda: deque(maxlen=STEP_WINDOW))
     _token_s: float | None = None
 
     def load_s(self, tier: str, num_blocks: int) -> float:
         fit = self._load_fits.get(tier)
-        if fit is None or self.clock() - self._last_load[tier] > self.remeasure_s:
-            return 0.0  # not measured (or not lately): load it, and measure it
+        if fit is None:
+            return 0.0  # not measured: load it, and measure it
+        asks = self._asks[tier] = self._asks[tier] + 1
+        if asks > self.remeasure_after:
+            return 0.0  # not measured lately: the same
         return fit.at(num_blocks)
 
     def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
@@ -85,7 +86,7 @@ class MeasuredCosts:
         points = self._loads.setdefault(tier, deque(maxlen=LOAD_WINDOW))
         points.append((num_blocks, seconds))
         self._load_fits[tier] = LinearFit.of(list(points))
-        self._last_load[tier] = self.clock()
+        self._asks[tier] = 0
 
     def prefilled(self, num_tokens: int, seconds: float) -> None:
         """A step that computed ``num_tokens`` tokens, a prompt chunk among
