@@ -272,9 +272,9 @@ class StoreTiers:
 
     def _await_prefetch(self, prefetch: Prefetch, now_s: float) -> list[bool]:
         """Which of ``prefetch``'s runs were late at ``now_s`` (not ready:
-        by the costs' clock, or their futures not done); real copies still
-        running are waited for, up to the time limit after the arrival."""
-        if self.costs is not None:
+        by simulated costs' clock, or their futures not done); real copies
+        still running are waited for, up to the time limit after the arrival."""
+        if self.costs is not None and self.costs.simulated:
             return [ready > now_s for ready in prefetch.ready_s]
         late = [not future.done() for future in prefetch.futures]
         if any(late):

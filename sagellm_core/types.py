@@ -495,6 +495,12 @@ class LoadCosts(Protocol):
     in a real engine): load-or-recompute asks it, and replay charges the
     loads' time to the steps that wait for them."""
 
+    @property
+    def simulated(self) -> bool:
+        """Whether a load takes these costs' time (replay's clock), not its
+        own (a real engine's): a prefetch is then ready when the costs say,
+        not when its copy is done."""
+
     def load_s(self, tier: str, num_blocks: int) -> float:
         """Seconds to load ``num_blocks`` blocks from the store ``tier``."""
 

@@ -166,6 +166,7 @@ class ModeledCosts:
     cost: CostModel
     links: Mapping[str, Link]
     block_size: int
+    simulated = True
 
     def load_s(self, tier: str, num_blocks: int) -> float:
         link = self.links.get(tier)

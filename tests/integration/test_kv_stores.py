@@ -322,6 +322,8 @@ def test_a_prefetch_started_at_arrival_makes_slow_loads_worth_it():
 class FixedCosts:
     """Loads from the store ``slow`` cost 1 s, from any other nothing; a token costs 0.01 s."""
 
+    simulated = True
+
     def __init__(self, slow: str):
         self.slow = slow
 

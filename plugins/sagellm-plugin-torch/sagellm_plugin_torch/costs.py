@@ -62,6 +62,8 @@ class MeasuredCosts:
 
     #: Asks about a store since its last load past which it is loaded from again.
     remeasure_after: int = 64
+    #: Loads take their own time: a prefetch is ready when its copy is done.
+    simulated = False
     _loads: dict[str, deque[tuple[int, float]]] = field(factory=dict)
     _load_fits: dict[str, LinearFit] = field(factory=dict)
     _asks: dict[str, int] = field(factory=dict)
