@@ -13,8 +13,8 @@ from sagellm_plugin_prefix_cache.radix import RadixPrefixCache, RadixSettings
 
 from sagellm_core import PluginContext
 from sagellm_core.errors import ConfigError
-from sagellm_core.kit.testing import BlockIds, serve_prompt, settings_from_toml
-from sagellm_core.runtime import Runtime
+from sagellm_core.kit.testing import BlockIds, serve_prompt
+from sagellm_core.registry import build_settings
 from sagellm_core.types import ROOT_KEY, chain_key
 
 BS = 4
@@ -146,11 +146,8 @@ def test_keys_are_the_chained_keys_whatever_was_served_removed_and_forgotten(ops
             )
 
 
-@pytest.mark.parametrize(
-    ("value", "said"), [("-1", "'departed_keys' must be >= 0"), ('"many"', "'departed_keys' must be <class 'float'>")]
-)
+@pytest.mark.parametrize(("value", "said"), [(-1, "must be >= 0"), ("many", "must be <class 'float'>")])
 def test_a_bad_capacity_is_a_one_line_config_error(value, said):
-    text = f'[prefix_cache]\nplugin = "radix"\ndeparted_keys = {value}\n[kv_pool]\nplugin = "paged"\nnum_blocks = 64\n'
     with pytest.raises(ConfigError) as error:
-        Runtime(settings_from_toml(text + '[eviction]\nplugin = "lru"\n'))
-    assert said in str(error.value) and "\n" not in str(error.value)
+        build_settings(RadixPrefixCache, {"departed_keys": value}, "[prefix_cache] plugin 'radix'")
+    assert f"'departed_keys' {said}" in str(error.value) and "\n" not in str(error.value)
