@@ -14,10 +14,13 @@ expected time to compute its tokens.
   A store asked about ``remeasure_after`` times since its last load
   (every run lost to recompute) is loaded from once more, so that one slow
   read (a cold disk) does not rule it out for good.
-* Recompute: the median seconds per token of the engine's last steps with
-  a prompt chunk (a step's time over the tokens it computed: its fixed
-  overhead is in it, which leans towards loading). Linear in tokens: the
-  attention's share that grows with the cached context is not modelled.
+* Recompute: the seconds per token of the engine's last steps with a
+  prompt chunk (a step's time over the tokens it computed), the median
+  token's: each step weighs as many tokens as it computed, so a few steps
+  of three tokens, whose fixed overhead makes each token dear, do not set
+  the price of a 2,000-token prefill. The overhead left in it leans
+  towards loading. Linear in tokens: the attention's share that grows
+  with the cached context is not modelled.
   Before the first prefill step it is unknown, and every run is loaded.
 """
 
@@ -25,13 +28,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from statistics import median
 
 from attrs import define, field
 
 #: Loads kept per store, and prefill steps kept.
 LOAD_WINDOW, STEP_WINDOW = 16, 32
+
+
+def weighted_median(values: Iterable[tuple[float, int]]) -> float:
+    """The value at which half the total weight of ``(value, weight)`` pairs lies below."""
+    ordered = sorted(values)
+    half, below = sum(w for _, w in ordered) / 2, 0
+    for value, weight in ordered:
+        below += weight
+        if below >= half:
+            return value
+    raise ValueError("no weight")
 
 
 @define
@@ -67,7 +81,7 @@ class MeasuredCosts:
     _loads: dict[str, deque[tuple[int, float]]] = field(factory=dict)
     _load_fits: dict[str, LinearFit] = field(factory=dict)
     _asks: dict[str, int] = field(factory=dict)
-    _steps: deque[float] = field(factory=lambda: deque(maxlen=STEP_WINDOW))
+    _steps: deque[tuple[float, int]] = field(factory=lambda: deque(maxlen=STEP_WINDOW))
     _token_s: float | None = None
 
     def load_s(self, tier: str, num_blocks: int) -> float:
@@ -94,8 +108,8 @@ class MeasuredCosts:
         """A step that computed ``num_tokens`` tokens, a prompt chunk among
         them, took ``seconds`` (the model's run, synchronised)."""
         if num_tokens > 0:
-            self._steps.append(seconds / num_tokens)
-            self._token_s = median(self._steps)
+            self._steps.append((seconds / num_tokens, num_tokens))
+            self._token_s = weighted_median(self._steps)
 
     def figures(self) -> dict[str, float]:
         """The current estimates: each store's latency and seconds a block,

@@ -7,7 +7,7 @@ import math
 
 from hypothesis import given
 from hypothesis import strategies as st
-from sagellm_plugin_torch.costs import LinearFit, MeasuredCosts
+from sagellm_plugin_torch.costs import LinearFit, MeasuredCosts, weighted_median
 
 latency = st.floats(0.0, 0.01)
 per_block = st.floats(1e-6, 1e-3)
@@ -50,11 +50,19 @@ def test_unmeasured_costs_take_every_load():
     assert costs.recompute_s(1, 0) == math.inf
 
 
-def test_recompute_is_the_median_seconds_a_token_of_prefill_steps():
+def test_recompute_is_the_median_token_s_seconds_in_prefill_steps():
     costs = MeasuredCosts()
-    for tokens, seconds in ((100, 0.1), (10, 0.01), (50, 5.0)):  # the last stalled
+    for tokens, seconds in ((2000, 2.0), (3, 0.3), (3, 0.3), (3, 0.3), (50, 50.0)):  # small steps dear, one stalled
         costs.prefilled(tokens, seconds)
     assert math.isclose(costs.recompute_s(16, 2000), 0.016)
+
+
+@given(steps=st.lists(st.tuples(st.floats(1e-6, 10.0), st.integers(1, 4096)), min_size=1, max_size=32))
+def test_the_weighted_median_has_half_the_weight_on_each_side(steps):
+    value = weighted_median(steps)
+    total = sum(w for _, w in steps)
+    assert sum(w for v, w in steps if v <= value) >= total / 2
+    assert sum(w for v, w in steps if v >= value) >= total / 2
 
 
 def test_a_store_not_loaded_from_for_a_while_is_loaded_from_again():
