@@ -258,8 +258,9 @@ class RadixSettings:
     #: Remember the content keys of removed blocks, up to this many times
     #: the pool's blocks, for ``sagellm_block_keys`` (a runtime with KV
     #: stores asks a returning prompt's keys: read off, not hashed again).
-    #: Only once keys are asked. 0: never.
-    departed_keys: float = field(default=4.0, validator=[validators.instance_of(float), validators.ge(0)])
+    #: Only once keys are asked. 0: never. The memory holds the pages'
+    #: tokens, as the tree does: 1.0 adds at most the tree's own bytes.
+    departed_keys: float = field(default=1.0, validator=[validators.instance_of(float), validators.ge(0)])
 
 
 def _events_path(events: str, config_dir: str | None) -> Path:
