@@ -178,7 +178,7 @@ def keys(answer: Any, num_blocks: int) -> str | None:
     if not isinstance(answer, tuple) or len(answer) > num_blocks:
         return f"returned {answer!r}, not a tuple of at most {num_blocks} keys"
     try:
-        set(answer)
+        hash(answer)  # every key is hashed, nothing built (a tier lookup asks a whole prompt's keys)
     except TypeError:
         return f"returned keys that cannot be hashed: {answer[:4]!r}"
     return None

@@ -186,9 +186,10 @@ class StoreTiers:
         if limit <= start:
             return ()
         first = self._keys(request, start, start + 1)
-        if not first or not any(self.contains(t, first) for t in range(len(self.stores))):
+        holder = next((t for t in range(len(self.stores)) if first and self.contains(t, first)), None)
+        if holder is None:
             return ()
-        return self.runs(self._keys(request, start, limit))
+        return self.runs(self._keys(request, start, limit), holder)
 
     def _keys(self, request: Request, start: int, end: int) -> tuple[int, ...]:
         """``request``'s block keys from ``start`` to ``end``, hashed once
@@ -197,7 +198,7 @@ class StoreTiers:
         known = self._known_keys.get(request.request_id)
         if known is not None and known[0] == start and len(known[1]) >= end - start:
             return known[1][: end - start]
-        keys = tuple(self.host.block_keys(request, start, end))[: end - start]
+        keys = self.host.block_keys(request, start, end)[: end - start]
         self._known_keys[request.request_id] = (start, keys)
         return keys
 
@@ -205,11 +206,13 @@ class StoreTiers:
         """``request_id`` is admitted: its keys are not asked again."""
         self._known_keys.pop(request_id, None)
 
-    def runs(self, keys: tuple[int, ...]) -> tuple[ExternalRun, ...]:
-        """``keys``' leading blocks as runs, each block from the first store holding it."""
+    def runs(self, keys: tuple[int, ...], first_holder: int = 0) -> tuple[ExternalRun, ...]:
+        """``keys``' leading blocks as runs, each block from the first store
+        holding it (``first_holder``: the first store that holds the first
+        key, where it is known: those before it are not asked again)."""
         runs, pos = [], 0
         while pos < len(keys):
-            for tier in range(len(self.stores)):
+            for tier in range(first_holder if pos == 0 else 0, len(self.stores)):
                 held = self.contains(tier, keys[pos:])
                 if held:
                     runs.append(ExternalRun(tier, keys[pos : pos + held]))
@@ -269,9 +272,9 @@ class StoreTiers:
 
     def _await_prefetch(self, prefetch: Prefetch, now_s: float) -> list[bool]:
         """Which of ``prefetch``'s runs were late at ``now_s`` (not ready:
-        by the costs' clock, or their futures not done); real copies still
-        running are waited for, up to the time limit after the arrival."""
-        if self.costs is not None:
+        by simulated costs' clock, or their futures not done); real copies
+        still running are waited for, up to the time limit after the arrival."""
+        if self.costs is not None and self.costs.simulated:
             return [ready > now_s for ready in prefetch.ready_s]
         late = [not future.done() for future in prefetch.futures]
         if any(late):
@@ -349,12 +352,14 @@ class StoreTiers:
                 good += 1
             if good:
                 kv.copy(stored.source, stored.row_ids[:good], kv.tensor, block_ids[loaded : loaded + good])
-            counters.seconds += perf_counter() - start
+            seconds = perf_counter() - start
+            counters.seconds += seconds
             counters.get_rounds += 1
             counters.loaded_blocks += good
             counters.bytes_read += good * kv.bytes_per_block
             if self.costs is not None and good:
                 counters.load_s += self._load_s(run, now_s, prefetch) * good / len(run.keys)
+                self.costs.loaded(self._name(run.tier), good, seconds)
             by_run[run.tier, run.keys[0]] = good
             loaded += good
             if good < len(run.keys):

@@ -490,16 +490,20 @@ def completed(value: Any) -> Future[Any]:
 
 
 class LoadCosts(Protocol):
-    """What moving a store's blocks into the device pool costs against
-    computing them, as an engine knows it (modelled in replay, measured
-    in a real engine): load-or-recompute asks it, and replay charges the
-    loads' time to the steps that wait for them."""
+    """What loading a store's blocks into the pool costs against computing
+    them, as the engine knows it (replay: modelled and ``simulated``, loads
+    take this time; a real engine: measured): load-or-recompute asks it."""
+
+    simulated: bool
 
     def load_s(self, tier: str, num_blocks: int) -> float:
         """Seconds to load ``num_blocks`` blocks from the store ``tier``."""
 
     def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
         """Seconds to compute ``num_tokens`` prompt tokens after ``num_cached_tokens``."""
+
+    def loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
+        """``num_blocks`` from ``tier`` were read, checked and copied into the pool in ``seconds`` (measured)."""
 
 
 class KVStore(Protocol):

@@ -166,6 +166,7 @@ class ModeledCosts:
     cost: CostModel
     links: Mapping[str, Link]
     block_size: int
+    simulated = True
 
     def load_s(self, tier: str, num_blocks: int) -> float:
         link = self.links.get(tier)
@@ -175,3 +176,6 @@ class ModeledCosts:
 
     def recompute_s(self, num_tokens: int, num_cached_tokens: int) -> float:
         return self.cost.prefill_compute_s(num_tokens, num_cached_tokens)
+
+    def loaded(self, tier: str, num_blocks: int, seconds: float) -> None:
+        pass  # a load takes its link's time, whatever the stand-in copy took

@@ -322,6 +322,8 @@ def test_a_prefetch_started_at_arrival_makes_slow_loads_worth_it():
 class FixedCosts:
     """Loads from the store ``slow`` cost 1 s, from any other nothing; a token costs 0.01 s."""
 
+    simulated = True
+
     def __init__(self, slow: str):
         self.slow = slow
 
@@ -330,6 +332,9 @@ class FixedCosts:
 
     def recompute_s(self, num_tokens, num_cached_tokens):
         return 0.01 * num_tokens
+
+    def loaded(self, tier, num_blocks, seconds):
+        pass
 
 
 def test_runs_are_loaded_up_to_the_first_one_slower_than_recompute(stores):

@@ -126,9 +126,10 @@ class HashPrefixCache:
         self._children: dict[int, set[int]] = {}
         self._free: dict[int, None] = {}  # refcount zero, insertion-ordered
         self._held: dict[str, list[int]] = {}
-        # request id -> (its extra keys, the block hashes computed so far);
-        # bounded, for requests looked up and never admitted
-        self._hashes: OrderedDict[str, tuple[tuple | None, list[bytes]]] = OrderedDict()
+        # request id -> (its extra keys, the block hashes computed so far,
+        # their content keys: converted as they are hashed, so a tier lookup
+        # only slices them); bounded, for requests looked up and never admitted
+        self._hashes: OrderedDict[str, tuple[tuple | None, list[bytes], list[int]]] = OrderedDict()
         self._view = _Evictable(self._free)
 
     # ------------------------------------------------------------ helpers --
@@ -145,14 +146,21 @@ class HashPrefixCache:
         """The first ``num_pages`` block hashes of ``token_ids``, extending
         what was computed for this request before (its prompt, then its
         output as it is cached)."""
-        extra, hashes = self._hashes.get(request.request_id) or (self._extra_keys(request), [])
+        return self._memo(request, token_ids, num_pages)[1][:num_pages]
+
+    def _memo(self, request: Request, token_ids, num_pages: int) -> tuple[tuple | None, list[bytes], list[int]]:
+        """``request``'s memo, its hashes (and their keys) extended to ``num_pages``."""
+        memo = self._hashes.get(request.request_id) or (self._extra_keys(request), [], [])
+        extra, hashes, keys = memo
         if len(hashes) < num_pages:
             parent = hashes[-1] if hashes else None
-            hashes += block_hashes(token_ids, self.block_size, extra, parent, len(hashes), num_pages, self.root)
-        self._hashes[request.request_id] = (extra, hashes)
+            new = block_hashes(token_ids, self.block_size, extra, parent, len(hashes), num_pages, self.root)
+            hashes += new
+            keys += content_keys(new)
+        self._hashes[request.request_id] = memo
         if len(self._hashes) > MAX_MEMOS:
             self._hashes.popitem(last=False)
-        return hashes[:num_pages]
+        return memo
 
     def _match(self, hashes: list[bytes]) -> list[CachedBlock]:
         matched = []
@@ -256,8 +264,8 @@ class HashPrefixCache:
     @hookimpl
     def sagellm_block_keys(self, request: Request, start: int, num_blocks: int) -> tuple[int, ...]:
         num_blocks = min(num_blocks, request.num_prompt_tokens // self.block_size)
-        hashes = self._request_hashes(request, request.prompt_token_ids, num_blocks)  # memoised per request
-        return content_keys(hashes[start:])
+        keys = self._memo(request, request.prompt_token_ids, num_blocks)[2]  # memoised per request
+        return tuple(keys[start:num_blocks])
 
     @hookimpl
     def sagellm_remove_blocks(self, block_ids: Sequence[int]) -> tuple[CachedBlock, ...]:

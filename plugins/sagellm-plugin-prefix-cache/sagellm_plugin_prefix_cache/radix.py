@@ -153,6 +153,53 @@ def _lazy_block(block_id: int, depth: int, parent_id: int | None, namespace: str
     return block
 
 
+class _DepartedKeys:
+    """The content keys of blocks the tree removed, found again by their
+    tokens: a prompt that comes back after its blocks left the device (to a
+    KV store below it) has its keys read off here, with one dict probe and
+    one comparison per removed run, instead of one SHA-256 a block.
+
+    A removed run is kept as its pages' bytes, its blocks and its parent
+    (a block, or None for the namespace's root), and indexed by (its
+    parent's key, its first page) at the next :meth:`find`: by then the
+    runtime has read the keys it offered to the stores. A run whose keys
+    nobody read (lazy, no store was given it) is dropped there, unhashed.
+    Keys are functions of the tokens, so what is found is never wrong, only
+    possibly forgotten: two generations of at most half the capacity each,
+    the older dropped whole when the newer fills (no per-run bookkeeping)."""
+
+    __slots__ = ("half", "pending", "pages", "index", "older")
+
+    def __init__(self, capacity: int):
+        self.half = max(1, capacity // 2)
+        self.pending: list[tuple[bytes, list[CachedBlock], CachedBlock | None]] = []
+        self.pages = 0
+        self.index: dict[tuple[int, bytes], tuple[bytes, tuple[int, ...]]] = {}
+        self.older: dict[tuple[int, bytes], tuple[bytes, tuple[int, ...]]] = {}
+
+    def removed(self, edge: bytes, blocks: list[CachedBlock], parent: CachedBlock | None, root_key) -> None:
+        """Blocks ``blocks`` (pages ``edge``), children of ``parent``, left the tree."""
+        if self.pages + len(blocks) > self.half:
+            self.index_pending(root_key)
+            self.older, self.index, self.pages = self.index, {}, 0
+        self.pending.append((edge, blocks, parent))
+        self.pages += len(blocks)
+
+    def index_pending(self, root_key) -> None:
+        """Index the removed runs whose keys are known (``root_key(namespace)``: a first block's parent key)."""
+        for edge, blocks, parent in self.pending:
+            last = blocks[-1]
+            if isinstance(last, _Block) and last._lazy is not None:
+                continue  # never read: computing it now would be the hashing this saves
+            up = root_key(last.namespace) if parent is None else parent.key  # known: an ancestor of a known key
+            self.index[up, edge[: len(edge) // len(blocks)]] = (edge, tuple(b.key for b in blocks))
+        self.pending.clear()
+
+    def find(self, parent_key: int, page: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+        """The removed run after ``parent_key`` whose first page is ``page``: its bytes and keys."""
+        return self.index.get((parent_key, page)) or self.older.get((parent_key, page))
+
+
 class _Node:
     __slots__ = ("parent", "children", "first", "edge", "blocks", "start", "lock_ref", "hits", "pinned")
 
@@ -208,6 +255,12 @@ class RadixSettings:
     max_pinned_share: float = field(
         default=0.1, validator=[validators.instance_of(float), validators.ge(0), validators.le(1)]
     )
+    #: Remember the content keys of removed blocks, up to this many times
+    #: the pool's blocks, for ``sagellm_block_keys`` (a runtime with KV
+    #: stores asks a returning prompt's keys: read off, not hashed again).
+    #: Only once keys are asked. 0: never. The memory holds the pages'
+    #: tokens, as the tree does: 1.0 adds at most the tree's own bytes.
+    departed_keys: float = field(default=1.0, validator=[validators.instance_of(float), validators.ge(0)])
 
 
 def _events_path(events: str, config_dir: str | None) -> Path:
@@ -245,6 +298,10 @@ class RadixPrefixCache:
         self._pinned: set[_Node] = set()
         self.num_pinned = 0
         self._key_reads = _KeyReads()
+        capacity = int(settings.departed_keys * context.num_blocks)
+        self._departed = _DepartedKeys(capacity) if capacity else None
+        #: Whether ``sagellm_block_keys`` was asked: only then are removed blocks' keys remembered.
+        self._keys_asked = False
         #: Counts the changes of the tree's shape (nodes added, split, cut).
         self._shape = 0
         #: The last lookup: (request, shape then, node reached, blocks matched).
@@ -513,9 +570,30 @@ class RadixPrefixCache:
         root = self._roots.get(namespace)
         _, cached = self._walk(root, tokens, start, split=False) if root is not None and start else (None, [])
         key, first = (cached[-1].key, len(cached)) if cached else (self._root_key(namespace), 0)
-        out = []
+        out: list[int] = []
         size = self.block_size * tokens.itemsize  # bytes per page
+        self._keys_asked = True
+        departed = self._departed
         with self._bytes(tokens) as raw:
+            if departed is not None and first < num_blocks:
+                # Then the pages removed from the tree, as far as they were remembered.
+                if departed.pending:
+                    departed.index_pending(self._root_key)
+                while first < num_blocks:
+                    at = first * size
+                    found = departed.find(key, bytes(raw[at : at + size]))
+                    if found is None:
+                        break
+                    edge, keys = found
+                    end = min(len(keys), num_blocks - first)
+                    if edge.startswith(raw[at : at + end * size]):
+                        j = end
+                    else:  # the prompt leaves the run: find the page where
+                        j = 1
+                        while j < end and edge[j * size : (j + 1) * size] == raw[at + j * size : at + (j + 1) * size]:
+                            j += 1
+                    out += keys[max(0, start - first) : j]
+                    key, first = keys[j - 1], first + j
             for page in range(first, num_blocks):
                 key = chain_key(key, raw[page * size : (page + 1) * size])  # type: ignore[arg-type]
                 if page >= start:
@@ -540,6 +618,7 @@ class RadixPrefixCache:
         # victim in the same node always cuts shallower (the deeper blocks
         # are gone), so the last cut recorded is the one to keep.
         edge_cuts: dict[int, tuple[_Node, int]] = {}
+        departed = self._departed if self._keys_asked else None
         at, count = 0, len(block_ids)
         while at < count:
             block_id = block_ids[at]
@@ -556,6 +635,8 @@ class RadixPrefixCache:
                     sub = stack.pop()
                     stack.extend(sub.children.values())
                     gone.extend(sub.blocks)
+                    if departed is not None:
+                        self._depart(departed, sub, 0)
                 node.children = {}
             # The victims after it that trim this edge on, each the block
             # before the last one cut, leaf first (as LRU names a released
@@ -565,6 +646,8 @@ class RadixPrefixCache:
                 index -= 1
                 gone.append(blocks[index])
                 at += 1
+            if departed is not None:
+                self._depart(departed, node, index)
             if index == 0:
                 del node.parent.children[node.first]
             edge_cuts[id(node)] = (node, index * len(node.first))
@@ -579,6 +662,15 @@ class RadixPrefixCache:
         if self._events_path and removed:
             self._emit(type="removed", keys=[b.key for b in removed])
         return tuple(removed)
+
+    def _depart(self, departed: _DepartedKeys, node: _Node, index: int) -> None:
+        """Remember ``node``'s blocks from ``index`` on, about to be removed
+        (its edge may still hold pages of blocks removed earlier in the
+        same call: its cut waits for the end of the call)."""
+        blocks = node.blocks
+        size = len(node.first)
+        parent = blocks[index - 1] if index else (node.parent.blocks[-1] if node.parent.blocks else None)
+        departed.removed(node.edge[index * size : len(blocks) * size], blocks[index:], parent, self._root_key)
 
     @hookimpl
     def sagellm_move_blocks(self, moves: Sequence[tuple[int, int]]) -> tuple[CachedBlock, ...]:

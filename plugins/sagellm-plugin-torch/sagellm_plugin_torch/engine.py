@@ -38,6 +38,7 @@ from sagellm_core.runtime import Runtime
 from sagellm_core.types import KVCaches, Request, SequenceState
 
 from . import models
+from .costs import MeasuredCosts
 from .devices import TorchDevice, load_device
 from .runner import KVShape, ModelRunner, size_pool
 from .sampling import Sampler, SamplingParams, SequenceSampling, TokenLogprobs
@@ -167,6 +168,12 @@ class EngineCore(StepEngine):
         )
         identity = weights_identity(settings.model)  # in the KV fingerprint: never another model's blocks
         rt.register_kv_caches(KVCaches(self.runner.kv, self.runner.block_dim, self.device.copy_blocks, identity))
+        #: Loads from the KV stores against recompute, as measured here: a
+        #: run is loaded only where that is faster (``[kv_stores] load_or_recompute``).
+        self.costs: MeasuredCosts | None = None
+        if rt.stores:
+            self.costs = MeasuredCosts()
+            rt.set_load_costs(self.costs)
         self.sampler = Sampler(self.runner.vocab_size)
         #: The sampled tokens' log-probabilities of the step being applied, in step order.
         self._step_logprobs: list[TokenLogprobs | None] = []
@@ -225,6 +232,7 @@ class EngineCore(StepEngine):
         self.sampler.release(self._seqs.pop(state.request_id).sampler_state)
 
     def execute(self, step: PackedStep) -> list[int]:
+        start = time.perf_counter()
         runner = self.runner
         inputs = runner.begin_step()
         row_of = runner.tables.row
@@ -239,15 +247,18 @@ class EngineCore(StepEngine):
             sampled = seqs
         else:
             sampled = []
-            for seq, start, n, sample in zip(seqs, context, step.num_new, step.completes):
-                inputs.add(seq.tokens, start, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
+            for seq, first, n, sample in zip(seqs, context, step.num_new, step.completes):
+                inputs.add(seq.tokens, first, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
                 if sample:
                     sampled.append(seq)
         logits, greedy = runner.execute()
         if all(seq.plain_greedy for seq in sampled):
             self._step_logprobs = []
-            return greedy.tolist()  # the step's one synchronisation
-        next_tokens, self._step_logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
+            next_tokens = greedy.tolist()  # the step's one synchronisation
+        else:
+            next_tokens, self._step_logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
+        if self.costs is not None and sampled is not seqs:  # a step with a prompt chunk: what recompute costs
+            self.costs.prefilled(sum(step.num_new), time.perf_counter() - start)
         return next_tokens
 
     def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
