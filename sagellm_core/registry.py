@@ -95,13 +95,15 @@ class PluginInfo:
 
 
 #: The groups a block-list item may name: the decisions', and those that
-#: add workloads, commands and the torch engine's devices.
+#: add workloads, commands, the torch engine's devices and a cluster's
+#: transports between processes.
 BLOCKABLE = (
     *(g for g, _ in GROUPS.values()),
     "sagellm.workloads",
     "sagellm.commands",
     "sagellm.sections",
     "sagellm.torch_devices",
+    "sagellm.cluster_transport",
 )
 
 

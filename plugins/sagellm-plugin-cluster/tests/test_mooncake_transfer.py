@@ -1,0 +1,131 @@
+"""KV read in place over the Mooncake Transfer Engine (TCP on loopback).
+
+In this process: two runtimes with KV tensors of their own, each registered
+with an engine, hand a prompt's blocks over a store, and the decode side's
+blocks hold the prefill side's bytes; a read the lease's deadline overtook
+is never cached. Then two real processes of the torch engine, faults
+injected (``engine``, ``tox -e cluster-mooncake``): every request completes
+with the outputs of one instance alone, and no block is held on either side
+afterwards. Everything here skips where the package is not installed."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip(
+    "mooncake.engine",
+    reason="the Mooncake Transfer Engine is not installed (pip install 'sagellm-plugin-cluster[mooncake]',"
+    " and Debian's libibverbs1)",
+)
+
+import torch.distributed as dist  # noqa: E402
+from sagellm_plugin_cluster.kv_tensors import KVTensors  # noqa: E402
+from sagellm_plugin_cluster.mooncake import DecodePuller, PrefillServer  # noqa: E402
+from sagellm_plugin_cluster.transfer import TransferStatus  # noqa: E402
+
+from sagellm_core.types import KVCaches  # noqa: E402
+
+from .conftest import compute, prompt, runtime  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+
+
+def side(blocks: int = 64, seed: int = 0):
+    """A runtime with a KV tensor of its own (``[2 layers, 2, blocks, 4 tokens, 3]``), random bytes."""
+    rt = runtime(blocks)
+    kv = KVTensors()
+    rt.host.pm.register(kv)
+    tensor = torch.randn(2, 2, blocks, 4, 3, generator=torch.Generator().manual_seed(seed))
+    rt.register_kv_caches(KVCaches(tensor, 2, model="m"))
+    return rt, kv, tensor
+
+
+def pair(store, link, prefill_faults=None, decode_faults=None, lease_s=60.0):
+    prefill, prefill_kv, prefill_tensor = side(seed=1)
+    decode, decode_kv, decode_tensor = side(blocks=48, seed=2)
+    # The decode side holds other blocks first, so that its ids differ from the prefill side's.
+    compute(decode, prompt(7, shared=0, own=13))
+    server = PrefillServer(prefill, prefill_kv, store, link, lease_s=lease_s, send_timeout_s=1, faults=prefill_faults)
+    puller = DecodePuller(decode, decode_kv, store, link, faults=decode_faults)
+    return (prefill, server, prefill_tensor), (decode, puller, decode_tensor)
+
+
+def serve_while(server, pull):
+    """The prefill side's polls on a thread of their own, as an instance
+    serves leases while the decode side reads."""
+    import threading
+
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            server.poll(time.monotonic())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        return pull()
+    finally:
+        stop.set()
+        thread.join()
+        server.poll(time.monotonic())  # the decode side's last word, as a busy prefill side polls until it comes
+
+
+def test_the_decode_side_reads_the_leased_blocks_in_place(store):
+    (prefill, server, prefill_tensor), (decode, puller, decode_tensor) = pair(store, "in-place")
+    request = prompt(0)
+    compute(prefill, request)
+    assert server.offer(request, time.monotonic()) == 4
+    lease_ids = server.leases.open["r0"].block_ids
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.DONE
+    assert not server.busy and server.leases.ended[TransferStatus.DONE] == 1
+    landed = decode.host.lookup(request).block_ids
+    assert len(landed) == 4 and landed != lease_ids  # other ids on the decode side
+    assert torch.equal(decode_tensor[:, :, list(landed)], prefill_tensor[:, :, list(lease_ids)])
+    assert (puller.counts.done, puller.counts.blocks) == (1, 4)
+    prefill.check_invariants()
+    decode.check_invariants()
+
+
+def test_a_read_the_deadline_overtook_is_never_cached(store):
+    """The prefill side ends the lease once it is claimed; the decode side's
+    read completes, but its confirmation loses: nothing lands."""
+    (prefill, server, _), (decode, puller, _) = pair(
+        store, "overtaken", prefill_faults={"r0": "expire-claimed"}, decode_faults={"r0": "confirm-late"}
+    )
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.EXPIRED
+    assert server.leases.ended[TransferStatus.EXPIRED] == 1 and server.expired_claimed == 1
+    assert decode.host.lookup(request).num_blocks == 0
+    assert puller.counts.expired == 1 and puller.counts.recomputed_tokens == request.num_prompt_tokens
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+def test_a_refused_read_fails_and_frees_both_sides(store):
+    """The read asks for addresses past the prefill side's registered
+    memory: the peer's engine refuses it."""
+    (prefill, server, _), (decode, puller, _) = pair(store, "refused", decode_faults={"r0": "error"})
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.FAILED
+    assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
+    assert decode.host.lookup(request).num_blocks == 0
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert decode.in_flight == 0 and prefill.in_flight == 0
