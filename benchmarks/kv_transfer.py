@@ -1,20 +1,32 @@
-"""KV transfer bandwidth between two processes on loopback over gloo, for
-1, 16 and 256 blocks of SmolLM2-135M's KV layout (the torch engine's
-tensor, fp32, 16-token blocks), against a raw gloo send of the same bytes
-as one contiguous tensor on the same group in the same run.
+"""KV transfer bandwidth between two processes on loopback, per transport,
+for 1, 16 and 256 blocks of SmolLM2-135M's KV layout (the torch engine's
+tensor, fp32, 16-token blocks), against a raw transfer of the same bytes
+with the same library in the same run.
 
-A transfer is what :mod:`sagellm_plugin_cluster.gloo` does with a pull's
-blocks: gathered out of the prefill engine's KV tensor into one tensor,
-sent, received, scattered into the decode engine's blocks. Each size is
-timed ``--repeats`` times after one warm-up; the table gives the median.
+* gloo: what :mod:`sagellm_plugin_cluster.gloo` does with a pull's blocks
+  (gathered out of the prefill engine's KV tensor into one tensor, sent,
+  received, scattered into the decode engine's blocks) against a gloo send
+  of the same bytes as one preallocated tensor on the same group.
+* mooncake: what :mod:`sagellm_plugin_cluster.mooncake` does (one batch of
+  in-place reads from the prefill engine's registered KV tensor into the
+  decode engine's, one per layer slab and run of blocks) against one
+  ``transfer_sync_read`` of the same number of contiguous bytes between the
+  same registered tensors. Skipped, saying so, where
+  ``mooncake-transfer-engine-non-cuda`` is not installed.
 
-    .venv/bin/python benchmarks/kv_transfer.py [--repeats N]
+The prefill side's KV tensor holds seeded random values; every row checks
+that the bytes that arrived equal them (the decode side's tensor is zeroed
+before each repeat). Each size is timed ``--repeats`` times after one
+warm-up; the table gives the median.
+
+    .venv/bin/python benchmarks/kv_transfer.py [--repeats N] [--transport gloo|mooncake ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import multiprocessing
 import statistics
 import tempfile
@@ -27,20 +39,26 @@ import torch.distributed as dist
 SIZES = (1, 16, 256)
 NUM_BLOCKS = 300
 TIMEOUT = datetime.timedelta(seconds=120)
+TRANSPORTS = ("gloo", "mooncake")
 
 
-def peer(rank: int, port: int, config: str, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
-    from sagellm_plugin_cluster.workers import start_engine
+def expected_kv(kv) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return torch.randn(kv.tensor.shape, generator=torch.Generator().manual_seed(0), dtype=kv.tensor.dtype)
 
-    _, kv, _ = start_engine(config)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("bench/", store), rank, 2, TIMEOUT)
+
+def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    group = dist.ProcessGroupGloo(dist.PrefixStore("bench/gloo/", store), rank, 2, TIMEOUT)
+    block_dim = kv.caches.block_dim
     for size in SIZES:
         ids = tuple(range(size))
-        raw = torch.zeros(kv.read(ids).numel(), dtype=torch.float32)
+        sent = expected.narrow(block_dim, 0, size).contiguous().flatten()
+        raw = sent.clone() if rank == 0 else torch.zeros_like(sent)
         for kind in ("raw", "kv"):
             times = []
             for _ in range(repeats + 1):
+                if rank == 1:
+                    raw.zero_()
+                    kv.tensor.zero_()
                 group.barrier().wait(TIMEOUT)
                 start = time.perf_counter()
                 if kind == "raw":
@@ -54,13 +72,74 @@ def peer(rank: int, port: int, config: str, repeats: int, results) -> None:  # t
                     kv.write(ids, data)
                 times.append(time.perf_counter() - start)
             if rank == 1:
-                results.put((size, kind, statistics.median(times[1:]), raw.numel() * raw.element_size()))
+                arrived = raw if kind == "raw" else kv.tensor.narrow(block_dim, 0, size).contiguous().flatten()
+                assert torch.equal(arrived, sent), f"gloo {kind} {size} blocks: the bytes that arrived differ"
+                results.put(("gloo", size, kind, statistics.median(times[1:]), sent.numel() * sent.element_size()))
+
+
+def mooncake_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    from sagellm_plugin_cluster.kv_tensors import segments
+    from sagellm_plugin_cluster.mooncake import parse_peer, register
+
+    local = register(kv)
+    if rank == 0:
+        store.set("bench/mooncake/peer", local.describe())
+        store.wait(["bench/mooncake/finished"], TIMEOUT)
+        return
+    peer = parse_peer(store.get("bench/mooncake/peer").decode())
+    assert peer is not None
+    block_dim = kv.caches.block_dim
+    for size in SIZES:
+        ids = tuple(range(size))
+        found = segments(peer.layout, ids, local.layout, ids)
+        sources = [peer.address + src for src, _, _ in found]
+        targets = [local.address + dst for _, dst, _ in found]
+        lengths = [length for _, _, length in found]
+        nbytes = sum(lengths)
+        for kind in ("raw", "kv"):
+            times = []
+            for _ in range(repeats + 1):
+                kv.tensor.zero_()
+                start = time.perf_counter()
+                if kind == "raw":
+                    rc = local.engine.transfer_sync_read(peer.session, local.address, peer.address, nbytes)
+                else:
+                    rc = local.engine.batch_transfer_sync_read(peer.session, targets, sources, lengths)
+                times.append(time.perf_counter() - start)
+                assert rc == 0, f"mooncake {kind} {size} blocks: the read returned {rc}"
+            if kind == "raw":
+                arrived, sent = kv.tensor.flatten()[: nbytes // 4], expected.flatten()[: nbytes // 4]
+            else:
+                arrived, sent = kv.tensor.narrow(block_dim, 0, size), expected.narrow(block_dim, 0, size)
+            assert torch.equal(arrived, sent), f"mooncake {kind} {size} blocks: the bytes that arrived differ"
+            results.put(("mooncake", size, kind, statistics.median(times[1:]), nbytes, len(found)))
+    store.set("bench/mooncake/finished", "1")
+
+
+def peer(rank: int, port: int, config: str, repeats: int, transports: list[str], results) -> None:  # type: ignore[no-untyped-def]
+    from sagellm_plugin_cluster.workers import start_engine
+
+    _, kv, _ = start_engine(config)
+    expected = expected_kv(kv)
+    if rank == 0:
+        kv.tensor.copy_(expected)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    for transport in transports:
+        if transport == "gloo":
+            gloo_rows(rank, kv, store, expected, repeats, results)
+        else:
+            mooncake_rows(rank, kv, store, expected, repeats, results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeatable; all by default")
     args = parser.parse_args()
+    transports = args.transport or list(TRANSPORTS)
+    if "mooncake" in transports and importlib.util.find_spec("mooncake") is None:
+        print("kv_transfer: mooncake-transfer-engine-non-cuda is not installed: no mooncake rows")
+        transports.remove("mooncake")
     from sagellm_plugin_torch import testing
 
     with tempfile.TemporaryDirectory() as folder:
@@ -68,23 +147,32 @@ def main() -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
-        procs = [context.Process(target=peer, args=(r, store.port, config, args.repeats, results)) for r in (0, 1)]
+        procs = [
+            context.Process(target=peer, args=(r, store.port, config, args.repeats, transports, results))
+            for r in (0, 1)
+        ]
         for proc in procs:
             proc.start()
-        rows = [results.get(timeout=600) for _ in range(2 * len(SIZES))]
+        rows = [results.get(timeout=900) for _ in range(2 * len(SIZES) * len(transports))]
         for proc in procs:
             proc.join()
-    seconds = {(size, kind): s for size, kind, s, _ in rows}
-    nbytes = {size: n for size, _, _, n in rows}
-    print("| blocks | bytes | raw gloo send | KV transfer | KV / raw |")
-    print("|---:|---:|---:|---:|---:|")
-    for size in SIZES:
-        raw, kv = seconds[size, "raw"], seconds[size, "kv"]
-        gbps = nbytes[size] / raw / 1e9
-        print(
-            f"| {size} | {nbytes[size] / 2**20:.1f} MiB | {raw * 1e3:.2f} ms ({gbps:.2f} GB/s)"
-            f" | {kv * 1e3:.2f} ms | {kv / raw:.2f}x |"
-        )
+            assert proc.exitcode == 0, f"a benchmark process exited with {proc.exitcode}"
+    seconds = {(row[0], row[1], row[2]): row[3] for row in rows}
+    nbytes = {(row[0], row[1]): row[4] for row in rows}
+    reads = {(row[0], row[1]): row[5] for row in rows if len(row) > 5}
+    raw_name = {"gloo": "raw gloo send", "mooncake": "raw Mooncake read"}
+    print("| transport | blocks | bytes | raw (same library) | KV transfer | KV / raw |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for transport in transports:
+        for size in SIZES:
+            raw, kv = seconds[transport, size, "raw"], seconds[transport, size, "kv"]
+            gbps = nbytes[transport, size] / raw / 1e9
+            how = f" ({reads[transport, size]} reads)" if (transport, size) in reads else ""
+            print(
+                f"| {transport} | {size} | {nbytes[transport, size] / 2**20:.1f} MiB"
+                f" | {raw * 1e3:.2f} ms ({gbps:.2f} GB/s, {raw_name[transport]}) | {kv * 1e3:.2f} ms{how}"
+                f" | {kv / raw:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

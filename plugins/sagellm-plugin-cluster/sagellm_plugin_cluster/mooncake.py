@@ -74,6 +74,8 @@ class Registered:
     address: int
     layout: BlockLayout
     fingerprint: str
+    #: Kept alive here: the engine serves reads of its memory for as long as the process runs.
+    tensor: Any
 
     def describe(self) -> str:
         layout = self.layout
@@ -103,7 +105,7 @@ def register(kv: KVTensors) -> Registered:
             if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
                 raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
             session = f"{HOSTNAME}:{engine.get_rpc_port()}"
-            found = _registered[key] = Registered(engine, session, tensor.data_ptr(), layout, kv.fingerprint)
+            found = _registered[key] = Registered(engine, session, tensor.data_ptr(), layout, kv.fingerprint, tensor)
     return found
 
 

@@ -129,3 +129,112 @@ def test_a_refused_read_fails_and_frees_both_sides(store):
     prefill.check_invariants()
     decode.check_invariants()
     assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+# Two processes of the torch engine: the gloo tests' cases over Mooncake.
+
+
+@pytest.fixture(scope="module")
+def processes():
+    pytest.importorskip("transformers")
+    pytest.importorskip("sagellm_plugin_torch")
+    from . import two_processes
+
+    return two_processes
+
+
+@pytest.fixture(scope="module")
+def config(processes, tmp_path_factory):
+    return processes.tiny_config(tmp_path_factory.mktemp("mooncake"))
+
+
+@pytest.fixture(scope="module")
+def requests(processes):
+    return processes.shared_prefix_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(processes, config, requests):
+    return processes.one_instance(config, requests)
+
+
+def start(front, role, config, requests, faults=None, **kwargs):
+    from sagellm_plugin_cluster import workers
+
+    if role == "prefill":
+        kwargs.setdefault("lease_s", 60.0)
+        target = workers.run_prefill
+        kwargs.update(send_timeout_s=2.0)
+    else:
+        target = workers.run_decode
+        kwargs.update(pull_timeout_s=8.0)
+    return front.start(target, config, requests, faults=faults, transport="mooncake", **kwargs)
+
+
+@pytest.mark.engine
+def test_failed_and_expired_reads_are_recomputed_with_equal_outputs(processes, config, requests, reference):
+    """r1's read is refused by the prefill side's engine; r3's lease ends
+    once claimed, so its completed read loses its confirmation; r5's lease
+    expires before the decode side claims it. The others are read in place."""
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, "prefill", config, requests, {"r3": "expire-claimed", "r5": "expire"}),
+        start(front, "decode", config, requests, {"r1": "error", "r3": "confirm-late", "r5": "late"}),
+    ]
+    processes.join(procs, started)
+    results = processes.outcomes(front, requests)
+    assert {rid: r["tokens"] for rid, r in results.items()} == reference
+    assert {rid: r["status"] for rid, r in results.items()} == {
+        "r0": "done", "r1": "failed", "r2": "done", "r3": "expired", "r4": "done", "r5": "expired",
+    }  # fmt: skip
+    decoded, prefilled = front.read("report/p0-d0/decode"), front.read("report/p0-d0/prefill")
+    processes.whole(decoded)
+    processes.whole(prefilled)
+    counts = decoded["counts"]
+    assert (counts["done"], counts["failed"], counts["expired"]) == (3, 1, 2)
+    assert counts["blocks"] > 0
+    assert counts["recomputed_tokens"] == sum(requests[i].num_prompt_tokens for i in (1, 3, 5))
+    assert prefilled["leases"] == {"done": 3, "failed": 1, "expired": 2}
+    assert prefilled["expired_claimed"] == 1
+
+
+@pytest.mark.engine
+def test_a_prefill_killed_mid_transfer(processes, config, requests, reference):
+    """The prefill process offers r3 and exits: the decode side's read of
+    its memory fails, and it computes r3 itself."""
+    served = requests[:4]
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, "prefill", config, served, {"r3": "exit-after-offer"}),
+        start(front, "decode", config, served),
+    ]
+    processes.join(procs, started)
+    assert procs[0].exitcode == 17
+    results = processes.outcomes(front, served)
+    assert {rid: r["tokens"] for rid, r in results.items()} == {r.request_id: reference[r.request_id] for r in served}
+    assert [r["status"] for r in results.values()] == ["done", "done", "done", "failed"]
+    processes.whole(front.read("report/p0-d0/decode"))
+
+
+@pytest.mark.engine
+def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(processes, config, requests, reference):
+    """The decode process exits after claiming r2; the prefill side holds
+    r2's blocks until the lease's deadline, then lets them go; a new decode
+    process finds r2 claimed (failed, computed) and reads r3 onwards."""
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, "prefill", config, requests, lease_s=40.0),
+        start(front, "decode", config, requests, {"r2": "exit-after-claim"}),
+    ]
+    procs[1].join(processes.BUDGET_S)
+    assert procs[1].exitcode == 17
+    procs.append(start(front, "decode", config, requests[2:]))
+    processes.join(procs, started)
+    results = processes.outcomes(front, requests)
+    assert {rid: r["tokens"] for rid, r in results.items()} == reference
+    assert [r["status"] for r in results.values()] == ["done", "done", "failed", "done", "done", "done"]
+    prefilled = front.read("report/p0-d0/prefill")
+    processes.whole(prefilled)
+    processes.whole(front.read("report/p0-d0/decode"))
+    assert prefilled["leases"] == {"done": 5, "failed": 0, "expired": 1}
+    assert prefilled["expired_claimed"] == 1
