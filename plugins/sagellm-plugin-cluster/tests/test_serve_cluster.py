@@ -1,6 +1,7 @@
 """``sagellm serve --cluster``: two colocated instances of the torch engine
 (a tiny random Llama, CPU) behind the routing front, and one prefill with
-one decode instance (1P1D, KV pulled over gloo). Greedy outputs through
+one decode instance (1P1D, KV pulled over gloo, and read in place over the
+Mooncake Transfer Engine where it is installed). Greedy outputs through
 the front equal one instance's (``sagellm serve`` on the same config),
 streamed or not; requests sharing a prefix meet on one instance under the
 KV-aware router; with the prefill instance killed, the decode instance
@@ -11,6 +12,7 @@ torch and the model): ``tox -e cluster-transfer`` runs them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -109,12 +111,18 @@ def configs(tmp_path_factory):
     return folder, config, cluster
 
 
-@pytest.fixture(scope="module")
-def disaggregated(configs):
+@pytest.fixture(scope="module", params=["gloo", "mooncake"])
+def disaggregated(configs, request):
+    transport = request.param
+    if transport == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        pytest.skip("the Mooncake Transfer Engine is not installed (pip install 'sagellm-plugin-cluster[mooncake]')")
     folder, config, _ = configs
-    cluster = folder / "pd.toml"
+    cluster = folder / f"pd-{transport}.toml"
     instances = "".join(f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\n' for role in ("prefill", "decode"))
-    cluster.write_text(f'start_timeout_s = {START_S}\npull_timeout_s = 20\n[router]\nplugin = "kv-aware"\n{instances}')
+    cluster.write_text(
+        f'start_timeout_s = {START_S}\npull_timeout_s = 20\ntransport = "{transport}"\n'
+        f'[router]\nplugin = "kv-aware"\n{instances}'
+    )
     return cluster
 
 
