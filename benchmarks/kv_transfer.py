@@ -7,12 +7,12 @@ with the same library in the same run.
   (gathered out of the prefill engine's KV tensor into one tensor, sent,
   received, scattered into the decode engine's blocks) against a gloo send
   of the same bytes as one preallocated tensor on the same group.
-* mooncake: what :mod:`sagellm_plugin_cluster.mooncake` does (one batch of
-  in-place reads from the prefill engine's registered KV tensor into the
-  decode engine's, one per layer slab and run of blocks) against one
-  ``transfer_sync_read`` of the same number of contiguous bytes between the
-  same registered tensors. Skipped, saying so, where
-  ``mooncake-transfer-engine-non-cuda`` is not installed.
+* mooncake, nixl: what :mod:`sagellm_plugin_cluster.inplace` does over the
+  Mooncake Transfer Engine and NIXL (one batch of in-place reads from the
+  prefill engine's registered KV tensor into the decode engine's, one per
+  layer slab and run of blocks) against one read of the same number of
+  contiguous bytes between the same registered tensors, with the same
+  library. Skipped, saying so, where the library does not import.
 
 The prefill side's KV tensor holds seeded random values; every row checks
 that the bytes that arrived equal them (the decode side's tensor is zeroed
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
+import importlib
 import multiprocessing
 import statistics
 import tempfile
@@ -39,7 +39,9 @@ import torch.distributed as dist
 SIZES = (1, 16, 256)
 NUM_BLOCKS = 300
 TIMEOUT = datetime.timedelta(seconds=120)
-TRANSPORTS = ("gloo", "mooncake")
+TRANSPORTS = ("gloo", "mooncake", "nixl")
+#: The module each transport's library is imported as.
+LIBRARIES = {"gloo": "torch.distributed", "mooncake": "mooncake.engine", "nixl": "nixl_cu12._api"}
 
 
 def expected_kv(kv) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -77,43 +79,42 @@ def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, result
                 results.put(("gloo", size, kind, statistics.median(times[1:]), sent.numel() * sent.element_size()))
 
 
-def mooncake_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
-    from sagellm_plugin_cluster.kv_tensors import segments
-    from sagellm_plugin_cluster.mooncake import parse_peer, register
+def inplace_rows(name: str, rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    """Mooncake's or NIXL's rows: the decode side (rank 1) reads, the prefill side waits."""
+    import importlib
 
-    local = register(kv)
+    from sagellm_plugin_cluster.inplace import parse_peer
+    from sagellm_plugin_cluster.kv_tensors import segments
+
+    memory = importlib.import_module(f"sagellm_plugin_cluster.{name}").MEMORY
+    local = memory.register(kv)
     if rank == 0:
-        store.set("bench/mooncake/peer", local.describe())
-        store.wait(["bench/mooncake/finished"], TIMEOUT)
+        store.set(f"bench/{name}/peer", local.describe())
+        store.wait([f"bench/{name}/finished"], TIMEOUT)
         return
-    peer = parse_peer(store.get("bench/mooncake/peer").decode())
+    peer = parse_peer(store.get(f"bench/{name}/peer").decode(), name)
     assert peer is not None
     block_dim = kv.caches.block_dim
     for size in SIZES:
         ids = tuple(range(size))
         found = segments(peer.layout, ids, local.layout, ids)
-        sources = [peer.address + src for src, _, _ in found]
-        targets = [local.address + dst for _, dst, _ in found]
-        lengths = [length for _, _, length in found]
-        nbytes = sum(lengths)
+        nbytes = sum(length for _, _, length in found)
         for kind in ("raw", "kv"):
+            ranges = [(0, 0, nbytes)] if kind == "raw" else found
             times = []
             for _ in range(repeats + 1):
                 kv.tensor.zero_()
                 start = time.perf_counter()
-                if kind == "raw":
-                    rc = local.engine.transfer_sync_read(peer.session, local.address, peer.address, nbytes)
-                else:
-                    rc = local.engine.batch_transfer_sync_read(peer.session, targets, sources, lengths)
+                done = memory.start_read(local, peer, ranges).wait(TIMEOUT.total_seconds())
                 times.append(time.perf_counter() - start)
-                assert rc == 0, f"mooncake {kind} {size} blocks: the read returned {rc}"
+                assert done, f"{name} {kind} {size} blocks: the read failed"
             if kind == "raw":
                 arrived, sent = kv.tensor.flatten()[: nbytes // 4], expected.flatten()[: nbytes // 4]
             else:
                 arrived, sent = kv.tensor.narrow(block_dim, 0, size), expected.narrow(block_dim, 0, size)
-            assert torch.equal(arrived, sent), f"mooncake {kind} {size} blocks: the bytes that arrived differ"
-            results.put(("mooncake", size, kind, statistics.median(times[1:]), nbytes, len(found)))
-    store.set("bench/mooncake/finished", "1")
+            assert torch.equal(arrived, sent), f"{name} {kind} {size} blocks: the bytes that arrived differ"
+            results.put((name, size, kind, statistics.median(times[1:]), nbytes, len(ranges)))
+    store.set(f"bench/{name}/finished", "1")
 
 
 def peer(rank: int, port: int, config: str, repeats: int, transports: list[str], results) -> None:  # type: ignore[no-untyped-def]
@@ -128,7 +129,7 @@ def peer(rank: int, port: int, config: str, repeats: int, transports: list[str],
         if transport == "gloo":
             gloo_rows(rank, kv, store, expected, repeats, results)
         else:
-            mooncake_rows(rank, kv, store, expected, repeats, results)
+            inplace_rows(transport, rank, kv, store, expected, repeats, results)
 
 
 def main() -> None:
@@ -137,9 +138,12 @@ def main() -> None:
     parser.add_argument("--transport", action="append", choices=TRANSPORTS, help="repeatable; all by default")
     args = parser.parse_args()
     transports = args.transport or list(TRANSPORTS)
-    if "mooncake" in transports and importlib.util.find_spec("mooncake") is None:
-        print("kv_transfer: mooncake-transfer-engine-non-cuda is not installed: no mooncake rows")
-        transports.remove("mooncake")
+    for transport in list(transports):
+        try:
+            importlib.import_module(LIBRARIES[transport])
+        except ImportError as exc:
+            print(f"kv_transfer: no {transport} rows: {exc}")
+            transports.remove(transport)
     from sagellm_plugin_torch import testing
 
     with tempfile.TemporaryDirectory() as folder:
@@ -159,8 +163,8 @@ def main() -> None:
             assert proc.exitcode == 0, f"a benchmark process exited with {proc.exitcode}"
     seconds = {(row[0], row[1], row[2]): row[3] for row in rows}
     nbytes = {(row[0], row[1]): row[4] for row in rows}
-    reads = {(row[0], row[1]): row[5] for row in rows if len(row) > 5}
-    raw_name = {"gloo": "raw gloo send", "mooncake": "raw Mooncake read"}
+    reads = {(row[0], row[1]): row[5] for row in rows if len(row) > 5 and row[2] == "kv"}
+    raw_name = {"gloo": "raw gloo send", "mooncake": "raw Mooncake read", "nixl": "raw NIXL read"}
     print("| transport | blocks | bytes | raw (same library) | KV transfer | KV / raw |")
     print("|---|---:|---:|---:|---:|---:|")
     for transport in transports:

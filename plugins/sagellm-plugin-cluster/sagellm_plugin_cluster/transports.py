@@ -109,6 +109,7 @@ MOONCAKE = Transport(
     "mooncake.engine",
     "pip install 'sagellm-plugin-cluster[mooncake]' (and Debian's libibverbs1: apt-get install libibverbs1)",
 )
+NIXL = Transport("nixl", "sagellm_plugin_cluster.nixl", "nixl_cu12._api", "pip install 'sagellm-plugin-cluster[nixl]'")
 
 
 def installed() -> list[str]:

@@ -5,10 +5,9 @@ the parsers accept exactly the messages they are given."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -82,7 +81,7 @@ def test_the_decode_side_sees_what_the_prefill_side_offers(store):
     prefill.check_invariants()
 
 
-# The Mooncake link's messages: its claim (``read <start> <count>``), the
+# The in-place links' messages (Mooncake, NIXL): the claim (``read <start> <count>``), the
 # peer's description and the leased block ids.
 
 READS = st.one_of(
@@ -93,47 +92,56 @@ READS = st.one_of(
 
 
 @given(READS, st.text(max_size=60), st.integers(0, 6), st.integers(1, 8))
-def test_the_mooncake_parsers_take_what_they_are_given_and_nothing_else(value, text, count, num_blocks):
-    from sagellm_plugin_cluster.mooncake import parse_ids, parse_peer, parse_read
+def test_the_inplace_parsers_take_what_they_are_given_and_nothing_else(value, text, count, num_blocks):
+    from sagellm_plugin_cluster.inplace import parse_ids, parse_peer, parse_read
 
     read = parse_read(value)
     if read is not None:
         assert value.split() == ["read", *map(str, read)]
     assert read is None or parse_offer(value) is None
-    peer = parse_peer(text)
-    if peer is not None:
-        assert text.split()[0] == "mooncake" and peer.nbytes > 0
+    for kind in ("mooncake", "nixl"):
+        peer = parse_peer(text, kind)
+        if peer is not None:
+            assert text.split()[0] == kind and peer.nbytes > 0
     ids = parse_ids(text, count, num_blocks)
     if ids is not None:
         assert len(ids) == count and all(0 <= i < num_blocks for i in ids)
         assert ",".join(map(str, ids)).split(",") == [str(int(p)) for p in text.split(",")]
 
 
-needs_mooncake = pytest.mark.skipif(
-    importlib.util.find_spec("mooncake") is None,
-    reason="the Mooncake Transfer Engine is not installed (pip install 'sagellm-plugin-cluster[mooncake]')",
-)
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def inplace_prefill(request):
+    """An in-place transport's prefill side, skipped where its package is missing."""
+    from sagellm_plugin_cluster import transports
+
+    from sagellm_core.errors import ConfigError
+
+    try:
+        return request.param, transports.load(request.param)[0]
+    except ConfigError as exc:
+        pytest.skip(str(exc))
 
 
-MOONCAKE_KV = torch.zeros(64, 2, 4)
+INPLACE_KV = torch.zeros(64, 2, 4)
 
 
-@needs_mooncake
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=READS, past_deadline=st.booleans())
-def test_any_word_of_a_mooncake_decode_side_ends_the_lease_with_nothing_held(store, value, past_deadline):
+def test_any_word_of_an_inplace_decode_side_ends_the_lease_with_nothing_held(
+    store, inplace_prefill, value, past_deadline
+):
     """Whatever the decode side leaves in the lease's key, the prefill side
     ends the lease (at once, or at its deadline while it is an offer or a
     claim) and holds nothing afterwards."""
-    from sagellm_plugin_cluster.mooncake import PrefillServer as MooncakePrefill
-    from sagellm_plugin_cluster.mooncake import parse_read
+    from sagellm_plugin_cluster.inplace import parse_read
 
+    name, prefill_side = inplace_prefill
     rt = runtime()
     kv = KVTensors()
     rt.host.pm.register(kv)
-    rt.register_kv_caches(KVCaches(MOONCAKE_KV, 0))  # one tensor: registered once, as an engine's
-    link = f"fuzz-mooncake-{abs(hash((value, past_deadline)))}"
-    server = MooncakePrefill(rt, kv, store, link, lease_s=60.0, send_timeout_s=0.05)
+    rt.register_kv_caches(KVCaches(INPLACE_KV, 0))  # one tensor: registered once, as an engine's
+    link = f"fuzz-{name}-{abs(hash((value, past_deadline)))}"
+    server = prefill_side(rt, kv, store, link, lease_s=60.0, send_timeout_s=0.05)
     request = prompt(0)
     compute(rt, request)
     assert server.offer(request, 0.0) == 4

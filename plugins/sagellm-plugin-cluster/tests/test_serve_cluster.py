@@ -1,7 +1,7 @@
 """``sagellm serve --cluster``: two colocated instances of the torch engine
 (a tiny random Llama, CPU) behind the routing front, and one prefill with
 one decode instance (1P1D, KV pulled over gloo, and read in place over the
-Mooncake Transfer Engine where it is installed). Greedy outputs through
+Mooncake Transfer Engine and NIXL where they are installed). Greedy outputs through
 the front equal one instance's (``sagellm serve`` on the same config),
 streamed or not; requests sharing a prefix meet on one instance under the
 KV-aware router; with the prefill instance killed, the decode instance
@@ -12,7 +12,6 @@ torch and the model): ``tox -e cluster-transfer`` runs them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -27,7 +26,7 @@ pytest.importorskip("sagellm_plugin_torch")
 pytest.importorskip("sagellm_plugin_server")
 
 import httpx  # noqa: E402
-from sagellm_plugin_cluster import clusterfile  # noqa: E402
+from sagellm_plugin_cluster import clusterfile, transports  # noqa: E402
 from sagellm_plugin_cluster.launcher import Launcher  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
 
@@ -111,11 +110,13 @@ def configs(tmp_path_factory):
     return folder, config, cluster
 
 
-@pytest.fixture(scope="module", params=["gloo", "mooncake"])
+@pytest.fixture(scope="module", params=["gloo", "mooncake", "nixl"])
 def disaggregated(configs, request):
     transport = request.param
-    if transport == "mooncake" and importlib.util.find_spec("mooncake") is None:
-        pytest.skip("the Mooncake Transfer Engine is not installed (pip install 'sagellm-plugin-cluster[mooncake]')")
+    try:
+        transports.load(transport)
+    except SagellmError as exc:  # its package is not installed
+        pytest.skip(str(exc))
     folder, config, _ = configs
     cluster = folder / f"pd-{transport}.toml"
     instances = "".join(f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\n' for role in ("prefill", "decode"))

@@ -1,12 +1,15 @@
-"""KV read in place over the Mooncake Transfer Engine (TCP on loopback).
+"""KV read in place (:mod:`sagellm_plugin_cluster.inplace`), over each
+transport that reads remote memory: the Mooncake Transfer Engine (TCP on
+loopback) and NIXL (UCX on loopback).
 
 In this process: two runtimes with KV tensors of their own, each registered
-with an engine, hand a prompt's blocks over a store, and the decode side's
+with the library, hand a prompt's blocks over a store, and the decode side's
 blocks hold the prefill side's bytes; a read the lease's deadline overtook
-is never cached. Then two real processes of the torch engine, faults
-injected (``engine``, ``tox -e cluster-mooncake``): every request completes
-with the outputs of one instance alone, and no block is held on either side
-afterwards. Everything here skips where the package is not installed."""
+is never cached; a refused read frees both sides. Then two real processes
+of the torch engine, faults injected (``engine``, ``tox -e
+cluster-inplace``): every request completes with the outputs of one
+instance alone, and no block is held on either side afterwards. A
+transport whose package is not installed skips, saying which."""
 
 from __future__ import annotations
 
@@ -16,20 +19,31 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip(
-    "mooncake.engine",
-    reason="the Mooncake Transfer Engine is not installed (pip install 'sagellm-plugin-cluster[mooncake]',"
-    " and Debian's libibverbs1)",
-)
 
 import torch.distributed as dist  # noqa: E402
+from sagellm_plugin_cluster import transports  # noqa: E402
 from sagellm_plugin_cluster.kv_tensors import KVTensors  # noqa: E402
-from sagellm_plugin_cluster.mooncake import DecodePuller, PrefillServer  # noqa: E402
 from sagellm_plugin_cluster.transfer import TransferStatus  # noqa: E402
 
+from sagellm_core.errors import ConfigError  # noqa: E402
 from sagellm_core.types import KVCaches  # noqa: E402
 
 from .conftest import compute, prompt, runtime  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def transport(request):
+    """The transport's name, skipped (saying why) where its package is missing."""
+    try:
+        transports.load(request.param)
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sides(transport):
+    return transports.load(transport)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +61,14 @@ def side(blocks: int = 64, seed: int = 0):
     return rt, kv, tensor
 
 
-def pair(store, link, prefill_faults=None, decode_faults=None, lease_s=60.0):
+def pair(sides, store, link, prefill_faults=None, decode_faults=None, lease_s=60.0):
+    prefill_side, decode_side = sides
     prefill, prefill_kv, prefill_tensor = side(seed=1)
     decode, decode_kv, decode_tensor = side(blocks=48, seed=2)
     # The decode side holds other blocks first, so that its ids differ from the prefill side's.
     compute(decode, prompt(7, shared=0, own=13))
-    server = PrefillServer(prefill, prefill_kv, store, link, lease_s=lease_s, send_timeout_s=1, faults=prefill_faults)
-    puller = DecodePuller(decode, decode_kv, store, link, faults=decode_faults)
+    server = prefill_side(prefill, prefill_kv, store, link, lease_s=lease_s, send_timeout_s=1, faults=prefill_faults)
+    puller = decode_side(decode, decode_kv, store, link, faults=decode_faults)
     return (prefill, server, prefill_tensor), (decode, puller, decode_tensor)
 
 
@@ -79,8 +94,8 @@ def serve_while(server, pull):
         server.poll(time.monotonic())  # the decode side's last word, as a busy prefill side polls until it comes
 
 
-def test_the_decode_side_reads_the_leased_blocks_in_place(store):
-    (prefill, server, prefill_tensor), (decode, puller, decode_tensor) = pair(store, "in-place")
+def test_the_decode_side_reads_the_leased_blocks_in_place(transport, sides, store):
+    (prefill, server, prefill_tensor), (decode, puller, decode_tensor) = pair(sides, store, f"in-place-{transport}")
     request = prompt(0)
     compute(prefill, request)
     assert server.offer(request, time.monotonic()) == 4
@@ -96,11 +111,15 @@ def test_the_decode_side_reads_the_leased_blocks_in_place(store):
     decode.check_invariants()
 
 
-def test_a_read_the_deadline_overtook_is_never_cached(store):
+def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     """The prefill side ends the lease once it is claimed; the decode side's
     read completes, but its confirmation loses: nothing lands."""
     (prefill, server, _), (decode, puller, _) = pair(
-        store, "overtaken", prefill_faults={"r0": "expire-claimed"}, decode_faults={"r0": "confirm-late"}
+        sides,
+        store,
+        f"overtaken-{transport}",
+        prefill_faults={"r0": "expire-claimed"},
+        decode_faults={"r0": "confirm-late"},
     )
     request = prompt(0)
     compute(prefill, request)
@@ -115,10 +134,12 @@ def test_a_read_the_deadline_overtook_is_never_cached(store):
     assert decode.in_flight == 0 and prefill.in_flight == 0
 
 
-def test_a_refused_read_fails_and_frees_both_sides(store):
+def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
     """The read asks for addresses past the prefill side's registered
     memory: the peer's engine refuses it."""
-    (prefill, server, _), (decode, puller, _) = pair(store, "refused", decode_faults={"r0": "error"})
+    (prefill, server, _), (decode, puller, _) = pair(
+        sides, store, f"refused-{transport}", decode_faults={"r0": "error"}
+    )
     request = prompt(0)
     compute(prefill, request)
     server.offer(request, time.monotonic())
@@ -131,7 +152,7 @@ def test_a_refused_read_fails_and_frees_both_sides(store):
     assert decode.in_flight == 0 and prefill.in_flight == 0
 
 
-# Two processes of the torch engine: the gloo tests' cases over Mooncake.
+# Two processes of the torch engine: the gloo tests' cases, read in place.
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +179,7 @@ def reference(processes, config, requests):
     return processes.one_instance(config, requests)
 
 
-def start(front, role, config, requests, faults=None, **kwargs):
+def start(front, transport, role, config, requests, faults=None, **kwargs):
     from sagellm_plugin_cluster import workers
 
     if role == "prefill":
@@ -168,18 +189,18 @@ def start(front, role, config, requests, faults=None, **kwargs):
     else:
         target = workers.run_decode
         kwargs.update(pull_timeout_s=8.0)
-    return front.start(target, config, requests, faults=faults, transport="mooncake", **kwargs)
+    return front.start(target, config, requests, faults=faults, transport=transport, **kwargs)
 
 
 @pytest.mark.engine
-def test_failed_and_expired_reads_are_recomputed_with_equal_outputs(processes, config, requests, reference):
+def test_failed_and_expired_reads_are_recomputed_with_equal_outputs(transport, processes, config, requests, reference):
     """r1's read is refused by the prefill side's engine; r3's lease ends
     once claimed, so its completed read loses its confirmation; r5's lease
     expires before the decode side claims it. The others are read in place."""
     front, started = processes.Front(), time.monotonic()
     procs = [
-        start(front, "prefill", config, requests, {"r3": "expire-claimed", "r5": "expire"}),
-        start(front, "decode", config, requests, {"r1": "error", "r3": "confirm-late", "r5": "late"}),
+        start(front, transport, "prefill", config, requests, {"r3": "expire-claimed", "r5": "expire"}),
+        start(front, transport, "decode", config, requests, {"r1": "error", "r3": "confirm-late", "r5": "late"}),
     ]
     processes.join(procs, started)
     results = processes.outcomes(front, requests)
@@ -199,14 +220,14 @@ def test_failed_and_expired_reads_are_recomputed_with_equal_outputs(processes, c
 
 
 @pytest.mark.engine
-def test_a_prefill_killed_mid_transfer(processes, config, requests, reference):
+def test_a_prefill_killed_mid_transfer(transport, processes, config, requests, reference):
     """The prefill process offers r3 and exits: the decode side's read of
-    its memory fails, and it computes r3 itself."""
+    its memory fails (or finds nothing to read), and it computes r3 itself."""
     served = requests[:4]
     front, started = processes.Front(), time.monotonic()
     procs = [
-        start(front, "prefill", config, served, {"r3": "exit-after-offer"}),
-        start(front, "decode", config, served),
+        start(front, transport, "prefill", config, served, {"r3": "exit-after-offer"}),
+        start(front, transport, "decode", config, served),
     ]
     processes.join(procs, started)
     assert procs[0].exitcode == 17
@@ -217,18 +238,20 @@ def test_a_prefill_killed_mid_transfer(processes, config, requests, reference):
 
 
 @pytest.mark.engine
-def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(processes, config, requests, reference):
+def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
+    transport, processes, config, requests, reference
+):
     """The decode process exits after claiming r2; the prefill side holds
     r2's blocks until the lease's deadline, then lets them go; a new decode
     process finds r2 claimed (failed, computed) and reads r3 onwards."""
     front, started = processes.Front(), time.monotonic()
     procs = [
-        start(front, "prefill", config, requests, lease_s=40.0),
-        start(front, "decode", config, requests, {"r2": "exit-after-claim"}),
+        start(front, transport, "prefill", config, requests, lease_s=40.0),
+        start(front, transport, "decode", config, requests, {"r2": "exit-after-claim"}),
     ]
     procs[1].join(processes.BUDGET_S)
     assert procs[1].exitcode == 17
-    procs.append(start(front, "decode", config, requests[2:]))
+    procs.append(start(front, transport, "decode", config, requests[2:]))
     processes.join(procs, started)
     results = processes.outcomes(front, requests)
     assert {rid: r["tokens"] for rid, r in results.items()} == reference
