@@ -243,10 +243,11 @@ def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
 ):
     """The decode process exits after claiming r2; the prefill side holds
     r2's blocks until the lease's deadline, then lets them go; a new decode
-    process finds r2 claimed (failed, computed) and reads r3 onwards."""
+    process finds r2 claimed, or its lease already expired, and computes
+    it, then reads r3 onwards (their leases outlast its start)."""
     front, started = processes.Front(), time.monotonic()
     procs = [
-        start(front, transport, "prefill", config, requests, lease_s=40.0),
+        start(front, transport, "prefill", config, requests, lease_s=75.0),
         start(front, transport, "decode", config, requests, {"r2": "exit-after-claim"}),
     ]
     procs[1].join(processes.BUDGET_S)
@@ -255,7 +256,8 @@ def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
     processes.join(procs, started)
     results = processes.outcomes(front, requests)
     assert {rid: r["tokens"] for rid, r in results.items()} == reference
-    assert [r["status"] for r in results.values()] == ["done", "done", "failed", "done", "done", "done"]
+    statuses = [r["status"] for r in results.values()]
+    assert statuses[:2] + statuses[3:] == ["done"] * 5 and statuses[2] in ("failed", "expired")
     prefilled = front.read("report/p0-d0/prefill")
     processes.whole(prefilled)
     processes.whole(front.read("report/p0-d0/decode"))
