@@ -17,7 +17,8 @@ with the same library in the same run.
 The prefill side's KV tensor holds seeded random values; every row checks
 that the bytes that arrived equal them (the decode side's tensor is zeroed
 before each repeat). Each size is timed ``--repeats`` times after one
-warm-up; the table gives the median.
+warm-up, the raw transfer and the KV transfer taking turns; the table
+gives the medians.
 
     .venv/bin/python benchmarks/kv_transfer.py [--repeats N] [--transport gloo|mooncake ...]
 """
@@ -55,9 +56,9 @@ def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, result
         ids = tuple(range(size))
         sent = expected.narrow(block_dim, 0, size).contiguous().flatten()
         raw = sent.clone() if rank == 0 else torch.zeros_like(sent)
-        for kind in ("raw", "kv"):
-            times = []
-            for _ in range(repeats + 1):
+        times: dict[str, list[float]] = {"raw": [], "kv": []}
+        for _ in range(repeats + 1):
+            for kind in ("raw", "kv"):  # alternated, so that a change in the machine's load meets both
                 if rank == 1:
                     raw.zero_()
                     kv.tensor.zero_()
@@ -72,11 +73,15 @@ def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, result
                     data = kv.empty(size)
                     group.recv([data], 0, 0).wait(TIMEOUT)
                     kv.write(ids, data)
-                times.append(time.perf_counter() - start)
-            if rank == 1:
-                arrived = raw if kind == "raw" else kv.tensor.narrow(block_dim, 0, size).contiguous().flatten()
-                assert torch.equal(arrived, sent), f"gloo {kind} {size} blocks: the bytes that arrived differ"
-                results.put(("gloo", size, kind, statistics.median(times[1:]), sent.numel() * sent.element_size()))
+                times[kind].append(time.perf_counter() - start)
+                if rank == 1:
+                    arrived = raw if kind == "raw" else kv.tensor.narrow(block_dim, 0, size).contiguous().flatten()
+                    assert torch.equal(arrived, sent), f"gloo {kind} {size} blocks: the bytes that arrived differ"
+        if rank == 1:
+            for kind in ("raw", "kv"):
+                results.put(
+                    ("gloo", size, kind, statistics.median(times[kind][1:]), sent.numel() * sent.element_size())
+                )
 
 
 def inplace_rows(name: str, rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
@@ -99,21 +104,23 @@ def inplace_rows(name: str, rank: int, kv, store, expected: torch.Tensor, repeat
         ids = tuple(range(size))
         found = segments(peer.layout, ids, local.layout, ids)
         nbytes = sum(length for _, _, length in found)
-        for kind in ("raw", "kv"):
-            ranges = [(0, 0, nbytes)] if kind == "raw" else found
-            times = []
-            for _ in range(repeats + 1):
+        times: dict[str, list[float]] = {"raw": [], "kv": []}
+        for _ in range(repeats + 1):
+            for kind in ("raw", "kv"):  # alternated, so that a change in the machine's load meets both
+                ranges = [(0, 0, nbytes)] if kind == "raw" else found
                 kv.tensor.zero_()
                 start = time.perf_counter()
                 done = memory.start_read(local, peer, ranges).wait(TIMEOUT.total_seconds())
-                times.append(time.perf_counter() - start)
+                times[kind].append(time.perf_counter() - start)
                 assert done, f"{name} {kind} {size} blocks: the read failed"
-            if kind == "raw":
-                arrived, sent = kv.tensor.flatten()[: nbytes // 4], expected.flatten()[: nbytes // 4]
-            else:
-                arrived, sent = kv.tensor.narrow(block_dim, 0, size), expected.narrow(block_dim, 0, size)
-            assert torch.equal(arrived, sent), f"{name} {kind} {size} blocks: the bytes that arrived differ"
-            results.put((name, size, kind, statistics.median(times[1:]), nbytes, len(ranges)))
+                if kind == "raw":
+                    arrived, sent = kv.tensor.flatten()[: nbytes // 4], expected.flatten()[: nbytes // 4]
+                else:
+                    arrived, sent = kv.tensor.narrow(block_dim, 0, size), expected.narrow(block_dim, 0, size)
+                assert torch.equal(arrived, sent), f"{name} {kind} {size} blocks: the bytes that arrived differ"
+        for kind in ("raw", "kv"):
+            reads = 1 if kind == "raw" else len(found)
+            results.put((name, size, kind, statistics.median(times[kind][1:]), nbytes, reads))
     store.set(f"bench/{name}/finished", "1")
 
 

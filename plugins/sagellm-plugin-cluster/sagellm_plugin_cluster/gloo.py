@@ -166,6 +166,7 @@ class PrefillServer:
             group.send([data], 1, 0).wait(span(self.send_timeout_s))
         except Exception:  # the pair is closed (a timeout, a dead peer): gloo's errors are RuntimeErrors
             self.send_failures += 1
+            self.kv.drop_buffers()
             self._broken.add(epoch)
             self._pair.drop()
 
@@ -215,8 +216,9 @@ class DecodePuller(OfferReader):
         if status is not TransferStatus.DONE:
             if self._landing is not None:
                 self._landing.abandon()
-            if self._claimed:  # the pair may be mid-message: it is never used again
+            if self._claimed:  # the pair may be mid-message: it is never used again, nor its buffer
                 self._pair.drop()
+                self.kv.drop_buffers()
                 self.epoch = self._next_epoch()
         self._landing = None
         recomputed = 0 if status is TransferStatus.DONE else request.num_prompt_tokens

@@ -53,6 +53,24 @@ def test_copying_the_segments_copies_the_blocks(case):
     assert len(found) == outer * len(runs(src_ids, dst_ids))
 
 
+@given(st.lists(st.lists(st.integers(0, 9), unique=True, min_size=1, max_size=10), min_size=1, max_size=4))
+def test_gathered_blocks_scatter_back_through_kept_buffers(pulls):
+    """gloo's copies: each pull's blocks gathered into the kept send buffer
+    and scattered from the kept receive buffer land where they belong,
+    whatever the sizes of the pulls before (the buffers are reused)."""
+    src = torch.randn(2, 3, 10, 4)
+    prefill, decode = kv_of(src, 2), kv_of(torch.zeros(2, 3, 10, 4), 2)
+    for ids in pulls:
+        ids = tuple(ids)
+        dst_ids = tuple(reversed(ids))
+        received = decode.empty(len(ids))
+        received.copy_(prefill.read(ids))
+        decode.write(dst_ids, received)
+        assert torch.equal(decode.tensor[:, :, list(dst_ids)], src[:, :, list(ids)])
+    decode.drop_buffers()
+    assert decode.empty(1).shape == (2, 3, 1, 4)
+
+
 @given(st.lists(st.integers(0, 40), unique=True, max_size=12), st.integers(0, 30))
 def test_runs_are_maximal(ids, shift):
     src = tuple(ids)
