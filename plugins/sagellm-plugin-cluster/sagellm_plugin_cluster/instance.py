@@ -15,7 +15,7 @@ observations arrive, so that a batch is never cut mid-event.
 
 A prefill or decode instance also joins the front's store (``--store-port``)
 for its links (``--links``, one per prefill-decode pair, as
-:mod:`.gloo` names them), over the cluster file's transport
+:mod:`.clusterfile` names them), over the cluster file's transport
 (``--transport``, :mod:`.transports`), and answers:
 
 * prefill: ``POST /kv/prefill`` ``{"request_id", "token_ids", "link"}``:

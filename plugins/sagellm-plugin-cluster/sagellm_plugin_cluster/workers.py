@@ -1,6 +1,7 @@
 """A prefill and a decode instance of a live engine (the torch engine), each
 in a process of its own, handing KV over a link of one of the transports
-(:mod:`.transports`: gloo, Mooncake): what the fault-injection tests run.
+(:mod:`.transports`: gloo, Mooncake, NIXL): what the fault-injection tests
+run, and the transfer benchmark's engines.
 
 Each worker builds its engine from a sagellm config through the engine
 layer (``build_engine``, ``LiveEngine.start``), serves its requests one at
