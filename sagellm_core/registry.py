@@ -95,7 +95,8 @@ class PluginInfo:
 
 
 #: The groups a block-list item may name: the decisions', and those that
-#: add workloads, commands, the torch engine's devices and replay executors.
+#: add workloads, commands, the torch engine's devices, replay executors
+#: and a cluster's transports between processes.
 BLOCKABLE = (
     *(g for g, _ in GROUPS.values()),
     "sagellm.workloads",
@@ -103,6 +104,7 @@ BLOCKABLE = (
     "sagellm.sections",
     "sagellm.torch_devices",
     "sagellm.executors",
+    "sagellm.cluster_transport",
 )
 
 

@@ -11,6 +11,9 @@ router that picks one for each request.
     # may take before the decode instance computes the prompt itself.
     lease_s = 30
     pull_timeout_s = 10
+    # How their KV goes between processes: a sagellm.cluster_transport
+    # plugin, "gloo" (the default), "mooncake" or "nixl".
+    transport = "gloo"
 
     [router]                  # as a sagellm config's [router]: a sagellm.router plugin and its keys
     plugin = "kv-aware"
@@ -21,9 +24,9 @@ router that picks one for each request.
     count = 2                 # instances started from this config; 1 by default
 
 A colocated instance serves whole requests. A prefill instance computes a
-prompt and lends its blocks; a decode instance pulls them over gloo
-(:mod:`.gloo`, one link per prefill-decode pair, through the front's
-store) and generates; give both or neither.
+prompt and lends its blocks; a decode instance pulls them over the file's
+transport (:mod:`.transports`; one link per prefill-decode pair, its
+control messages on the front's store) and generates; give both or neither.
 
 Every instance's config must name the same model and the same
 ``[prefix_cache]`` (plugin and block size): the router's index matches a
@@ -44,8 +47,10 @@ from sagellm_core.config import Settings
 from sagellm_core.drivers.router import Router
 from sagellm_core.errors import ConfigError, SagellmError
 
+from . import transports
+
 ROLES = ("colocated", "prefill", "decode")
-TOP_KEYS = ("start_timeout_s", "lease_s", "pull_timeout_s", "router", "instance")
+TOP_KEYS = ("start_timeout_s", "lease_s", "pull_timeout_s", "transport", "router", "instance")
 INSTANCE_KEYS = ("config", "role", "count")
 
 
@@ -68,6 +73,9 @@ class ClusterSpec:
     start_timeout_s: float
     lease_s: float = 30.0
     pull_timeout_s: float = 10.0
+    #: A ``sagellm.cluster_transport`` plugin's name, checked to be installed
+    #: (its third-party package is imported when the cluster starts).
+    transport: str = transports.DEFAULT
 
     def links(self, instance: InstanceSpec) -> tuple[str, ...]:
         """The links of a prefill or decode instance: one per peer of the other role."""
@@ -104,6 +112,8 @@ def load(path: str | Path) -> ClusterSpec:
         raise ConfigError(f"{path}: not TOML: {exc}") from None
     _unknown(str(path), table, TOP_KEYS)
     seconds = {key: _seconds(path, table, key, default) for key, default in _SECONDS.items()}
+    transport = table.get("transport", transports.DEFAULT)
+    transports.find(transport, f"{path}: transport")
     router = table.get("router")
     if not isinstance(router, dict) or not isinstance(router.get("plugin"), str):
         raise ConfigError(f'{path}: [router] plugin: missing; name a sagellm.router plugin (e.g. "kv-aware")')
@@ -158,7 +168,7 @@ def load(path: str | Path) -> ClusterSpec:
         built = Router(config_mod.load(instances[0].config_path, {("router",): router}))
     except SagellmError as exc:
         raise ConfigError(f"{path}: [router]: {exc}") from None
-    return ClusterSpec(path, tuple(instances), built, **seconds)
+    return ClusterSpec(path, tuple(instances), built, transport=transport, **seconds)
 
 
 #: The file's durations and their defaults, in seconds.

@@ -65,7 +65,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         )
     import uvicorn
 
-    from . import clusterfile
+    from . import clusterfile, transports
     from .front import Member, build_front
     from .launcher import Launcher
 
@@ -73,12 +73,14 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     router = spec.router
     store = None
     if any(i.role != "colocated" for i in spec.instances):
+        # Its package missing is one line now, not an instance failing to start.
+        transports.find(spec.transport, f"{spec.path}: transport").check(f"{spec.path}: transport = {spec.transport!r}")
         import datetime
 
         import torch.distributed as dist
 
         # The transfers' control keys live here, in the front, so that
-        # neither side of a link takes them down by dying (see gloo.py).
+        # neither side of a link takes them down by dying (see transports.py).
         store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
         )

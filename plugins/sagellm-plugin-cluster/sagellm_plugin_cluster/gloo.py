@@ -27,80 +27,25 @@ The exchange, per request (``kv/<link>/`` keys):
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
-from sagellm_core import hookimpl
 from sagellm_core.runtime import Runtime
-from sagellm_core.types import KVCaches, Request
+from sagellm_core.types import Request
 
+from .kv_tensors import KVTensors, TransportError
 from .transfer import Landing, Leases, TransferCounts, TransferStatus
+from .transports import Faults, OfferReader, parse_offer, span, store_key
 
-#: Fault injection for tests, per request id: ``error`` (copying out raises),
-#: ``exit-before-send`` (the prefill process exits after answering, before
-#: sending), ``exit-after-claim`` (the decode process exits after claiming),
-#: ``expire`` (the prefill side's lease ends at its first watch),
-#: ``late`` (the decode side claims only once the offer is gone, or at its
-#: deadline).
-Faults = Mapping[str, str]
-
-
-class TransportError(RuntimeError):
-    """A transfer that could not be carried out (the peer, the group, the data)."""
-
-
-class KVTensors:
-    """The engine's KV tensor, as the runtime announces it
-    (``sagellm_kv_caches_allocated``): register before the engine starts."""
-
-    def __init__(self) -> None:
-        self.caches: KVCaches | None = None
-
-    @hookimpl
-    def sagellm_kv_caches_allocated(self, kv_caches: KVCaches) -> None:
-        self.caches = kv_caches
-
-    def _kv(self) -> KVCaches:
-        if self.caches is None:
-            raise TransportError("the engine announced no KV tensor (sagellm_kv_caches_allocated)")
-        return self.caches
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self._kv().bytes_per_block
-
-    def read(self, block_ids: tuple[int, ...]) -> torch.Tensor:
-        """The blocks, copied into one contiguous tensor (one large copy)."""
-        kv = self._kv()
-        index = torch.tensor(block_ids, device=kv.tensor.device)
-        # Indexing gathers along the block dimension in one pass; index_select
-        # along it was several times slower on the CPU (torch 2.13).
-        return kv.tensor[(slice(None),) * kv.block_dim + (index,)].cpu()
-
-    def empty(self, num_blocks: int) -> torch.Tensor:
-        kv = self._kv()
-        shape = list(kv.tensor.shape)
-        shape[kv.block_dim] = num_blocks
-        return torch.empty(shape, dtype=kv.tensor.dtype)
-
-    def write(self, block_ids: tuple[int, ...], data: torch.Tensor) -> None:
-        kv = self._kv()
-        index = torch.tensor(block_ids, device=kv.tensor.device)
-        kv.tensor.index_copy_(kv.block_dim, index, data.to(kv.tensor.device))
-
-
-def parse_offer(value: str) -> tuple[int, int] | None:
-    """``offer <blocks> <bytes per block>`` as its two numbers; ``None`` for
-    anything else (``none``, ``expired``, a claim, garbage)."""
-    match value.split():
-        case ["offer", blocks, size] if blocks.isdigit() and size.isdigit() and int(blocks) > 0:
-            return int(blocks), int(size)
-    return None
+# Faults (tests), per request id: ``error`` (copying out raises),
+# ``exit-before-send`` (the prefill process exits after answering, before
+# sending), ``exit-after-claim`` (the decode process exits after claiming),
+# ``expire`` (the prefill side's lease ends at its first watch),
+# ``late`` (the decode side claims only once the offer is gone, or at its
+# deadline).
 
 
 def parse_claim(value: str) -> tuple[int, int, int] | None:
@@ -110,14 +55,6 @@ def parse_claim(value: str) -> tuple[int, int, int] | None:
         case ["pull", start, count, epoch] if start.isdigit() and count.isdigit() and epoch.isdigit():
             return int(start), int(count), int(epoch)
     return None
-
-
-def _key(link: str, what: str) -> str:
-    return f"kv/{link}/{what}"
-
-
-def _span(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
 class _Pair:
@@ -133,9 +70,9 @@ class _Pair:
         if self.group is None or self.epoch != epoch:
             self.group = None
             self.epoch = epoch
-            prefix = dist.PrefixStore(_key(self.link, f"group/{epoch}/"), self.store)
+            prefix = dist.PrefixStore(store_key(self.link, f"group/{epoch}/"), self.store)
             try:
-                self.group = dist.ProcessGroupGloo(prefix, self.rank, 2, _span(timeout_s))
+                self.group = dist.ProcessGroupGloo(prefix, self.rank, 2, span(timeout_s))
             except Exception as exc:  # gloo raises RuntimeError and DistStoreError
                 raise TransportError(f"gloo group of epoch {epoch}: {exc}") from exc
         return self.group
@@ -179,14 +116,14 @@ class PrefillServer:
             self._offers[rid] = value
             if self.faults.get(rid) == "expire":
                 lease.deadline_s = now_s
-        self.store.set(_key(self.link, f"lease/{rid}"), value)
+        self.store.set(store_key(self.link, f"lease/{rid}"), value)
         return 0 if lease is None else len(lease.block_ids)
 
     def poll(self, now_s: float) -> None:
         """Serve the pulls that claimed a lease; end unclaimed ones past
         their deadline."""
         for rid, offered in list(self._offers.items()):
-            key = _key(self.link, f"lease/{rid}")
+            key = store_key(self.link, f"lease/{rid}")
             value = self.store.get(key).decode()
             if value == offered and now_s > self.leases.open[rid].deadline_s:
                 value = self.store.compare_set(key, offered, "expired").decode()
@@ -205,7 +142,7 @@ class PrefillServer:
 
     def _serve(self, rid: str, start: int, count: int, epoch: int) -> None:
         lease = self.leases.open[rid]
-        answer = _key(self.link, f"answer/{rid}/{epoch}")
+        answer = store_key(self.link, f"answer/{rid}/{epoch}")
         try:
             if not 0 <= start < start + count <= len(lease.block_ids):
                 raise TransportError(f"pull of blocks [{start}, {start + count}) of a lease of {len(lease.block_ids)}")
@@ -226,9 +163,10 @@ class PrefillServer:
             group = self._pair.of(epoch, self.send_timeout_s)
             if self.faults.get(rid) == "exit-before-send":
                 os._exit(17)
-            group.send([data], 1, 0).wait(_span(self.send_timeout_s))
+            group.send([data], 1, 0).wait(span(self.send_timeout_s))
         except Exception:  # the pair is closed (a timeout, a dead peer): gloo's errors are RuntimeErrors
             self.send_failures += 1
+            self.kv.drop_buffers()
             self._broken.add(epoch)
             self._pair.drop()
 
@@ -236,8 +174,11 @@ class PrefillServer:
     def busy(self) -> bool:
         return bool(self._offers)
 
+    def figures(self) -> dict[str, int]:
+        return {"sends": self.sends, "send_failures": self.send_failures}
 
-class DecodePuller:
+
+class DecodePuller(OfferReader):
     """The decode side of one link: pulls a prompt's blocks before the
     request runs; a pull that does not end ``DONE`` leaves nothing held."""
 
@@ -261,24 +202,7 @@ class DecodePuller:
         self.epoch = self._next_epoch()
 
     def _next_epoch(self) -> int:
-        return int(self.store.add(_key(self.link, "epoch"), 1))
-
-    def num_blocks_available(self, request: Request) -> int:
-        """The blocks of ``request``'s prompt the prefill side offers now (0:
-        no offer, or it is claimed or ended): this side as a ``KVSource``."""
-        key = _key(self.link, f"lease/{request.request_id}")
-        offer = parse_offer(self.store.get(key).decode()) if self.store.check([key]) else None
-        return offer[0] if offer is not None else 0
-
-    def wait_for_offer(self, request: Request, timeout_s: float) -> bool:
-        """Wait until the prefill side has answered for ``request`` (an offer
-        or none): the hand-over a front makes before the decode side's pull
-        starts its deadline. False after ``timeout_s``."""
-        try:
-            self.store.wait([_key(self.link, f"lease/{request.request_id}")], _span(timeout_s))
-        except Exception:  # the store's timeout is a DistStoreError
-            return False
-        return True
+        return int(self.store.add(store_key(self.link, "epoch"), 1))
 
     def pull(self, request: Request, timeout_s: float) -> TransferStatus:
         """Pull ``request``'s prompt blocks into this instance's prefix
@@ -292,8 +216,9 @@ class DecodePuller:
         if status is not TransferStatus.DONE:
             if self._landing is not None:
                 self._landing.abandon()
-            if self._claimed:  # the pair may be mid-message: it is never used again
+            if self._claimed:  # the pair may be mid-message: it is never used again, nor its buffer
                 self._pair.drop()
+                self.kv.drop_buffers()
                 self.epoch = self._next_epoch()
         self._landing = None
         recomputed = 0 if status is TransferStatus.DONE else request.num_prompt_tokens
@@ -302,8 +227,8 @@ class DecodePuller:
 
     def _pull(self, request: Request, deadline: float) -> tuple[TransferStatus, int]:
         rid = request.request_id
-        key = _key(self.link, f"lease/{rid}")
-        self.store.wait([key], _span(deadline - self.clock()))
+        key = store_key(self.link, f"lease/{rid}")
+        self.store.wait([key], span(deadline - self.clock()))
         offered = self.store.get(key).decode()
         if offered == "none":  # nothing to lend (a short prompt, or its blocks evicted before the lease)
             return TransferStatus.DONE, 0
@@ -332,13 +257,13 @@ class DecodePuller:
         self._claimed = True
         if self.faults.get(rid) == "exit-after-claim":
             os._exit(17)
-        answer = _key(self.link, f"answer/{rid}/{epoch}")
-        self.store.wait([answer], _span(deadline - self.clock()))
+        answer = store_key(self.link, f"answer/{rid}/{epoch}")
+        self.store.wait([answer], span(deadline - self.clock()))
         if self.store.get(answer).decode() != "sending":
             return TransferStatus.FAILED, 0
         data = self.kv.empty(count)
         group = self._pair.of(epoch, deadline - self.clock())
-        group.recv([data], 0, 0).wait(_span(deadline - self.clock()))
+        group.recv([data], 0, 0).wait(span(deadline - self.clock()))
         self.kv.write(landing.block_ids, data)
         self._landing = None
         landing.land()

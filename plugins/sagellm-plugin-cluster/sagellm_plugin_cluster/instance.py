@@ -15,15 +15,16 @@ observations arrive, so that a batch is never cut mid-event.
 
 A prefill or decode instance also joins the front's store (``--store-port``)
 for its links (``--links``, one per prefill-decode pair, as
-:mod:`.gloo` names them) and answers:
+:mod:`.clusterfile` names them), over the cluster file's transport
+(``--transport``, :mod:`.transports`), and answers:
 
 * prefill: ``POST /kv/prefill`` ``{"request_id", "token_ids", "link"}``:
   computes the prompt (one output token, discarded), leases its blocks and
-  offers them on the link (:class:`~.gloo.PrefillServer`); the leases are
+  offers them on the link (the transport's ``PrefillServer``); the leases are
   served from a task that polls while any is open;
 * decode: ``POST /kv/pull`` ``{"request_id", "token_ids", "link",
   "timeout_s"}``: pulls the prompt's blocks into its cache
-  (:class:`~.gloo.DecodePuller`), ending done, failed or expired within
+  (the transport's ``DecodePuller``), ending done, failed or expired within
   the deadline; the request itself then comes as any other, and computes
   what the pull did not bring;
 * both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
@@ -53,8 +54,9 @@ from sagellm_core import config as config_mod
 from sagellm_core.errors import RequestError, SagellmError
 from sagellm_core.types import Request
 
+from . import transports
 from .events import KVEventPublisher
-from .gloo import DecodePuller, KVTensors, PrefillServer
+from .kv_tensors import KVTensors
 
 #: Seconds between two polls of a prefill instance's open leases.
 LEASE_POLL_S = 0.005
@@ -81,6 +83,7 @@ class Transfers:
     links: tuple[str, ...]
     lease_s: float
     send_timeout_s: float
+    transport: str = transports.DEFAULT
 
 
 def build_instance(settings, transfers: Transfers | None = None):  # type: ignore[no-untyped-def]
@@ -129,8 +132,9 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
     from sagellm_plugin_torch.sampling import SamplingParams
 
     rt = thread.core.rt
+    prefill_side, _ = transports.load(transfers.transport)
     servers = {
-        link: PrefillServer(rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s)
+        link: prefill_side(rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s)
         for link in transfers.links
     }
     polling: list[asyncio.Task[None]] = []
@@ -176,19 +180,19 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
             for server in servers.values():
                 for status, n in server.leases.ended.items():
                     ended[status.value] = ended.get(status.value, 0) + n
-            sends = sum(s.sends for s in servers.values())
-            return {
-                "leases_ended": ended,
-                "sends": sends,
-                "send_failures": sum(s.send_failures for s in servers.values()),
-            }
+            figures: dict[str, int] = {}
+            for server in servers.values():
+                for name, n in server.figures().items():
+                    figures[name] = figures.get(name, 0) + n
+            return {"leases_ended": ended, **figures}
 
         return await thread.call(read)  # type: ignore[no-any-return]
 
 
 def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
     rt = thread.core.rt
-    pullers = {link: DecodePuller(rt, kv, store, link) for link in transfers.links}
+    _, decode_side = transports.load(transfers.transport)
+    pullers = {link: decode_side(rt, kv, store, link) for link in transfers.links}
 
     @app.post("/kv/pull")
     async def pull(body: TransferRequest) -> Any:
@@ -218,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", default="", help="this instance's links, comma-separated")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--send-timeout-s", type=float, default=10.0)
+    parser.add_argument("--transport", default=transports.DEFAULT, help="a sagellm.cluster_transport plugin")
     args = parser.parse_args(argv)
     import uvicorn
 
     transfers = None
     if args.role != "colocated":
         links = tuple(link for link in args.links.split(",") if link)
-        transfers = Transfers(args.role, args.store_port, links, args.lease_s, args.send_timeout_s)
+        transfers = Transfers(args.role, args.store_port, links, args.lease_s, args.send_timeout_s, args.transport)
     try:
         app, thread = build_instance(config_mod.load(args.config), transfers)
     except SagellmError as exc:

@@ -70,6 +70,7 @@ class Launcher:
                         )
                     command += ["--store-port", str(self.store_port), "--links", ",".join(self.spec.links(spec))]
                     command += ["--lease-s", str(self.spec.lease_s), "--send-timeout-s", str(self.spec.pull_timeout_s)]
+                    command += ["--transport", self.spec.transport]
                 with log.open("w") as out:
                     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
                 self.running.append(RunningInstance(spec, f"http://127.0.0.1:{port}", process, log))

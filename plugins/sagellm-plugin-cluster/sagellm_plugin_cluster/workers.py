@@ -1,6 +1,7 @@
 """A prefill and a decode instance of a live engine (the torch engine), each
-in a process of its own, handing KV over a gloo link (:mod:`.gloo`): what
-the fault-injection tests and the transfer benchmark run.
+in a process of its own, handing KV over a link of one of the transports
+(:mod:`.transports`: gloo, Mooncake, NIXL): what the fault-injection tests
+run, and the transfer benchmark's engines.
 
 Each worker builds its engine from a sagellm config through the engine
 layer (``build_engine``, ``LiveEngine.start``), serves its requests one at
@@ -29,7 +30,9 @@ from sagellm_core.errors import ConfigError, RequestError
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
-from .gloo import DecodePuller, Faults, KVTensors, PrefillServer
+from . import transports
+from .kv_tensors import KVTensors
+from .transports import Faults
 
 POLL_S = 0.002
 
@@ -87,13 +90,15 @@ def run_prefill(
     lease_s: float,
     send_timeout_s: float,
     faults: Faults | None = None,
+    transport: str = transports.DEFAULT,
 ) -> None:
     """Prefill each request (one output token, discarded), lease and offer
     its blocks, and serve pulls until every lease has ended."""
     store = connect(port, 30)
     try:
+        prefill_side, _ = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        server = PrefillServer(rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults)
+        server = prefill_side(rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults)
         for request in requests:
             generate(engine, attrs.evolve(request, output_tokens=1))
             server.offer(request, time.monotonic())
@@ -102,7 +107,7 @@ def run_prefill(
             server.poll(time.monotonic())
             time.sleep(POLL_S)
         leases = {status.value: n for status, n in server.leases.ended.items()}
-        _report(store, link, "prefill", rt, leases=leases, sends=server.sends, send_failures=server.send_failures)
+        _report(store, link, "prefill", rt, leases=leases, **server.figures())
     except BaseException:
         _put(store, f"report/{link}/prefill", {"error": traceback.format_exc()})
         raise
@@ -117,6 +122,7 @@ def run_decode(
     pull_timeout_s: float,
     handoff_timeout_s: float = 120.0,
     faults: Faults | None = None,
+    transport: str = transports.DEFAULT,
 ) -> None:
     """Once the prefill side has answered for a request (within
     ``handoff_timeout_s``, the front's wait), pull its prompt blocks (within ``pull_timeout_s``), then
@@ -124,8 +130,9 @@ def run_decode(
     not end done. Each request's outputs are reported as it ends."""
     store = connect(port, 30)
     try:
+        _, decode_side = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        puller = DecodePuller(rt, kv, store, link, faults=faults)
+        puller = decode_side(rt, kv, store, link, faults=faults)
         for request in requests:
             puller.wait_for_offer(request, handoff_timeout_s)
             start = time.monotonic()

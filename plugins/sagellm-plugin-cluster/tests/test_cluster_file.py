@@ -90,6 +90,11 @@ def test_instances_named_by_config_and_count(folder: Path) -> None:
             "start_timeout_s = -1",
         ),
         ('[router]\nplugin = "no-such-router"\n[[instance]]\nconfig = "a.toml"\n', "[router]"),
+        (
+            'transport = "rdma"\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n',
+            "transport = 'rdma': no such transport; installed: gloo, mooncake",
+        ),
+        ('transport = 3\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n', "transport = 3"),
         ("[router\n", "not TOML"),
     ],
 )
@@ -144,6 +149,27 @@ def test_sagellm_serve_cluster_refuses_one_engine_flags(folder: Path, capsys) ->
     assert "--device, --max-num-seqs" in error and "cluster file" in error
 
 
+def test_the_transport_is_picked_by_name(folder: Path) -> None:
+    path = write(folder, 'transport = "mooncake"\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n')
+    assert clusterfile.load(path).transport == "mooncake"
+    path = write(folder, '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n')
+    assert clusterfile.load(path).transport == "gloo"
+
+
+def test_a_transport_whose_package_is_missing_names_its_pip_install() -> None:
+    from sagellm_plugin_cluster.transports import MOONCAKE, Transport
+
+    missing = Transport("x", "sagellm_plugin_cluster.gloo", "no_such_package.engine", "pip install x-transport")
+    with pytest.raises(ConfigError) as caught:
+        missing.check("cluster.toml: transport = 'x'")
+    message = str(caught.value)
+    assert message.startswith("cluster.toml: transport = 'x': transport 'x' needs no_such_package.engine")
+    assert message.endswith("; pip install x-transport") and "\n" not in message
+    if importlib.util.find_spec("mooncake") is None:
+        with pytest.raises(ConfigError, match=r"pip install 'sagellm-plugin-cluster\[mooncake\]'"):
+            MOONCAKE.check("transport")
+
+
 def test_missing_file_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--cluster .*nowhere.toml"):
         clusterfile.load(tmp_path / "nowhere.toml")
@@ -159,6 +185,7 @@ files = st.fixed_dictionaries(
     {},
     optional={
         "start_timeout_s": values,
+        "transport": st.one_of(values, st.sampled_from(["gloo", "mooncake", "nixl"])),
         "router": st.one_of(values, tables, st.just({"plugin": "round-robin"})),
         "instance": st.one_of(values, st.lists(tables, max_size=3), st.just([{"config": "a.toml"}])),
         "other": values,

@@ -12,10 +12,6 @@ loads torch and the model): ``tox -e cluster-transfer`` runs them."""
 
 from __future__ import annotations
 
-import datetime
-import json
-import multiprocessing
-import random
 import time
 
 import pytest
@@ -24,76 +20,32 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("sagellm_plugin_torch")
 
-import torch.distributed as dist  # noqa: E402
 from sagellm_plugin_cluster import workers  # noqa: E402
 
-from sagellm_core.types import Request  # noqa: E402
+from .two_processes import BUDGET_S, Front, join, one_instance, outcomes, shared_prefix_requests, tiny_config, whole  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 6
 #: Long enough for the decode side to reach every lease in its turn on a
 #: loaded machine; the lease-expiry case ends its lease at once instead.
 LEASE_S = 60.0
 SEND_TIMEOUT_S = 2.0
 PULL_TIMEOUT_S = 8.0
-#: A worker's start (torch, transformers, the model: ~20 s on a shared
-#: 2-core machine) and its requests, with room to spare.
-BUDGET_S = 150.0
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    from sagellm_plugin_torch import testing
-
-    folder = tmp_path_factory.mktemp("gloo")
-    model = testing.save_tiny_llama(folder / "model")
-    return str(testing.write_config(folder, model=str(model), num_blocks=64, max_num_seqs=4))
+    return tiny_config(tmp_path_factory.mktemp("gloo"))
 
 
 @pytest.fixture(scope="module")
 def requests():
-    """Six prompts of two to five blocks (block size 16) sharing two 24-token prefixes."""
-    rng = random.Random(0)
-    shared = [[rng.randrange(5, 120) for _ in range(24)] for _ in range(2)]
-    tails = [[rng.randrange(5, 120) for _ in range(rng.randrange(10, 60))] for _ in range(6)]
-    return [Request(f"r{i}", shared[i % 2] + tail, MAX_TOKENS) for i, tail in enumerate(tails)]
+    return shared_prefix_requests()
 
 
 @pytest.fixture(scope="module")
 def reference(config, requests):
-    """One instance alone, in this process."""
-    rt, _, engine = workers.start_engine(config)
-    out = {r.request_id: workers.generate(engine, r) for r in requests}
-    rt.check_invariants()
-    return out
-
-
-class Front:
-    """The store's host, as the front of a cluster is: it outlives the workers."""
-
-    def __init__(self) -> None:
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
-        )
-        self.context = multiprocessing.get_context("spawn")
-
-    def start(self, target, config, requests, **kwargs):
-        proc = self.context.Process(target=target, args=(config, self.store.port, "p0-d0", requests), kwargs=kwargs)
-        proc.start()
-        return proc
-
-    def read(self, key: str):
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
-
-
-def join(procs, started: float) -> None:
-    for proc in procs:
-        proc.join(max(0.0, BUDGET_S - (time.monotonic() - started)))
-    alive = [p for p in procs if p.is_alive()]
-    for proc in alive:
-        proc.kill()
-    assert not alive, f"a worker ran past {BUDGET_S} s"
+    return one_instance(config, requests)
 
 
 def prefill(front, config, requests, faults=None, lease_s=LEASE_S):
@@ -104,19 +56,6 @@ def prefill(front, config, requests, faults=None, lease_s=LEASE_S):
 
 def decode(front, config, requests, faults=None):
     return front.start(workers.run_decode, config, requests, pull_timeout_s=PULL_TIMEOUT_S, faults=faults)
-
-
-def outcomes(front, requests):
-    results = {r.request_id: front.read(f"result/p0-d0/{r.request_id}") for r in requests}
-    missing = [rid for rid, result in results.items() if result is None]
-    assert not missing, f"requests with no outcome: {missing}"
-    print(" ".join(f"{rid} {r['status']} {r['pull_s']:.3f}s" for rid, r in results.items()))
-    return results
-
-
-def whole(report) -> None:
-    assert report is not None and "error" not in report, report
-    assert report["invariants"] == "ok" and report["in_flight"] == 0
 
 
 def test_failed_and_expired_transfers_are_recomputed_with_equal_outputs(config, requests, reference):

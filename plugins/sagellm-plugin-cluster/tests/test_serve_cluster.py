@@ -1,6 +1,7 @@
 """``sagellm serve --cluster``: two colocated instances of the torch engine
 (a tiny random Llama, CPU) behind the routing front, and one prefill with
-one decode instance (1P1D, KV pulled over gloo). Greedy outputs through
+one decode instance (1P1D, KV pulled over gloo, and read in place over the
+Mooncake Transfer Engine and NIXL where they are installed). Greedy outputs through
 the front equal one instance's (``sagellm serve`` on the same config),
 streamed or not; requests sharing a prefix meet on one instance under the
 KV-aware router; with the prefill instance killed, the decode instance
@@ -25,7 +26,7 @@ pytest.importorskip("sagellm_plugin_torch")
 pytest.importorskip("sagellm_plugin_server")
 
 import httpx  # noqa: E402
-from sagellm_plugin_cluster import clusterfile  # noqa: E402
+from sagellm_plugin_cluster import clusterfile, transports  # noqa: E402
 from sagellm_plugin_cluster.launcher import Launcher  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
 
@@ -109,12 +110,20 @@ def configs(tmp_path_factory):
     return folder, config, cluster
 
 
-@pytest.fixture(scope="module")
-def disaggregated(configs):
+@pytest.fixture(scope="module", params=["gloo", "mooncake", "nixl"])
+def disaggregated(configs, request):
+    transport = request.param
+    try:
+        transports.load(transport)
+    except SagellmError as exc:  # its package is not installed
+        pytest.skip(str(exc))
     folder, config, _ = configs
-    cluster = folder / "pd.toml"
+    cluster = folder / f"pd-{transport}.toml"
     instances = "".join(f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\n' for role in ("prefill", "decode"))
-    cluster.write_text(f'start_timeout_s = {START_S}\npull_timeout_s = 20\n[router]\nplugin = "kv-aware"\n{instances}')
+    cluster.write_text(
+        f'start_timeout_s = {START_S}\npull_timeout_s = 20\ntransport = "{transport}"\n'
+        f'[router]\nplugin = "kv-aware"\n{instances}'
+    )
     return cluster
 
 

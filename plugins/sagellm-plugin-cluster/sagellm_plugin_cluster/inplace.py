@@ -1,0 +1,372 @@
+"""KV read in place: the decode side reads the leased blocks straight
+from the prefill side's registered KV tensor into its own, with a library
+that reads remote memory (the Mooncake Transfer Engine, :mod:`.mooncake`;
+NIXL, :mod:`.nixl`: each a :class:`Memory`).
+
+Each process registers its engine's KV tensor once, whatever its links. A
+pull is one batch of reads, one per layer slab and run of consecutive block
+ids on both sides (:func:`.kv_tensors.segments`): no copy out, no staging
+buffer. So the prefill side holds the lease until the decode side says the
+read completed, or until the deadline; who ends it is settled by the
+store's compare-and-set on the lease's key, so a read the deadline overtook
+is never used.
+
+The exchange, per request (``kv/<link>/`` keys):
+
+1. prefill: once per link, ``peer`` = ``<kind> <session> <address> <slabs>
+   <blocks> <chunk bytes> <layout fingerprint> [<handshake, hex>]``; after
+   the prefill, ``blocks/<rid>`` = the leased block ids, then
+   ``lease/<rid>`` = ``offer <blocks> <bytes per block>``;
+2. decode: claims it by compare-and-set to ``read <start> <count>``;
+   the prefill side ends an unclaimed or claimed lease at its deadline by
+   compare-and-set to ``expired``;
+3. decode: reads the blocks into its landing, then compare-and-sets the
+   claim to ``done`` (the prefill side lets the blocks go) and caches them;
+   if ``expired`` won instead, the bytes read may be of blocks reused since:
+   the landing is freed unwritten and the prompt computed. A read that
+   fails sets ``failed``.
+
+A read still running at the decode side's deadline (a peer that stopped
+without closing its connection) is not waited for: the pull ends
+``EXPIRED`` at the deadline, and its landing's blocks stay held until the
+read has ended, so that bytes arriving late never land in blocks given to
+another request (:meth:`DecodePuller.reap`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import Request
+
+from .kv_tensors import BlockLayout, KVTensors, segments
+from .transfer import Landing, Leases, TransferCounts, TransferStatus
+from .transports import Faults, OfferReader, parse_offer, span, store_key
+
+# Faults (tests), per request id. Prefill side: ``expire`` (the lease's
+# deadline is its grant), ``expire-claimed`` (the deadline passes once the
+# decode side has claimed the lease), ``exit-after-offer`` (once every earlier lease
+# has ended, the process offers this one and exits). Decode side: ``error``
+# (the read asks for addresses past the peer's registered memory, which the
+# peer's engine refuses), ``late`` (claims only once the offer is gone, or
+# at its deadline), ``confirm-late`` (after the read, confirms only once
+# the claim is gone, or at its deadline), ``exit-after-claim``.
+
+
+@attrs.frozen
+class Peer:
+    """The other side's registered KV tensor, as its description says."""
+
+    session: str
+    address: int
+    layout: BlockLayout
+    fingerprint: str
+    #: What a library needs to reach the peer beyond its session (NIXL's agent metadata).
+    handshake: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.outer * self.layout.num_blocks * self.layout.chunk_bytes
+
+
+@attrs.frozen
+class Local:
+    """This process's registered KV tensor."""
+
+    kind: str
+    session: str
+    address: int
+    layout: BlockLayout
+    fingerprint: str
+    handshake: bytes
+    #: Kept alive here: the library serves reads of its memory for as long as the process runs.
+    tensor: Any
+
+    def describe(self) -> str:
+        layout = self.layout
+        text = (
+            f"{self.kind} {self.session} {self.address} {layout.outer} {layout.num_blocks}"
+            f" {layout.chunk_bytes} {self.fingerprint}"
+        )
+        return f"{text} {self.handshake.hex()}" if self.handshake else text
+
+
+def parse_peer(value: str, kind: str) -> Peer | None:
+    """A ``kind`` peer's description; ``None`` for anything else."""
+    parts = value.split()
+    if len(parts) not in (7, 8) or parts[0] != kind or not all(n.isdigit() for n in parts[2:6]):
+        return None
+    address, outer, blocks, chunk = map(int, parts[2:6])
+    try:
+        handshake = bytes.fromhex(parts[7]) if len(parts) == 8 else b""
+    except ValueError:
+        return None
+    if outer > 0 and blocks > 0 and chunk > 0:
+        return Peer(parts[1], address, BlockLayout(outer, blocks, chunk), parts[6], handshake)
+    return None
+
+
+class Read(Protocol):
+    def wait(self, timeout_s: float) -> bool | None:
+        """Whether the read completed (``False``: it failed), waiting up to
+        ``timeout_s``; ``None`` while it runs. Once it has ended, its
+        resources are released."""
+        ...
+
+
+class Memory(Protocol):
+    """A library that registers a process's KV tensor and reads a peer's."""
+
+    kind: str
+
+    def register(self, kv: KVTensors) -> Local:
+        """This process's registration of ``kv``'s tensor (made once)."""
+        ...
+
+    def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> Read:
+        """Start reading each ``(peer offset, local offset, bytes)`` of ``segments``."""
+        ...
+
+
+def parse_read(value: str) -> tuple[int, int] | None:
+    """``read <start> <count>`` as its two numbers; ``None`` for anything else."""
+    match value.split():
+        case ["read", start, count] if start.isdigit() and count.isdigit():
+            return int(start), int(count)
+    return None
+
+
+def parse_ids(value: str, count: int, num_blocks: int) -> tuple[int, ...] | None:
+    """``count`` comma-separated block ids below ``num_blocks``; ``None`` otherwise."""
+    parts = value.split(",")
+    if len(parts) != count or not all(p.isdigit() for p in parts):
+        return None
+    ids = tuple(map(int, parts))
+    return ids if all(i < num_blocks for i in ids) else None
+
+
+class PrefillServer:
+    """The prefill side of one link: leases, offered in place; each held
+    until the decode side confirms its read, or its deadline."""
+
+    #: The library that serves the reads (a subclass per transport).
+    memory: Memory
+
+    def __init__(
+        self,
+        rt: Runtime,
+        kv: KVTensors,
+        store: Any,
+        link: str,
+        *,
+        lease_s: float,
+        send_timeout_s: float,
+        faults: Faults | None = None,
+    ) -> None:
+        del send_timeout_s  # nothing is sent: the decode side reads
+        self.leases = Leases(rt, lease_s)
+        self.kv, self.store, self.link = kv, store, link
+        self.faults = dict(faults or {})
+        self._offers: dict[str, str] = {}
+        self._published = False
+        #: Leases the deadline ended while the decode side had claimed them.
+        self.expired_claimed = 0
+
+    def offer(self, request: Request, now_s: float) -> int:
+        """Lease ``request``'s cached prompt blocks and offer them; the
+        blocks offered (0: nothing to offer, the decode side computes)."""
+        rid = request.request_id
+        exit_after = self.faults.get(rid) == "exit-after-offer"
+        while exit_after and self.busy:
+            self.poll(time.monotonic())
+            time.sleep(0.002)
+        lease = self.leases.grant(request, now_s)
+        value = "none"
+        if lease is not None:
+            if not self._published:
+                self.store.set(store_key(self.link, "peer"), self.memory.register(self.kv).describe())
+                self._published = True
+            self.store.set(store_key(self.link, f"blocks/{rid}"), ",".join(map(str, lease.block_ids)))
+            value = f"offer {len(lease.block_ids)} {self.kv.bytes_per_block}"
+            self._offers[rid] = value
+            if self.faults.get(rid) == "expire":
+                lease.deadline_s = now_s
+        self.store.set(store_key(self.link, f"lease/{rid}"), value)
+        if exit_after:
+            os._exit(17)
+        return 0 if lease is None else len(lease.block_ids)
+
+    def poll(self, now_s: float) -> None:
+        """End the leases the decode side confirmed or gave up, and those
+        past their deadline, claimed or not."""
+        for rid, offered in list(self._offers.items()):
+            key = store_key(self.link, f"lease/{rid}")
+            value = self.store.get(key).decode()
+            if value == offered or parse_read(value) is not None:
+                claimed_now = value != offered and self.faults.get(rid) == "expire-claimed"
+                if now_s <= self.leases.open[rid].deadline_s and not claimed_now:
+                    continue
+                # A claim may land between the read and the swap: swap what is there.
+                while value == offered or parse_read(value) is not None:
+                    claimed = value != offered
+                    value = self.store.compare_set(key, value, "expired").decode()
+                    if value == "expired":
+                        self.expired_claimed += claimed
+                        break
+            del self._offers[rid]
+            if value == "expired":
+                self.leases.end(rid, TransferStatus.EXPIRED)
+            else:  # done (read), declined (not needed), failed or a value no decode side writes
+                self.leases.end(rid, TransferStatus.DONE if value in ("done", "declined") else TransferStatus.FAILED)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._offers)
+
+    def figures(self) -> dict[str, int]:
+        return {"expired_claimed": self.expired_claimed}
+
+
+class DecodePuller(OfferReader):
+    """The decode side of one link: reads a prompt's blocks in place from
+    the prefill side's memory into a landing; a pull that does not end
+    ``DONE`` leaves nothing held once its read has returned."""
+
+    #: The library that reads (a subclass per transport).
+    memory: Memory
+
+    def __init__(
+        self,
+        rt: Runtime,
+        kv: KVTensors,
+        store: Any,
+        link: str,
+        *,
+        faults: Faults | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rt, self.kv, self.store, self.link = rt, kv, store, link
+        self.faults = dict(faults or {})
+        self.clock = clock
+        self.counts = TransferCounts()
+        self._landing: Landing | None = None
+        self._claim: str | None = None
+        #: Reads that outlived their pull's deadline, and their landings.
+        self._parked: list[tuple[Read, Landing]] = []
+
+    def reap(self) -> int:
+        """Free the landings of parked reads that have returned; how many
+        are still reading."""
+        for read, landing in list(self._parked):
+            if read.wait(0.0) is not None:
+                self._parked.remove((read, landing))
+                landing.abandon()
+        return len(self._parked)
+
+    def pull(self, request: Request, timeout_s: float) -> TransferStatus:
+        """Pull ``request``'s prompt blocks into this instance's prefix
+        cache, ending in a terminal state within ``timeout_s``; counted."""
+        deadline = self.clock() + timeout_s
+        self.reap()
+        self._landing, self._claim = None, None
+        key = store_key(self.link, f"lease/{request.request_id}")
+        try:
+            status, num_blocks = self._pull(request, key, deadline)
+        except Exception:  # the store raises RuntimeErrors of its own; the engine, TransportError
+            status, num_blocks = (TransferStatus.EXPIRED if self.clock() >= deadline else TransferStatus.FAILED), 0
+        if status is not TransferStatus.DONE:
+            if self._landing is not None:
+                self._landing.abandon()
+            if self._claim is not None:  # the prefill side may let the blocks go now
+                try:
+                    self.store.compare_set(key, self._claim, "failed")
+                except Exception:  # the store is gone: the lease's deadline ends it
+                    pass
+        self._landing, self._claim = None, None
+        recomputed = 0 if status is TransferStatus.DONE else request.num_prompt_tokens
+        self.counts.count(status, num_blocks, recomputed)
+        return status
+
+    def _peer(self) -> Peer | None:
+        key = store_key(self.link, "peer")
+        return parse_peer(self.store.get(key).decode(), self.memory.kind) if self.store.check([key]) else None
+
+    def _pull(self, request: Request, key: str, deadline: float) -> tuple[TransferStatus, int]:
+        rid = request.request_id
+        self.store.wait([key], span(deadline - self.clock()))
+        offered = self.store.get(key).decode()
+        if offered == "none":  # nothing to lend (a short prompt, or its blocks evicted before the lease)
+            return TransferStatus.DONE, 0
+        offer = parse_offer(offered)
+        if offer is None:
+            return (TransferStatus.EXPIRED if offered == "expired" else TransferStatus.FAILED), 0
+        num_blocks, bytes_per_block = offer
+        peer = self._peer()
+        blocks_key = store_key(self.link, f"blocks/{rid}")
+        ids = None
+        if peer is not None and self.store.check([blocks_key]):
+            ids = parse_ids(self.store.get(blocks_key).decode(), num_blocks, peer.layout.num_blocks)
+        if (
+            ids is None
+            or peer is None
+            or bytes_per_block != self.kv.bytes_per_block
+            or peer.fingerprint != self.kv.fingerprint  # another model or layout: its bytes are not our KV
+        ):
+            self.store.compare_set(key, offered, "declined")
+            return TransferStatus.FAILED, 0
+        landing = self._landing = Landing.open(self.rt, request, num_blocks)
+        if landing is None or not landing.block_ids:
+            self.store.compare_set(key, offered, "declined")
+            if landing is None:
+                return TransferStatus.FAILED, 0
+            self._landing = None
+            landing.land()
+            return TransferStatus.DONE, 0
+        fault = self.faults.get(rid)
+        if fault == "late":
+            while self.store.get(key).decode() == offered and self.clock() < deadline:
+                time.sleep(0.005)
+        count = len(landing.block_ids)
+        claim = f"read {landing.start} {count}"
+        if self.store.compare_set(key, offered, claim).decode() != claim:
+            return TransferStatus.EXPIRED, 0
+        self._claim = claim
+        if fault == "exit-after-claim":
+            os._exit(17)
+        read = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault == "error")
+        if read is None:  # still reading at the deadline: its landing waits for it (reap)
+            self._landing = None
+            return TransferStatus.EXPIRED, 0
+        if not read:
+            return TransferStatus.FAILED, 0
+        if fault == "confirm-late":
+            while self.store.get(key).decode() == claim and self.clock() < deadline:
+                time.sleep(0.005)
+        if self.store.compare_set(key, claim, "done").decode() != "done":
+            # The deadline ended the lease first: the blocks read may have been reused since.
+            self._claim = None
+            return TransferStatus.EXPIRED, 0
+        self._claim = None
+        self._landing = None
+        landing.land()
+        return TransferStatus.DONE, count
+
+    def _read(
+        self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, misaddress: bool
+    ) -> bool | None:
+        """Read ``src_ids`` of the peer's tensor into the landing's blocks,
+        as one batch; ``None`` if it is still reading at ``deadline``."""
+        local = self.memory.register(self.kv)
+        found = segments(peer.layout, src_ids, local.layout, landing.block_ids)
+        if misaddress:
+            found = [(src + peer.nbytes, dst, length) for src, dst, length in found]
+        read = self.memory.start_read(local, peer, found)
+        done = read.wait(max(0.0, deadline - self.clock()))
+        if done is None:
+            self._parked.append((read, landing))
+        return done

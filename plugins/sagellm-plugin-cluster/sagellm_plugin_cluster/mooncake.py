@@ -1,0 +1,88 @@
+"""KV read in place over the Mooncake Transfer Engine
+(``mooncake-transfer-engine-non-cuda``; TCP on loopback here, RDMA where a
+machine has it): the protocol of :mod:`.inplace`, the reads one
+``batch_transfer_sync_read`` of the pull's byte ranges.
+
+Each process registers its KV tensor with one ``TransferEngine`` (P2P
+handshake: no metadata server). The engine's read has no deadline of its
+own (it gives up after 30 s without progress), so it runs on a thread the
+pull waits for until its deadline."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from . import inplace
+from .inplace import Local, Peer
+from .kv_tensors import KVTensors, TransportError
+
+#: Where this process's engine listens, and how it moves bytes.
+HOSTNAME = "127.0.0.1"
+PROTOCOL = "tcp"
+
+
+class ThreadRead:
+    """A blocking read on a thread of its own."""
+
+    def __init__(self, read: Any, name: str) -> None:
+        self._result: list[int] = []
+        self._thread = threading.Thread(target=lambda: self._result.append(read()), name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> bool | None:
+        self._thread.join(timeout_s)
+        return None if self._thread.is_alive() else self._result == [0]
+
+
+class MooncakeMemory:
+    kind = "mooncake"
+
+    def __init__(self) -> None:
+        self._registered: dict[tuple[int, int], Local] = {}
+        self._engines: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def register(self, kv: KVTensors) -> Local:
+        tensor = kv.tensor
+        key = (tensor.data_ptr(), tensor.nbytes)
+        with self._lock:
+            found = self._registered.get(key)
+            if found is None:
+                layout = kv.layout()
+                from mooncake.engine import TransferEngine
+
+                engine = TransferEngine()
+                if engine.initialize(HOSTNAME, "P2PHANDSHAKE", PROTOCOL, "") != 0:
+                    raise TransportError(f"Mooncake Transfer Engine: initialize({HOSTNAME!r}, {PROTOCOL!r}) failed")
+                if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
+                    raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
+                session = f"{HOSTNAME}:{engine.get_rpc_port()}"
+                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, b"", tensor)
+                self._registered[key] = found
+                self._engines[session] = engine
+        return found
+
+    def engine(self, local: Local) -> Any:
+        return self._engines[local.session]
+
+    def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> ThreadRead:
+        engine = self.engine(local)
+        sources = [peer.address + src for src, _, _ in segments]
+        targets = [local.address + dst for _, dst, _ in segments]
+        lengths = [length for _, _, length in segments]
+        return ThreadRead(
+            lambda: engine.batch_transfer_sync_read(peer.session, targets, sources, lengths), "mooncake-read"
+        )
+
+
+#: One per process: the KV tensor is registered once, whatever the links.
+MEMORY = MooncakeMemory()
+
+
+class PrefillServer(inplace.PrefillServer):
+    memory = MEMORY
+
+
+class DecodePuller(inplace.DecodePuller):
+    memory = MEMORY

@@ -1,0 +1,109 @@
+"""KV read in place over NIXL (``nixl-cu12``: NVIDIA's transfer library,
+its UCX backend on host memory; loopback here, RDMA or NVLink where a
+machine has them): the protocol of :mod:`.inplace`, the reads one NIXL
+``READ`` transfer of the pull's byte ranges.
+
+Each process runs one NIXL agent with its KV tensor registered (``DRAM``);
+the agent's metadata travels in the link's ``peer`` description, and the
+decode side adds the prefill side's agent from it once. A transfer is
+polled (``check_xfer_state``) until it ends or the pull's deadline passes.
+
+``nixl-cu12`` is the wheel imported, not the ``nixl`` meta-package (which
+requires both ``nixl-cu12`` and ``nixl-cu13`` and picks one by torch's CUDA
+version): the UCX backend reads host memory whatever the build, and one
+wheel is half the download."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from . import inplace
+from .inplace import Local, Peer
+from .kv_tensors import KVTensors, TransportError
+
+#: Seconds between two looks at a running transfer.
+POLL_S = 0.0002
+
+
+class NixlRead:
+    """A posted ``READ`` transfer; its handle released once it has ended."""
+
+    def __init__(self, agent: Any, handle: Any) -> None:
+        self.agent, self.handle = agent, handle
+        self.state = agent.transfer(handle)
+        self._ended: bool | None = None
+
+    def wait(self, timeout_s: float) -> bool | None:
+        deadline = time.monotonic() + timeout_s
+        while self._ended is None:
+            state = self.agent.check_xfer_state(self.handle) if self.state == "PROC" else self.state
+            self.state = state
+            if state != "PROC":
+                self._ended = state == "DONE"
+                self.agent.release_xfer_handle(self.handle)
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
+        return self._ended
+
+
+class NixlMemory:
+    kind = "nixl"
+
+    def __init__(self) -> None:
+        self._registered: dict[tuple[int, int], Local] = {}
+        self._agents: dict[str, Any] = {}
+        #: The peers' agents added, by their metadata: a restarted peer is a new agent.
+        self._peers: dict[bytes, str] = {}
+        self._lock = threading.Lock()
+
+    def register(self, kv: KVTensors) -> Local:
+        tensor = kv.tensor
+        key = (tensor.data_ptr(), tensor.nbytes)
+        with self._lock:
+            found = self._registered.get(key)
+            if found is None:
+                layout = kv.layout()
+                from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+                name = f"sagellm-{os.getpid()}-{len(self._agents)}"
+                config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+                agent = nixl_agent(name, config)
+                try:
+                    agent.register_memory([(tensor.data_ptr(), tensor.nbytes, 0, "")], "DRAM")
+                except Exception as exc:  # NIXL raises its own nixl*Error types
+                    raise TransportError(f"NIXL: registering {tensor.nbytes} B of KV failed: {exc}") from exc
+                found = Local(
+                    self.kind, name, tensor.data_ptr(), layout, kv.fingerprint, agent.get_agent_metadata(), tensor
+                )
+                self._registered[key] = found
+                self._agents[name] = agent
+        return found
+
+    def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> NixlRead:
+        agent = self._agents[local.session]
+        with self._lock:
+            remote = self._peers.get(peer.handshake)
+            if remote is None:
+                remote = self._peers[peer.handshake] = agent.add_remote_agent(peer.handshake)
+        if isinstance(remote, bytes):
+            remote = remote.decode()
+        targets = agent.get_xfer_descs([(local.address + dst, length, 0) for _, dst, length in segments], "DRAM")
+        sources = agent.get_xfer_descs([(peer.address + src, length, 0) for src, _, length in segments], "DRAM")
+        return NixlRead(agent, agent.initialize_xfer("READ", targets, sources, remote))
+
+
+#: One per process: the KV tensor is registered once, whatever the links.
+MEMORY = NixlMemory()
+
+
+class PrefillServer(inplace.PrefillServer):
+    memory = MEMORY
+
+
+class DecodePuller(inplace.DecodePuller):
+    memory = MEMORY

@@ -1,0 +1,265 @@
+"""KV read in place (:mod:`sagellm_plugin_cluster.inplace`), over each
+transport that reads remote memory: the Mooncake Transfer Engine (TCP on
+loopback) and NIXL (UCX on loopback).
+
+In this process: two runtimes with KV tensors of their own, each registered
+with the library, hand a prompt's blocks over a store, and the decode side's
+blocks hold the prefill side's bytes; a read the lease's deadline overtook
+is never cached; a refused read frees both sides. Then two real processes
+of the torch engine, faults injected (``engine``, ``tox -e
+cluster-inplace``): every request completes with the outputs of one
+instance alone, and no block is held on either side afterwards. A
+transport whose package is not installed skips, saying which."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+from sagellm_plugin_cluster import transports  # noqa: E402
+from sagellm_plugin_cluster.kv_tensors import KVTensors  # noqa: E402
+from sagellm_plugin_cluster.transfer import TransferStatus  # noqa: E402
+
+from sagellm_core.errors import ConfigError  # noqa: E402
+from sagellm_core.types import KVCaches  # noqa: E402
+
+from .conftest import compute, prompt, runtime  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def transport(request):
+    """The transport's name, skipped (saying why) where its package is missing."""
+    try:
+        transports.load(request.param)
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def sides(transport):
+    return transports.load(transport)
+
+
+@pytest.fixture(scope="module")
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+
+
+def side(blocks: int = 64, seed: int = 0):
+    """A runtime with a KV tensor of its own (``[2 layers, 2, blocks, 4 tokens, 3]``), random bytes."""
+    rt = runtime(blocks)
+    kv = KVTensors()
+    rt.host.pm.register(kv)
+    tensor = torch.randn(2, 2, blocks, 4, 3, generator=torch.Generator().manual_seed(seed))
+    rt.register_kv_caches(KVCaches(tensor, 2, model="m"))
+    return rt, kv, tensor
+
+
+def pair(sides, store, link, prefill_faults=None, decode_faults=None, lease_s=60.0):
+    prefill_side, decode_side = sides
+    prefill, prefill_kv, prefill_tensor = side(seed=1)
+    decode, decode_kv, decode_tensor = side(blocks=48, seed=2)
+    # The decode side holds other blocks first, so that its ids differ from the prefill side's.
+    compute(decode, prompt(7, shared=0, own=13))
+    server = prefill_side(prefill, prefill_kv, store, link, lease_s=lease_s, send_timeout_s=1, faults=prefill_faults)
+    puller = decode_side(decode, decode_kv, store, link, faults=decode_faults)
+    return (prefill, server, prefill_tensor), (decode, puller, decode_tensor)
+
+
+def serve_while(server, pull):
+    """The prefill side's polls on a thread of their own, as an instance
+    serves leases while the decode side reads."""
+    import threading
+
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            server.poll(time.monotonic())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        return pull()
+    finally:
+        stop.set()
+        thread.join()
+        server.poll(time.monotonic())  # the decode side's last word, as a busy prefill side polls until it comes
+
+
+def test_the_decode_side_reads_the_leased_blocks_in_place(transport, sides, store):
+    (prefill, server, prefill_tensor), (decode, puller, decode_tensor) = pair(sides, store, f"in-place-{transport}")
+    request = prompt(0)
+    compute(prefill, request)
+    assert server.offer(request, time.monotonic()) == 4
+    lease_ids = server.leases.open["r0"].block_ids
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.DONE
+    assert not server.busy and server.leases.ended[TransferStatus.DONE] == 1
+    landed = decode.host.lookup(request).block_ids
+    assert len(landed) == 4 and landed != lease_ids  # other ids on the decode side
+    assert torch.equal(decode_tensor[:, :, list(landed)], prefill_tensor[:, :, list(lease_ids)])
+    assert (puller.counts.done, puller.counts.blocks) == (1, 4)
+    prefill.check_invariants()
+    decode.check_invariants()
+
+
+def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
+    """The prefill side ends the lease once it is claimed; the decode side's
+    read completes, but its confirmation loses: nothing lands."""
+    (prefill, server, _), (decode, puller, _) = pair(
+        sides,
+        store,
+        f"overtaken-{transport}",
+        prefill_faults={"r0": "expire-claimed"},
+        decode_faults={"r0": "confirm-late"},
+    )
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.EXPIRED
+    assert server.leases.ended[TransferStatus.EXPIRED] == 1 and server.expired_claimed == 1
+    assert decode.host.lookup(request).num_blocks == 0
+    assert puller.counts.expired == 1 and puller.counts.recomputed_tokens == request.num_prompt_tokens
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
+    """The read asks for addresses past the prefill side's registered
+    memory: the peer's engine refuses it."""
+    (prefill, server, _), (decode, puller, _) = pair(
+        sides, store, f"refused-{transport}", decode_faults={"r0": "error"}
+    )
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    status = serve_while(server, lambda: puller.pull(request, 5.0))
+    assert status is TransferStatus.FAILED
+    assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
+    assert decode.host.lookup(request).num_blocks == 0
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+# Two processes of the torch engine: the gloo tests' cases, read in place.
+
+
+@pytest.fixture(scope="module")
+def processes():
+    pytest.importorskip("transformers")
+    pytest.importorskip("sagellm_plugin_torch")
+    from . import two_processes
+
+    return two_processes
+
+
+@pytest.fixture(scope="module")
+def config(processes, tmp_path_factory):
+    return processes.tiny_config(tmp_path_factory.mktemp("mooncake"))
+
+
+@pytest.fixture(scope="module")
+def requests(processes):
+    return processes.shared_prefix_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(processes, config, requests):
+    return processes.one_instance(config, requests)
+
+
+def start(front, transport, role, config, requests, faults=None, **kwargs):
+    from sagellm_plugin_cluster import workers
+
+    if role == "prefill":
+        kwargs.setdefault("lease_s", 60.0)
+        target = workers.run_prefill
+        kwargs.update(send_timeout_s=2.0)
+    else:
+        target = workers.run_decode
+        kwargs.update(pull_timeout_s=8.0)
+    return front.start(target, config, requests, faults=faults, transport=transport, **kwargs)
+
+
+@pytest.mark.engine
+def test_failed_and_expired_reads_are_recomputed_with_equal_outputs(transport, processes, config, requests, reference):
+    """r1's read is refused by the prefill side's engine; r3's lease ends
+    once claimed, so its completed read loses its confirmation; r5's lease
+    expires before the decode side claims it. The others are read in place."""
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, transport, "prefill", config, requests, {"r3": "expire-claimed", "r5": "expire"}),
+        start(front, transport, "decode", config, requests, {"r1": "error", "r3": "confirm-late", "r5": "late"}),
+    ]
+    processes.join(procs, started)
+    results = processes.outcomes(front, requests)
+    assert {rid: r["tokens"] for rid, r in results.items()} == reference
+    assert {rid: r["status"] for rid, r in results.items()} == {
+        "r0": "done", "r1": "failed", "r2": "done", "r3": "expired", "r4": "done", "r5": "expired",
+    }  # fmt: skip
+    decoded, prefilled = front.read("report/p0-d0/decode"), front.read("report/p0-d0/prefill")
+    processes.whole(decoded)
+    processes.whole(prefilled)
+    counts = decoded["counts"]
+    assert (counts["done"], counts["failed"], counts["expired"]) == (3, 1, 2)
+    assert counts["blocks"] > 0
+    assert counts["recomputed_tokens"] == sum(requests[i].num_prompt_tokens for i in (1, 3, 5))
+    assert prefilled["leases"] == {"done": 3, "failed": 1, "expired": 2}
+    assert prefilled["expired_claimed"] == 1
+
+
+@pytest.mark.engine
+def test_a_prefill_killed_mid_transfer(transport, processes, config, requests, reference):
+    """The prefill process offers r3 and exits: the decode side's read of
+    its memory fails (or finds nothing to read), and it computes r3 itself."""
+    served = requests[:4]
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, transport, "prefill", config, served, {"r3": "exit-after-offer"}),
+        start(front, transport, "decode", config, served),
+    ]
+    processes.join(procs, started)
+    assert procs[0].exitcode == 17
+    results = processes.outcomes(front, served)
+    assert {rid: r["tokens"] for rid, r in results.items()} == {r.request_id: reference[r.request_id] for r in served}
+    assert [r["status"] for r in results.values()] == ["done", "done", "done", "failed"]
+    processes.whole(front.read("report/p0-d0/decode"))
+
+
+@pytest.mark.engine
+def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
+    transport, processes, config, requests, reference
+):
+    """The decode process exits after claiming r2; the prefill side holds
+    r2's blocks until the lease's deadline, then lets them go; a new decode
+    process finds r2 claimed, or its lease already expired, and computes
+    it, then reads r3 onwards (their leases outlast its start)."""
+    front, started = processes.Front(), time.monotonic()
+    procs = [
+        start(front, transport, "prefill", config, requests, lease_s=75.0),
+        start(front, transport, "decode", config, requests, {"r2": "exit-after-claim"}),
+    ]
+    procs[1].join(processes.BUDGET_S)
+    assert procs[1].exitcode == 17
+    procs.append(start(front, transport, "decode", config, requests[2:]))
+    processes.join(procs, started)
+    results = processes.outcomes(front, requests)
+    assert {rid: r["tokens"] for rid, r in results.items()} == reference
+    statuses = [r["status"] for r in results.values()]
+    assert statuses[:2] + statuses[3:] == ["done"] * 5 and statuses[2] in ("failed", "expired")
+    prefilled = front.read("report/p0-d0/prefill")
+    processes.whole(prefilled)
+    processes.whole(front.read("report/p0-d0/decode"))
+    assert prefilled["leases"] == {"done": 5, "failed": 0, "expired": 1}
+    assert prefilled["expired_claimed"] == 1
