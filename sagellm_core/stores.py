@@ -81,6 +81,8 @@ class StoreTiers:
         self.prefetch_timeout_s = settings.prefetch_timeout_s
         #: The engine's costs of loads against recompute, where it knows them.
         self.costs: LoadCosts | None = None
+        #: Wait for each put (replay: else a store's writes race the simulated clock).
+        self.settle_puts = False
         self._prefetches: dict[str, Prefetch] = {}
         #: A waiting request's block keys (from its first block asked, those keys).
         self._known_keys: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -135,13 +137,13 @@ class StoreTiers:
             self._put(tier, [b for b in removed if b.key in hits] if reused_only else removed)
         if hits:
             hits.difference_update(b.key for b in removed)
-        self._count_puts()
+        self._count_puts(wait=self.settle_puts)
 
     def cached(self, blocks: tuple[CachedBlock, ...]) -> None:
         """Offer blocks just cached to the stores that write every block through."""
         for tier in self._at_caching:
             self._put(tier, blocks)
-        self._count_puts()
+        self._count_puts(wait=self.settle_puts)
 
     def hit(self, blocks: tuple[CachedBlock, ...]) -> None:
         """``blocks`` were matched at an admission: reused. Those hit for the
@@ -151,7 +153,7 @@ class StoreTiers:
         hits.update(b.key for b in first)
         for tier in self._at_first_hit:
             self._put(tier, first)
-        self._count_puts()
+        self._count_puts(wait=self.settle_puts)
 
     def _put(self, tier: int, blocks: Sequence[CachedBlock]) -> None:
         if not blocks:

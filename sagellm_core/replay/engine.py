@@ -108,6 +108,7 @@ class ReplayEngine:
 
     def run(self, rt: Runtime, requests: Iterator[Request], on_request: Callable[[], None] = lambda: None) -> Recorder:
         recorder = Recorder(prefill_flops=(self.cost.model.flops_per_token, self.cost.model.flops_per_token_pair))
+        rt.stores.settle_puts = True  # a store holds what was written by the simulated time, whatever the disk
         with _fewer_collections():
             if self.settings.mode == "cache-only":
                 self._cache_only(rt, requests, recorder, on_request)

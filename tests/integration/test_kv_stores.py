@@ -109,6 +109,22 @@ def test_the_dict_store_runs_as_a_tier_and_finds_what_the_host_store_finds(store
     rt.check_invariants()
 
 
+@pytest.mark.parametrize("mode", ["cache-only", "timed"])
+def test_a_disk_store_in_replay_finds_what_the_host_store_finds(tmp_path, mode):
+    """Replay's clock is simulated: a put is waited for as it is made, so a
+    disk store (whose writes run on a thread) holds every block written by
+    the time it is asked, as the host store does, whatever this machine's
+    disk and load. Before, the replay ran ahead of the writer and the disk
+    store loaded a few percent of what the host store loaded."""
+    with_host, _ = run('"host"', mode=mode, sessions=48)
+    text = CONFIG.format(mode=mode, seed=0, sessions=48, blocks=64)
+    text += f'[kv_stores]\ntiers = ["disk"]\nbytes_per_block = 32\n[kv_stores.disk]\npath = "{tmp_path}"\n'
+    text += "capacity_blocks = 100000\n"
+    with_disk = session.run(settings_from_toml(text)).report
+    assert with_host["host_hit_blocks"] > 100
+    assert with_disk["kv_stores"]["disk"]["loaded_blocks"] == with_host["kv_stores"]["host"]["loaded_blocks"]
+
+
 def test_a_block_altered_in_its_store_never_enters_the_device_pool(stores):
     clean, _ = run('"dict"', mode="timed")
     report, rt = run('"corrupting"', mode="timed")
