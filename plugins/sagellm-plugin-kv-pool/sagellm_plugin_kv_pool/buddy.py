@@ -30,6 +30,8 @@ from sortedcontainers import SortedList
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import BlockAllocation, PoolUsage, Request
 
+from .tails import RequestTails
+
 _NO_BLOCKS = BlockAllocation(())
 
 
@@ -61,8 +63,7 @@ class BuddyPool:
             self._free[order].add(start)
         self._num_free = n
         self._free_runs = 1 if n else 0
-        self._tail: dict[str, int] = {}  # request id -> the last block it was given
-        self._tail_of: dict[int, str] = {}
+        self._tails = RequestTails()
         self._usage: PoolUsage | None = None
 
     # ------------------------------------------------------- buddy blocks --
@@ -104,7 +105,7 @@ class BuddyPool:
             return _NO_BLOCKS
         ids: list[int] = []
         need = num_blocks
-        tail = None if request is None else self._tail.get(request.request_id)
+        tail = None if request is None else self._tails.of(request.request_id)
         while tail is not None and need and (order := self._order.get(tail + 1)) is not None:  # grow in place
             ids.extend(self._take(tail + 1, min(order, need.bit_length() - 1)))
             need, tail = num_blocks - len(ids), ids[-1]
@@ -117,16 +118,9 @@ class BuddyPool:
             ids.extend(self._take(free[order][0], want))
             need = num_blocks - len(ids)
         if request is not None and ids:
-            self._retail(request.request_id, ids[-1])
+            self._tails.set(request.request_id, ids[-1])
         self._usage = None
         return BlockAllocation(tuple(ids))
-
-    def _retail(self, request_id: str, block_id: int) -> None:
-        old = self._tail.get(request_id)
-        if old is not None:
-            self._tail_of.pop(old, None)
-        self._tail[request_id] = block_id
-        self._tail_of[block_id] = request_id
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
@@ -139,10 +133,7 @@ class BuddyPool:
         ordered = sorted(block_ids)
         if any(a == b for a, b in zip(ordered, ordered[1:])):
             raise ValueError(f"blocks {list(block_ids)} contain duplicates")
-        for block_id in ordered:
-            request_id = self._tail_of.pop(block_id, None)
-            if request_id is not None:
-                del self._tail[request_id]
+        self._tails.forget(ordered)
         i = 0
         while i < len(ordered):
             j = i + 1

@@ -39,6 +39,8 @@ from sortedcontainers import SortedList
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core.types import BlockAllocation, EvictionCandidates, KVCaches, PoolUsage, Request
 
+from .tails import RequestTails
+
 _NO_BLOCKS = BlockAllocation(())
 #: The longest free runs a gathering round looks beside for blocks to move.
 GATHER_TRIES = 8
@@ -74,8 +76,7 @@ class RunsPool:
         self._start: dict[int, int] = {n - 1: 0} if n else {}  # free run's last block -> start
         self._by_length = SortedList([(n, 0)] if n else [])  # (length, start)
         self._num_free = n
-        self._tail: dict[str, int] = {}  # request id -> the last block it was given
-        self._tail_of: dict[int, str] = {}
+        self._tails = RequestTails()
         self._usage: PoolUsage | None = None
         self.max_fragmentation = settings.max_fragmentation
         self.max_moves = settings.max_moves
@@ -131,7 +132,7 @@ class RunsPool:
             return _NO_BLOCKS
         ids: list[int] = []
         need = num_blocks
-        tail = None if request is None else self._tail.get(request.request_id)
+        tail = None if request is None else self._tails.of(request.request_id)
         if tail is not None and tail + 1 in self._length:  # grow in place
             ids.extend(self._take(tail + 1, min(need, self._length[tail + 1])))
             need = num_blocks - len(ids)
@@ -142,16 +143,9 @@ class RunsPool:
             ids.extend(self._take(start, min(need, length)))
             need = num_blocks - len(ids)
         if request is not None and ids:
-            self._retail(request.request_id, ids[-1])
+            self._tails.set(request.request_id, ids[-1])
         self._usage = None
         return BlockAllocation(tuple(ids))
-
-    def _retail(self, request_id: str, block_id: int) -> None:
-        old = self._tail.get(request_id)
-        if old is not None:
-            self._tail_of.pop(old, None)
-        self._tail[request_id] = block_id
-        self._tail_of[block_id] = request_id
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
@@ -164,7 +158,7 @@ class RunsPool:
         ordered = sorted(block_ids)
         if any(a == b for a, b in zip(ordered, ordered[1:])):
             raise ValueError(f"blocks {list(block_ids)} contain duplicates")
-        self._forget_tails(ordered)
+        self._tails.forget(ordered)
         self._free_sorted(ordered)
         self._usage = None
         return True
@@ -177,12 +171,6 @@ class RunsPool:
                 j += 1
             self._give_back(ordered[i], j - i)
             i = j
-
-    def _forget_tails(self, block_ids: Sequence[int]) -> None:
-        for block_id in block_ids:
-            request_id = self._tail_of.pop(block_id, None)
-            if request_id is not None:
-                del self._tail[request_id]
 
     @hookimpl
     def sagellm_pool_usage(self) -> PoolUsage:
@@ -252,7 +240,7 @@ class RunsPool:
             donors, joined = self._beside(start, length, movable)
             moves: list[tuple[int, int]] = []
             for run_length, run_start in by_length:
-                if run_start == start or run_start in joined or run_start - 1 in self._tail_of:
+                if run_start == start or run_start in joined or self._tails.is_tail(run_start - 1):
                     continue  # (a run right after a request's last block is where it grows in place)
                 if len(moves) + run_length > len(donors):
                     break
@@ -294,7 +282,7 @@ class RunsPool:
                 j += 1
             self._take_range(dst[i], j - i)
             i = j
-        self._forget_tails(src)
+        self._tails.forget(src)
         self._free_sorted(src)
         self._usage = None
 
