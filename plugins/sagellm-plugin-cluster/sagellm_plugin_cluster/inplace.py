@@ -35,6 +35,7 @@ another request (:meth:`DecodePuller.reap`)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -119,18 +120,43 @@ class Read(Protocol):
         ...
 
 
-class Memory(Protocol):
-    """A library that registers a process's KV tensor and reads a peer's."""
+class Memory:
+    """A library that registers a process's KV tensor and reads a peer's: a
+    subclass per library gives :meth:`_register` and :meth:`start_read`."""
 
     kind: str
 
+    def __init__(self) -> None:
+        self._registered: dict[tuple[int, int], Local] = {}
+        #: The library's object behind each registration (an engine, an agent), by its session.
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
     def register(self, kv: KVTensors) -> Local:
-        """This process's registration of ``kv``'s tensor (made once)."""
-        ...
+        """This process's registration of ``kv``'s tensor, made once per tensor."""
+        tensor = kv.tensor
+        key = (tensor.data_ptr(), tensor.nbytes)
+        with self._lock:
+            found = self._registered.get(key)
+            if found is None:
+                layout = kv.layout()
+                session, handshake, handle = self._register(tensor)
+                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, handshake, tensor)
+                self._registered[key] = found
+                self._handles[session] = handle
+        return found
+
+    def handle(self, local: Local) -> Any:
+        return self._handles[local.session]
+
+    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+        """Register ``tensor`` with the library: the session a peer reaches it
+        by, the handshake bytes a peer needs, and the library's object."""
+        raise NotImplementedError
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> Read:
         """Start reading each ``(peer offset, local offset, bytes)`` of ``segments``."""
-        ...
+        raise NotImplementedError
 
 
 def parse_read(value: str) -> tuple[int, int] | None:

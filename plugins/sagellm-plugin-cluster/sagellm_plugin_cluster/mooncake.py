@@ -15,7 +15,7 @@ from typing import Any
 
 from . import inplace
 from .inplace import Local, Peer
-from .kv_tensors import KVTensors, TransportError
+from .kv_tensors import TransportError
 
 #: Where this process's engine listens, and how it moves bytes.
 HOSTNAME = "127.0.0.1"
@@ -35,39 +35,21 @@ class ThreadRead:
         return None if self._thread.is_alive() else self._result == [0]
 
 
-class MooncakeMemory:
+class MooncakeMemory(inplace.Memory):
     kind = "mooncake"
 
-    def __init__(self) -> None:
-        self._registered: dict[tuple[int, int], Local] = {}
-        self._engines: dict[str, Any] = {}
-        self._lock = threading.Lock()
+    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+        from mooncake.engine import TransferEngine
 
-    def register(self, kv: KVTensors) -> Local:
-        tensor = kv.tensor
-        key = (tensor.data_ptr(), tensor.nbytes)
-        with self._lock:
-            found = self._registered.get(key)
-            if found is None:
-                layout = kv.layout()
-                from mooncake.engine import TransferEngine
-
-                engine = TransferEngine()
-                if engine.initialize(HOSTNAME, "P2PHANDSHAKE", PROTOCOL, "") != 0:
-                    raise TransportError(f"Mooncake Transfer Engine: initialize({HOSTNAME!r}, {PROTOCOL!r}) failed")
-                if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
-                    raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
-                session = f"{HOSTNAME}:{engine.get_rpc_port()}"
-                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, b"", tensor)
-                self._registered[key] = found
-                self._engines[session] = engine
-        return found
-
-    def engine(self, local: Local) -> Any:
-        return self._engines[local.session]
+        engine = TransferEngine()
+        if engine.initialize(HOSTNAME, "P2PHANDSHAKE", PROTOCOL, "") != 0:
+            raise TransportError(f"Mooncake Transfer Engine: initialize({HOSTNAME!r}, {PROTOCOL!r}) failed")
+        if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
+            raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
+        return f"{HOSTNAME}:{engine.get_rpc_port()}", b"", engine
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> ThreadRead:
-        engine = self.engine(local)
+        engine = self.handle(local)
         sources = [peer.address + src for src, _, _ in segments]
         targets = [local.address + dst for _, dst, _ in segments]
         lengths = [length for _, _, length in segments]

@@ -16,13 +16,12 @@ wheel is half the download."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
 from . import inplace
 from .inplace import Local, Peer
-from .kv_tensors import KVTensors, TransportError
+from .kv_tensors import TransportError
 
 #: Seconds between two looks at a running transfer.
 POLL_S = 0.0002
@@ -51,41 +50,28 @@ class NixlRead:
         return self._ended
 
 
-class NixlMemory:
+class NixlMemory(inplace.Memory):
     kind = "nixl"
 
     def __init__(self) -> None:
-        self._registered: dict[tuple[int, int], Local] = {}
-        self._agents: dict[str, Any] = {}
+        super().__init__()
         #: The peers' agents added, by their metadata: a restarted peer is a new agent.
         self._peers: dict[bytes, str] = {}
-        self._lock = threading.Lock()
 
-    def register(self, kv: KVTensors) -> Local:
-        tensor = kv.tensor
-        key = (tensor.data_ptr(), tensor.nbytes)
-        with self._lock:
-            found = self._registered.get(key)
-            if found is None:
-                layout = kv.layout()
-                from nixl_cu12._api import nixl_agent, nixl_agent_config
+    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-                name = f"sagellm-{os.getpid()}-{len(self._agents)}"
-                config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
-                agent = nixl_agent(name, config)
-                try:
-                    agent.register_memory([(tensor.data_ptr(), tensor.nbytes, 0, "")], "DRAM")
-                except Exception as exc:  # NIXL raises its own nixl*Error types
-                    raise TransportError(f"NIXL: registering {tensor.nbytes} B of KV failed: {exc}") from exc
-                found = Local(
-                    self.kind, name, tensor.data_ptr(), layout, kv.fingerprint, agent.get_agent_metadata(), tensor
-                )
-                self._registered[key] = found
-                self._agents[name] = agent
-        return found
+        name = f"sagellm-{os.getpid()}-{len(self._handles)}"
+        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        agent = nixl_agent(name, config)
+        try:
+            agent.register_memory([(tensor.data_ptr(), tensor.nbytes, 0, "")], "DRAM")
+        except Exception as exc:  # NIXL raises its own nixl*Error types
+            raise TransportError(f"NIXL: registering {tensor.nbytes} B of KV failed: {exc}") from exc
+        return name, agent.get_agent_metadata(), agent
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> NixlRead:
-        agent = self._agents[local.session]
+        agent = self.handle(local)
         with self._lock:
             remote = self._peers.get(peer.handshake)
             if remote is None:
