@@ -18,11 +18,11 @@ the first row of its group (measured in this process):
 * ``Scheduler.add_request`` of a cached 2,048-token prompt (127 blocks hit):
   stock vLLM, and the sagellm scheduler (LRU), given a ``Request`` as vLLM's
   engine core builds it (token ids in a list, copied into sagellm's array),
-  or with the prompt's sagellm token array handed over, as sagellm's vLLM
-  engine driver does; and with a plugin that observes arrivals (doing
-  nothing with them), so the match's blocks are collected for it (with LRU
-  alone nobody reads them and only the match's length is taken; both
-  checked);
+  or with the sagellm request (its prompt's token array, tenant and hints)
+  handed over, as sagellm's vLLM engine driver does; and with a plugin that
+  observes arrivals (doing nothing with them), so the match's blocks are
+  collected for it (with LRU alone nobody reads them and only the match's
+  length is taken; both checked);
 * 64 blocks from 100k cached: sagellm's LRU ``sagellm_select_victims`` alone,
   and ``BlockPool.get_new_blocks(64)`` when every free block is cached, so
   each call evicts: stock vLLM, and vLLM with the sagellm LRU, ARC and
@@ -34,7 +34,7 @@ the first row of its group (measured in this process):
   have evicted 64 cached blocks at least: the benchmark fails otherwise.
   The four pools are filled alike and their calls take turns.
 
-With ``--breakdown``, the sagellm rows of ``add_request`` (token array
+With ``--breakdown``, the sagellm rows of ``add_request`` (sagellm request
 handed over) and of the evicting ``get_new_blocks(64)`` (LRU) are run again
 with each of their parts timed (p50 per call, the timer around each part
 adding about 0.1 µs): where the time over stock vLLM goes.
@@ -48,7 +48,6 @@ import random
 import statistics
 import time
 import tomllib
-from array import array
 from collections.abc import Callable
 from itertools import count
 
@@ -63,6 +62,7 @@ from sagellm_plugin_vllm.live import ENGINE_OWNS
 from sagellm_core import PluginContext, hookimpl
 from sagellm_core import config as config_mod
 from sagellm_core.kit.testing import BlockIds, serve_prompt
+from sagellm_core.plugin_host import PluginHost
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request, SequenceState
 
@@ -239,20 +239,20 @@ def evicting_takes_us(schedulers: dict[str, object], repeat: int = 300) -> dict[
     return {name: statistics.median(take.samples) * 1e6 for name, take in takes.items()}
 
 
-def add_requests_us(variants: dict[str, tuple[object, array | None]], tokens: list[int], hasher) -> dict[str, float]:
-    """p50 of ``add_request`` for a cached prompt per (scheduler, token
-    array) variant, the calls taking turns; the ``Request`` (and its block
-    hashes) built outside the timer. A token array is handed over as
+def add_requests_us(variants: dict[str, tuple[object, Request | None]], tokens: list[int], hasher) -> dict[str, float]:
+    """p50 of ``add_request`` for a cached prompt per (scheduler, sagellm
+    request) variant, the calls taking turns; the ``Request`` (and its block
+    hashes) built outside the timer. A sagellm request is handed over as
     sagellm's vLLM engine driver does."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     gc.collect()
     gc.disable()
     try:
         for _ in range(500):
-            for name, (scheduler, token_array) in variants.items():
+            for name, (scheduler, origin) in variants.items():
                 request = vllm_request(f"add{next(REQUEST_NUMBERS)}", tokens, hasher)
-                if token_array is not None:
-                    request.sagellm_token_ids = token_array
+                if origin is not None:
+                    request.sagellm_request = origin
                 start = time.perf_counter()
                 scheduler.add_request(request)
                 samples[name].append(time.perf_counter() - start)
@@ -303,18 +303,19 @@ def breakdown(all_prompts, hasher, stock) -> list[tuple[str, float]]:
     rows: list[tuple[str, float]] = []
     sagellm_lru = filled_scheduler(all_prompts, hasher, "lru")
     add_tokens = all_prompts[11][:ADD_TOKENS]
-    token_array = Request("a", add_tokens, 1).prompt_token_ids
+    origin = Request("a", add_tokens, 1)
+    token_array = origin.prompt_token_ids
     parts = {
         "vLLM's own Scheduler.add_request": (Scheduler, "add_request"),
         "the match's length, read off the pool observer's hash index": (block_pool.PoolObserver, "match_length"),
         "building sagellm's Request": (scheduler, "sagellm_request"),
         "Runtime.arrive (all of it)": (Runtime, "arrive"),
         "  of which the lifetime prediction": (Runtime, "predict_lifetime"),
-        "  of which the arrival observation": (Runtime, "_observe"),
+        "  of which the arrival observation": (PluginHost, "observe"),
     }
     with PartTimer(parts) as timer:
         total = add_requests_us(
-            {"add_request, sagellm (lru), token array handed over": (sagellm_lru, token_array)}, add_tokens, hasher
+            {"add_request, sagellm (lru), sagellm request handed over": (sagellm_lru, origin)}, add_tokens, hasher
         )
     rows += list(total.items()) + timer.rows()
     request = Request("s", token_array, 1)
@@ -399,13 +400,13 @@ def main() -> None:
         {
             "add_request, cached 2,048-token prompt: stock vLLM": (stock, None),
             "  sagellm scheduler (lru), token ids from vLLM's list": (sagellm_lru, None),
-            "  sagellm scheduler (lru), token array handed over (engine driver)": (
+            "  sagellm scheduler (lru), sagellm request handed over (engine driver)": (
                 sagellm_lru,
-                Request("a", add_tokens, 1).prompt_token_ids,
+                Request("a", add_tokens, 1),
             ),
-            "  sagellm scheduler (lru, an arrival observer), token array handed over": (
+            "  sagellm scheduler (lru, an arrival observer), sagellm request handed over": (
                 observed,
-                Request("a", add_tokens, 1).prompt_token_ids,
+                Request("a", add_tokens, 1),
             ),
         },
         add_tokens,

@@ -232,9 +232,9 @@ class VllmEngine:
                 cache_salt=request.cache_salt,
                 priority=request.priority,
             )
-            # The sagellm scheduler's view of the request takes the prompt's
-            # token array as is (not copied back from vLLM's list).
-            vreq.sagellm_token_ids = request.prompt_token_ids
+            # The sagellm scheduler's view of the request is made from this
+            # one: its token array as is, its tenant, session and hints.
+            vreq.sagellm_request = request
             scheduler.add_request(vreq)
             admitted = False
             # With the connector, a finished request's blocks stay held until

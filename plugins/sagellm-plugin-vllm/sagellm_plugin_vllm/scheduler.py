@@ -29,7 +29,6 @@ environment variable; a harness may pass a built ``Runtime`` instead.
 from __future__ import annotations
 
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -81,17 +80,33 @@ _output_token_ids = attrgetter("_output_token_ids")
 _consume = partial(deque, maxlen=0)
 
 
-def sagellm_request(request: VllmRequest, token_ids: array | None = None) -> Request:
-    """sagellm's view of a vLLM request. ``token_ids``: the prompt as a
-    sagellm token array, where the caller has one (taken as is); otherwise
-    vLLM's list is copied into one."""
+def sagellm_request(request: VllmRequest, origin: Request | None = None) -> Request:
+    """sagellm's view of a vLLM request. ``origin``: the sagellm request a
+    driver made this vLLM request from, where it has one: its prompt array
+    is taken as is (not copied back from vLLM's list), and so are the facts
+    vLLM does not carry (tenant, session, text, deadline, KV hints), so that
+    tenant- and hint-aware policies see them inside vLLM too."""
+    if origin is None:
+        return Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids or (),
+            output_tokens=request.max_tokens,
+            arrival_s=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )
     return Request(
         request_id=request.request_id,
-        prompt_token_ids=(request.prompt_token_ids or ()) if token_ids is None else token_ids,
+        prompt_token_ids=origin.prompt_token_ids,
         output_tokens=request.max_tokens,
         arrival_s=request.arrival_time,
+        tenant=origin.tenant,
         priority=request.priority,
+        session_id=origin.session_id,
         cache_salt=request.cache_salt,
+        prompt_text=origin.prompt_text,
+        deadline_s=origin.deadline_s,
+        kv_hints=origin.kv_hints,
     )
 
 
@@ -215,12 +230,12 @@ class SagellmDecisions:
                 match = observer.match(request.block_hashes, limit)
             else:  # only its length is read
                 match = observer.match_length(request.block_hashes, limit)
-        # A driver that has the prompt as a sagellm token array hands it over
-        # (``sagellm_token_ids``), sparing a per-token copy of vLLM's list.
-        token_ids = request.__dict__.pop("sagellm_token_ids", None)
+        # A driver that made this request from a sagellm one hands that over
+        # (``sagellm_request``): its prompt array and the facts vLLM lacks.
+        origin = request.__dict__.pop("sagellm_request", None)
         # Kept on the request itself: each step maps every waiting request to
         # its state, and an attribute read through map() is C-speed.
-        request.sagellm_state = self.sagellm.arrive(sagellm_request(request, token_ids), match=match)
+        request.sagellm_state = self.sagellm.arrive(sagellm_request(request, origin), match=match)
         self._awaiting_first_token.add(request.request_id)
 
     def _free_request(self, request: VllmRequest, *args, **kwargs):

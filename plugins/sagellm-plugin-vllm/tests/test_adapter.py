@@ -257,11 +257,11 @@ def test_first_tokens_are_stamped_with_and_without_passes(passes):
 
 def test_a_pass_that_caps_chunks_is_refused_not_dropped():
     """vLLM sizes each request's chunk itself: a pass's chunk limits
-    (tenant-shares capping the tenant every request of the replay through vLLM has) end the run
-    with one line naming the pass, rather than being dropped unsaid."""
+    (tenant-shares capping one of the generator's tenants) end the run with
+    one line naming the pass, rather than being dropped unsaid."""
     config = (
         '[engine]\nname = "vllm"\n[kv_pool]\nnum_blocks = 400\n[eviction]\nplugin = "lru"\n'
-        '[scheduler]\npasses = ["fcfs", "tenant-shares"]\n[scheduler.tenant-shares]\ncaps = {"default" = 0.01}\n'
+        '[scheduler]\npasses = ["fcfs", "tenant-shares"]\n[scheduler.tenant-shares]\ncaps = {"tenant-0" = 0.01}\n'
         "[report]\nhook_timing = false\n"
     )
     with pytest.raises(PluginError) as caught:
@@ -269,3 +269,20 @@ def test_a_pass_that_caps_chunks_is_refused_not_dropped():
     message = str(caught.value)
     assert message.splitlines() == [message]
     assert "tenant-shares" in message and "chunk_limits" in message and "vllm engine does not honour" in message
+
+
+def test_each_request_keeps_its_tenant_inside_vllm():
+    """The built-in generator's tenants reach the requests sagellm's policies
+    see inside vLLM: the per-tenant hit rates name the same tenants as
+    sagellm replay's, each with the same queried blocks."""
+    config = (
+        '[engine]\nname = "{engine}"\n[kv_pool]\nnum_blocks = 400\n{pool}[eviction]\nplugin = "lru"\n'
+        "[report]\nhook_timing = false\n"
+    )
+    replay_plugins = 'plugin = "paged"\n[prefix_cache]\nplugin = "radix"\n'
+    per_tenant = {}
+    for engine, pool in (("vllm", ""), ("replay", replay_plugins)):
+        result = session.run(settings_from_toml(config.format(engine=engine, pool=pool)))
+        per_tenant[engine] = {t: q for t, (q, _) in result.runtime.counters.tenant_blocks.items()}
+    assert len(per_tenant["replay"]) > 1
+    assert per_tenant["vllm"] == per_tenant["replay"]
