@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from sagellm_core.drivers import recorder as recorder_mod
+from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import report as report_mod
 from sagellm_core.replay import session
 
@@ -158,8 +159,6 @@ caps = {{{step_caps}}}
 
 
 def quotas(args) -> None:
-    from sagellm_core.kit.testing import settings_from_toml
-
     print(f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks)\n")
     runs: list[tuple[str, float, float | None, float | None | bool]] = [("chat tenants alone", 0.0, None, False)]
     for rate in args.rates:
@@ -232,6 +231,7 @@ def quotas(args) -> None:
             print(f"{label}: quota figures {r['plugin_figures']['quota']}; p50 µs: admit {admit}, victims {victims}")
     print()
     recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
+    memory_floor(args, alone)
     alone_turns = turns[reports[0][0]]
     print(
         "The slowest two turns of each chat tenant in the rows with the smallest step cap,"
@@ -259,6 +259,35 @@ def quotas(args) -> None:
         print(
             f"| {label} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} | {stats['p99_us']:.2f} |"
         )
+    print()
+
+
+def memory_floor(args, alone: dict) -> None:
+    """The chat tenants alone in the pool less each document cap's blocks
+    (what the quota leaves them while the documents hold their cap), and
+    the ``--alone-blocks`` sizes: the TTFT p99 no quota can better, since
+    no document computes beside them."""
+    sizes = sorted({args.blocks - int(cap * args.blocks + 1e-9) for cap in args.caps} | set(args.alone_blocks))
+    chats = sorted(alone["tenant_block_hit_rates"])
+    print(f"The chat tenants alone in fewer blocks, against them alone in {args.blocks:,}:\n")
+    print(
+        "| blocks | "
+        + " | ".join(f"{t} hit rate (vs alone)" for t in chats)
+        + " | "
+        + " | ".join(f"{t} TTFT p99 s (vs alone)" for t in chats)
+        + " | preemptions |"
+    )
+    print("|---:|" + "---:|" * (2 * len(chats) + 1))
+    for blocks in sorted(sizes, reverse=True):
+        label = f"chat tenants alone, {blocks:,} blocks"
+        r = session.run(settings_from_toml(NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks)), label=label)
+        r = r.report
+        check(label, "docs" not in r["tenant_block_hit_rates"], "a document tenant")
+        check(label, r["plugins"].get("admission", "") == "", "an admission plugin")
+        hits, ttft = r["tenant_block_hit_rates"], r["tenant_ttft_s"]
+        cells = [f"{hits[t]:.4f} ({ratio(hits[t], alone['tenant_block_hit_rates'][t])})" for t in chats]
+        cells += [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], alone['tenant_ttft_s'][t]['p99'])})" for t in chats]
+        print(f"| {blocks:,} | " + " | ".join(cells) + f" | {r['preemptions']:,} |", flush=True)
     print()
 
 
@@ -309,6 +338,10 @@ def contiguity(args) -> None:
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
         ("buddy", {("kv_pool", "plugin"): "buddy"}),
+        *(
+            (f"runs, grow room {room}", {("kv_pool", "plugin"): "runs", ("kv_pool", "grow_room"): room})
+            for room in (4, 16, 64)
+        ),
         ("runs, gather", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "gather"}),
         (
             "runs, gather every step",
@@ -487,6 +520,9 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--caps", type=float, nargs="+", default=[0.25])
     p.add_argument("--step-caps", type=float, nargs="*", default=[0.125, 0.03125])
+    p.add_argument(
+        "--alone-blocks", type=int, nargs="*", default=[3840], help="pool sizes for the chat tenants alone, besides"
+    )
     p.set_defaults(func=quotas)
     p = parts.add_parser("contiguity")
     p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")

@@ -10,7 +10,12 @@ length, last block -> start, and the runs sorted by length):
   blocks right after its last block, while free: a decoding request grows
   in place), then takes the smallest free run that holds the rest (best
   fit, keeping long runs long), else the longest runs first (fewest
-  pieces);
+  pieces); with ``grow_room = k`` (above 0), a request that holds blocks
+  here and cannot grow in place starts its next piece at the beginning of
+  the smallest free run with ``k`` blocks to spare that no other request
+  grows into (a run not right after another request's last block), so that
+  it grows in place from there, and what it frees when it finishes is one
+  run (best fit when there is none);
 * a free merges each run of freed ids with the free runs on either side;
 * with ``compact = true``, once a step (``sagellm_plan_compaction``) while
   the free blocks are more fragmented than ``max_fragmentation``
@@ -62,6 +67,9 @@ class RunsSettings:
     #: runs, into other runs) or ``"gather"`` (the cached blocks beside the
     #: longest free run, into the shortest runs, filling them).
     moves: str = field(default="islands", validator=validators.in_(("islands", "gather")))
+    #: Free blocks to leave after a request's new piece for it to grow into
+    #: (0: best fit, the new piece in the smallest run that holds it).
+    grow_room: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
 
 
 class RunsPool:
@@ -81,6 +89,7 @@ class RunsPool:
         self.max_fragmentation = settings.max_fragmentation
         self.max_moves = settings.max_moves
         self.min_steps_between = settings.min_steps_between
+        self.grow_room = settings.grow_room
         self.plan = self.plan_islands if settings.moves == "islands" else self.plan_gather
         self._steps = self._next_round = 0
         self._kv: KVCaches | None = None
@@ -137,6 +146,11 @@ class RunsPool:
             ids.extend(self._take(tail + 1, min(need, self._length[tail + 1])))
             need = num_blocks - len(ids)
         by_length = self._by_length
+        if need and tail is not None and self.grow_room:  # a new piece, with room to grow after it
+            start = self._room_for(need)
+            if start is not None:
+                ids.extend(self._take(start, need))
+                need = 0
         while need:
             at = by_length.bisect_left((need, -1))
             length, start = by_length[at] if at < len(by_length) else by_length[-1]
@@ -146,6 +160,15 @@ class RunsPool:
             self._tails.set(request.request_id, ids[-1])
         self._usage = None
         return BlockAllocation(tuple(ids))
+
+    def _room_for(self, need: int) -> int | None:
+        """The start of the smallest free run of at least ``need + grow_room``
+        blocks that is not right after a request's last block, or ``None``."""
+        by_length, is_tail = self._by_length, self._tails.is_tail
+        for _, start in by_length.islice(by_length.bisect_left((need + self.grow_room, -1))):
+            if not is_tail(start - 1):
+                return start
+        return None
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:

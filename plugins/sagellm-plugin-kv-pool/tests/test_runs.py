@@ -68,6 +68,38 @@ def test_without_a_run_long_enough_the_longest_runs_go_first():
     assert len(held) == 10
 
 
+def test_with_grow_room_a_new_piece_starts_where_the_request_can_grow_in_place():
+    p = pool(32, grow_room=3)
+    a, b = request("a"), request("b")
+    assert take(p, 2, a) == (0, 1)
+    assert take(p, 2, b) == (2, 3)  # a cannot grow in place any more
+    held = take(p, 28)
+    p.sagellm_free_blocks(block_ids=(4, 10, 11, 20, 21, 22, 23, 24))  # runs: 4 (1), 10-11 (2), 20-24 (5)
+    # b grows in place into 4; a's new piece goes where 3 blocks are left after it:
+    # not the single block (best fit's choice) nor the run of 2, the run of 5
+    assert take(p, 1, b) == (4,)
+    assert take(p, 1, a) == (20,)
+    assert take(p, 2, a) == (21, 22)  # in place
+    # without a run with room, best fit
+    assert take(p, 1, b) == (10,)
+    assert len(held) == 28
+    consistent(p)
+
+
+def test_with_grow_room_a_new_piece_keeps_off_the_run_another_request_grows_into():
+    p = pool(20, grow_room=2)
+    a, b = request("a"), request("b")
+    assert take(p, 2, a) == (0, 1)
+    held = take(p, 18)
+    p.sagellm_free_blocks(block_ids=(7,))
+    assert take(p, 1, b) == (7,)
+    p.sagellm_free_blocks(block_ids=(2, 3, 4, 5, 12, 13, 14, 15))  # runs 2-5 (after a's last block), 12-15
+    assert take(p, 1, b) == (12,)  # not 2, where a grows
+    assert take(p, 1, a) == (2,)
+    assert len(held) == 18
+    consistent(p)
+
+
 def test_bad_frees_are_refused_without_change():
     p = pool(8)
     take(p, 4)
@@ -80,9 +112,12 @@ def test_bad_frees_are_refused_without_change():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3), st.randoms()), max_size=60))
-def test_the_allocator_never_hands_a_block_twice_and_its_runs_stay_exact(ops):
-    p = pool(48)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3), st.randoms()), max_size=60),
+    st.sampled_from([0, 1, 3]),
+)
+def test_the_allocator_never_hands_a_block_twice_and_its_runs_stay_exact(ops, grow_room):
+    p = pool(48, grow_room=grow_room)
     held: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
     for allocate, n, who, rnd in ops:
         name = f"r{who}"
