@@ -41,6 +41,8 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy
+
 from sagellm_core.drivers import recorder as recorder_mod
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import report as report_mod
@@ -319,6 +321,25 @@ def fresh_runs(freed: set[int], in_use, num_blocks: int) -> int:
     return runs
 
 
+def free_runs(in_use, num_blocks: int) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The runs of adjacent blocks not ``in_use``: their first blocks and the blocks after them."""
+    free = numpy.ones(num_blocks + 2, dtype=numpy.int8)
+    free[0] = free[-1] = 0
+    free[numpy.fromiter(in_use, dtype=numpy.int64, count=len(in_use)) + 1] = 0
+    edges = numpy.flatnonzero(numpy.diff(free))  # starts and ends of the free runs, in pairs
+    return edges[::2], edges[1::2]
+
+
+def walled_in(starts, ends, movable, num_blocks: int) -> int:
+    """The free runs with no movable block on either side: blocks that
+    requests hold, or the pool's ends, both sides."""
+    return sum(
+        1
+        for s, e in zip(starts.tolist(), ends.tolist())
+        if not (s > 0 and s - 1 in movable) and not (e < num_blocks and e in movable)
+    )
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -331,8 +352,10 @@ def contiguity(args) -> None:
         " free-block fragmentation (mean) | utilisation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
         " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
         " fragmentation of runs freed in the step (mean) |"
+        " free blocks outside the longest free run, of the pool (mean) | 1 - longest free run / free blocks (mean) |"
+        " fragmentation of the walled-in free runs (mean) |"
     )
-    print("|---|" + "---:|" * 14)
+    print("|---|" + "---:|" * 17)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
@@ -340,9 +363,19 @@ def contiguity(args) -> None:
         ("buddy", {("kv_pool", "plugin"): "buddy"}),
         *(
             (f"runs, grow room {room}", {("kv_pool", "plugin"): "runs", ("kv_pool", "grow_room"): room})
-            for room in (4, 16, 64)
+            for room in (2, 16)
         ),
         ("runs, gather", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "gather"}),
+        ("runs, pieces", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "pieces"}),
+        (
+            "runs, pieces every step",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "compact"): True,
+                ("kv_pool", "moves"): "pieces",
+                ("kv_pool", "min_steps_between"): 1,
+            },
+        ),
         (
             "runs, gather every step",
             {
@@ -381,7 +414,10 @@ def contiguity(args) -> None:
 
         rt.host.free_blocks = freeing  # type: ignore[method-assign]
         real_sample = recorder_mod.Recorder.sample
-        tally = [0, 0, 0.0]  # steps sampled, of which with at most one free block, the fresh runs' fragmentation
+        # steps sampled, of which with at most one free block, the fresh runs' fragmentation,
+        # the free blocks outside the longest free run over the pool, one less the longest run over the free blocks
+        # and the walled-in runs' fragmentation (below)
+        tally = [0, 0, 0.0, 0.0, 0.0, 0.0]
 
         def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample):
             real_sample(recorder, rt, now_s, usage)
@@ -391,6 +427,14 @@ def contiguity(args) -> None:
             else:  # runs made only of blocks the step freed: no compaction before the step reaches them
                 fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
                 tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
+                starts, ends = free_runs(rt.ledger.in_use, rt.num_blocks)
+                longest = int((ends - starts).max())
+                tally[3] += (usage.num_free_blocks - longest) / rt.num_blocks
+                tally[4] += 1 - longest / usage.num_free_blocks
+                # the fragmentation left if every other run joined one: what moving cached blocks
+                # out of the way (not into the walled-in runs) can reach at best
+                walled = walled_in(starts, ends, rt.evictable(), rt.num_blocks)
+                tally[5] += min(walled, len(starts) - 1) / (usage.num_free_blocks - 1)
             freed.clear()
 
         recorder_mod.Recorder.sample = sampling  # type: ignore[method-assign]
@@ -414,7 +458,8 @@ def contiguity(args) -> None:
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
             f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
-            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} |",
+            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} | {tally[3] / tally[0]:.5f} |"
+            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} |",
             flush=True,
         )
     print()
