@@ -321,12 +321,20 @@ def fresh_runs(freed: set[int], in_use, num_blocks: int) -> int:
     return runs
 
 
-def free_runs(in_use, num_blocks: int) -> tuple[numpy.ndarray, numpy.ndarray]:
-    """The runs of adjacent blocks not ``in_use``: their first blocks and the blocks after them."""
-    free = numpy.ones(num_blocks + 2, dtype=numpy.int8)
-    free[0] = free[-1] = 0
-    free[numpy.fromiter(in_use, dtype=numpy.int64, count=len(in_use)) + 1] = 0
-    edges = numpy.flatnonzero(numpy.diff(free))  # starts and ends of the free runs, in pairs
+def free_bitmap(pool, num_blocks: int) -> numpy.ndarray:
+    """The pool plugin's own free-block bitmap (``paged``, ``runs`` and
+    ``buddy`` keep one, ``buddy`` and ``paged`` with a guard byte each end),
+    viewed without a copy, guard bytes included (0)."""
+    bits = numpy.frombuffer(pool._is_free, dtype=numpy.uint8)
+    if len(bits) == num_blocks:
+        bits = numpy.concatenate(([0], bits, [0])).astype(numpy.uint8)
+    return bits
+
+
+def free_runs(free: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The runs of free blocks in ``free`` (a bitmap with a 0 each end):
+    their first blocks and the blocks after them."""
+    edges = numpy.flatnonzero(numpy.diff(free.astype(numpy.int8)))  # starts and ends of the free runs, in pairs
     return edges[::2], edges[1::2]
 
 
@@ -419,7 +427,7 @@ def contiguity(args) -> None:
         # and the walled-in runs' fragmentation (below)
         tally = [0, 0, 0.0, 0.0, 0.0, 0.0]
 
-        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample):
+        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label):
             real_sample(recorder, rt, now_s, usage)
             tally[0] += 1
             if usage.num_free_blocks <= 1:
@@ -427,7 +435,9 @@ def contiguity(args) -> None:
             else:  # runs made only of blocks the step freed: no compaction before the step reaches them
                 fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
                 tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
-                starts, ends = free_runs(rt.ledger.in_use, rt.num_blocks)
+                bits = free_bitmap(rt.host.plugins["kv_pool"][0].instance, rt.num_blocks)
+                starts, ends = free_runs(bits)
+                check(label, len(starts) == usage.num_free_runs, "the pool's bitmap disagrees with its usage")
                 longest = int((ends - starts).max())
                 tally[3] += (usage.num_free_blocks - longest) / rt.num_blocks
                 tally[4] += 1 - longest / usage.num_free_blocks
