@@ -3,8 +3,8 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 ``docs/benchmarks/kv-pool.md``.
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
-    python3 benchmarks/kv_pool.py quotas [--step-caps 0.125 0.03125]
-    python3 benchmarks/kv_pool.py contiguity
+    python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
+    python3 benchmarks/kv_pool.py contiguity [--pools LABEL ...]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
 
 * ``admission``: timed replays of ShareGPT conversations (Azure arrivals)
@@ -19,13 +19,18 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   chat tenant, and the documents capped at ``--step-caps`` where a row
   says): each chat tenant's block hit rate and TTFT p99 against alone,
   Jain's index over all the tenants' hit rates; the slowest chat turns
-  against the same turns alone; the passes' hook time.
+  against the same turns alone; the passes' hook time; and the chat
+  tenants alone in the pool less each document cap's blocks (and in
+  ``--alone-blocks``): the memory floor of their TTFT.
 * ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
-  with compaction (islands; gathering every step) and ``buddy``: the pieces
+  with compaction (islands; gathering; whole pieces), ``runs`` with room
+  to grow, and ``buddy``: the pieces
   (runs of adjacent ids) of each request's blocks when it finishes, the
   free blocks' fragmentation, the blocks compaction moved, allocation
-  latency; and what of the fragmentation no compaction before a step
-  reaches (the runs made only of the step's own frees).
+  latency; what of the fragmentation no compaction before a step
+  reaches (the runs made only of the step's own frees); the free blocks
+  outside the longest free run; and the fragmentation of the free runs
+  walled in by blocks that requests hold.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
