@@ -3,8 +3,8 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 ``docs/benchmarks/kv-pool.md``.
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
-    python3 benchmarks/kv_pool.py quotas [--step-caps 0.125 0.03125]
-    python3 benchmarks/kv_pool.py contiguity
+    python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
+    python3 benchmarks/kv_pool.py contiguity [--pools LABEL ...]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
 
 * ``admission``: timed replays of ShareGPT conversations (Azure arrivals)
@@ -19,13 +19,18 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   chat tenant, and the documents capped at ``--step-caps`` where a row
   says): each chat tenant's block hit rate and TTFT p99 against alone,
   Jain's index over all the tenants' hit rates; the slowest chat turns
-  against the same turns alone; the passes' hook time.
+  against the same turns alone; the passes' hook time; and the chat
+  tenants alone in the pool less each document cap's blocks (and in
+  ``--alone-blocks``): the memory floor of their TTFT.
 * ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
-  with compaction (islands; gathering every step) and ``buddy``: the pieces
+  with compaction (islands; gathering; whole pieces), ``runs`` with room
+  to grow, and ``buddy``: the pieces
   (runs of adjacent ids) of each request's blocks when it finishes, the
   free blocks' fragmentation, the blocks compaction moved, allocation
-  latency; and what of the fragmentation no compaction before a step
-  reaches (the runs made only of the step's own frees).
+  latency; what of the fragmentation no compaction before a step
+  reaches (the runs made only of the step's own frees); the free blocks
+  outside the longest free run; and the fragmentation of the free runs
+  walled in by blocks that requests hold.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
@@ -41,7 +46,10 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy
+
 from sagellm_core.drivers import recorder as recorder_mod
+from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import report as report_mod
 from sagellm_core.replay import session
 
@@ -158,8 +166,6 @@ caps = {{{step_caps}}}
 
 
 def quotas(args) -> None:
-    from sagellm_core.kit.testing import settings_from_toml
-
     print(f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks)\n")
     runs: list[tuple[str, float, float | None, float | None | bool]] = [("chat tenants alone", 0.0, None, False)]
     for rate in args.rates:
@@ -232,6 +238,7 @@ def quotas(args) -> None:
             print(f"{label}: quota figures {r['plugin_figures']['quota']}; p50 µs: admit {admit}, victims {victims}")
     print()
     recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
+    memory_floor(args, alone)
     alone_turns = turns[reports[0][0]]
     print(
         "The slowest two turns of each chat tenant in the rows with the smallest step cap,"
@@ -259,6 +266,35 @@ def quotas(args) -> None:
         print(
             f"| {label} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} | {stats['p99_us']:.2f} |"
         )
+    print()
+
+
+def memory_floor(args, alone: dict) -> None:
+    """The chat tenants alone in the pool less each document cap's blocks
+    (what the quota leaves them while the documents hold their cap), and
+    the ``--alone-blocks`` sizes: the TTFT p99 no quota can better, since
+    no document computes beside them."""
+    sizes = sorted({args.blocks - int(cap * args.blocks + 1e-9) for cap in args.caps} | set(args.alone_blocks))
+    chats = sorted(alone["tenant_block_hit_rates"])
+    print(f"The chat tenants alone in fewer blocks, against them alone in {args.blocks:,}:\n")
+    print(
+        "| blocks | "
+        + " | ".join(f"{t} hit rate (vs alone)" for t in chats)
+        + " | "
+        + " | ".join(f"{t} TTFT p99 s (vs alone)" for t in chats)
+        + " | preemptions |"
+    )
+    print("|---:|" + "---:|" * (2 * len(chats) + 1))
+    for blocks in sorted(sizes, reverse=True):
+        label = f"chat tenants alone, {blocks:,} blocks"
+        r = session.run(settings_from_toml(NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks)), label=label)
+        r = r.report
+        check(label, "docs" not in r["tenant_block_hit_rates"], "a document tenant")
+        check(label, r["plugins"].get("admission", "") == "", "an admission plugin")
+        hits, ttft = r["tenant_block_hit_rates"], r["tenant_ttft_s"]
+        cells = [f"{hits[t]:.4f} ({ratio(hits[t], alone['tenant_block_hit_rates'][t])})" for t in chats]
+        cells += [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], alone['tenant_ttft_s'][t]['p99'])})" for t in chats]
+        print(f"| {blocks:,} | " + " | ".join(cells) + f" | {r['preemptions']:,} |", flush=True)
     print()
 
 
@@ -290,6 +326,33 @@ def fresh_runs(freed: set[int], in_use, num_blocks: int) -> int:
     return runs
 
 
+def free_bitmap(pool, num_blocks: int) -> numpy.ndarray:
+    """The pool plugin's own free-block bitmap (``paged``, ``runs`` and
+    ``buddy`` keep one, ``buddy`` and ``paged`` with a guard byte each end),
+    viewed without a copy, guard bytes included (0)."""
+    bits = numpy.frombuffer(pool._is_free, dtype=numpy.uint8)
+    if len(bits) == num_blocks:
+        bits = numpy.concatenate(([0], bits, [0])).astype(numpy.uint8)
+    return bits
+
+
+def free_runs(free: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The runs of free blocks in ``free`` (a bitmap with a 0 each end):
+    their first blocks and the blocks after them."""
+    edges = numpy.flatnonzero(numpy.diff(free.astype(numpy.int8)))  # starts and ends of the free runs, in pairs
+    return edges[::2], edges[1::2]
+
+
+def walled_in(starts, ends, movable, num_blocks: int) -> int:
+    """The free runs with no movable block on either side: blocks that
+    requests hold, or the pool's ends, both sides."""
+    return sum(
+        1
+        for s, e in zip(starts.tolist(), ends.tolist())
+        if not (s > 0 and s - 1 in movable) and not (e < num_blocks and e in movable)
+    )
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -302,14 +365,30 @@ def contiguity(args) -> None:
         " free-block fragmentation (mean) | utilisation (mean) | blocks moved | allocate p50 (µs) | free p50 (µs) |"
         " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
         " fragmentation of runs freed in the step (mean) |"
+        " free blocks outside the longest free run, of the pool (mean) | 1 - longest free run / free blocks (mean) |"
+        " fragmentation of the walled-in free runs (mean) |"
     )
-    print("|---|" + "---:|" * 14)
+    print("|---|" + "---:|" * 17)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
         ("runs, compact", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True}),
         ("buddy", {("kv_pool", "plugin"): "buddy"}),
+        *(
+            (f"runs, grow room {room}", {("kv_pool", "plugin"): "runs", ("kv_pool", "grow_room"): room})
+            for room in (2, 16)
+        ),
         ("runs, gather", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "gather"}),
+        ("runs, pieces", {("kv_pool", "plugin"): "runs", ("kv_pool", "compact"): True, ("kv_pool", "moves"): "pieces"}),
+        (
+            "runs, pieces every step",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "compact"): True,
+                ("kv_pool", "moves"): "pieces",
+                ("kv_pool", "min_steps_between"): 1,
+            },
+        ),
         (
             "runs, gather every step",
             {
@@ -348,9 +427,12 @@ def contiguity(args) -> None:
 
         rt.host.free_blocks = freeing  # type: ignore[method-assign]
         real_sample = recorder_mod.Recorder.sample
-        tally = [0, 0, 0.0]  # steps sampled, of which with at most one free block, the fresh runs' fragmentation
+        # steps sampled, of which with at most one free block, the fresh runs' fragmentation,
+        # the free blocks outside the longest free run over the pool, one less the longest run over the free blocks
+        # and the walled-in runs' fragmentation (below)
+        tally = [0, 0, 0.0, 0.0, 0.0, 0.0]
 
-        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample):
+        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label):
             real_sample(recorder, rt, now_s, usage)
             tally[0] += 1
             if usage.num_free_blocks <= 1:
@@ -358,6 +440,16 @@ def contiguity(args) -> None:
             else:  # runs made only of blocks the step freed: no compaction before the step reaches them
                 fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
                 tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
+                bits = free_bitmap(rt.host.plugins["kv_pool"][0].instance, rt.num_blocks)
+                starts, ends = free_runs(bits)
+                check(label, len(starts) == usage.num_free_runs, "the pool's bitmap disagrees with its usage")
+                longest = int((ends - starts).max())
+                tally[3] += (usage.num_free_blocks - longest) / rt.num_blocks
+                tally[4] += 1 - longest / usage.num_free_blocks
+                # the fragmentation left if every other run joined one: what moving cached blocks
+                # out of the way (not into the walled-in runs) can reach at best
+                walled = walled_in(starts, ends, rt.evictable(), rt.num_blocks)
+                tally[5] += min(walled, len(starts) - 1) / (usage.num_free_blocks - 1)
             freed.clear()
 
         recorder_mod.Recorder.sample = sampling  # type: ignore[method-assign]
@@ -381,7 +473,8 @@ def contiguity(args) -> None:
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
             f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
-            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} |",
+            f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} | {tally[3] / tally[0]:.5f} |"
+            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} |",
             flush=True,
         )
     print()
@@ -487,6 +580,9 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--caps", type=float, nargs="+", default=[0.25])
     p.add_argument("--step-caps", type=float, nargs="*", default=[0.125, 0.03125])
+    p.add_argument(
+        "--alone-blocks", type=int, nargs="*", default=[3840], help="pool sizes for the chat tenants alone, besides"
+    )
     p.set_defaults(func=quotas)
     p = parts.add_parser("contiguity")
     p.add_argument("--config", default="contrib/configs/mooncake-timed.toml")

@@ -51,6 +51,10 @@ POOLS = {
         'plugin = "runs"\ncompact = true\nmoves = "gather"\nmax_fragmentation = 0.0\nmin_steps_between = 1',
         "",
     ),
+    "pieces": (
+        'plugin = "runs"\ncompact = true\nmoves = "pieces"\nmax_fragmentation = 0.0\nmin_steps_between = 1\ngrow_room = 2',
+        "",
+    ),
     "compacting": (
         'plugin = "runs"\ncompact = true\nmax_fragmentation = 0.0\nmin_steps_between = 1',
         '[admission]\nplugin = "quota"\nguarantees = {"0" = 0.3, "1" = 0.3}\ncaps = {"2" = 0.25}\nlend = 0.5\n',

@@ -186,7 +186,7 @@ def runs_config(compact: bool, prefix_cache: str, eviction: str, budget: int, bl
     sizes=requests,
     prefix_cache=st.sampled_from(["radix", "hash"]),
     eviction=st.sampled_from(["lru", "lfu", "fair"]),
-    moves=st.sampled_from(["islands", "gather"]),
+    moves=st.sampled_from(["islands", "gather", "pieces"]),
 )
 def test_compaction_preserves_every_cached_block_s_bytes_and_keys(
     seed, blocks, budget, sizes, prefix_cache, eviction, moves

@@ -10,7 +10,12 @@ length, last block -> start, and the runs sorted by length):
   blocks right after its last block, while free: a decoding request grows
   in place), then takes the smallest free run that holds the rest (best
   fit, keeping long runs long), else the longest runs first (fewest
-  pieces);
+  pieces); with ``grow_room = k`` (above 0), a request that holds blocks
+  here and cannot grow in place starts its next piece at the beginning of
+  the smallest free run with ``k`` blocks to spare that no other request
+  grows into (a run not right after another request's last block), so that
+  it grows in place from there, and what it frees when it finishes is one
+  run (best fit when there is none);
 * a free merges each run of freed ids with the free runs on either side;
 * with ``compact = true``, once a step (``sagellm_plan_compaction``) while
   the free blocks are more fragmented than ``max_fragmentation``
@@ -59,9 +64,14 @@ class RunsSettings:
     #: Steps at least between two rounds.
     min_steps_between: int = field(default=32, validator=[validators.instance_of(int), validators.gt(0)])
     #: What a round moves: ``"islands"`` (cached blocks between two free
-    #: runs, into other runs) or ``"gather"`` (the cached blocks beside the
-    #: longest free run, into the shortest runs, filling them).
-    moves: str = field(default="islands", validator=validators.in_(("islands", "gather")))
+    #: runs, into other runs), ``"gather"`` (the cached blocks beside the
+    #: longest free run, into the shortest runs, filling them) or
+    #: ``"pieces"`` (whole pieces of requests' blocks beside a free run, each
+    #: into one free run, where that leaves a free run fewer).
+    moves: str = field(default="islands", validator=validators.in_(("islands", "gather", "pieces")))
+    #: Free blocks to leave after a request's new piece for it to grow into
+    #: (0: best fit, the new piece in the smallest run that holds it).
+    grow_room: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
 
 
 class RunsPool:
@@ -81,7 +91,14 @@ class RunsPool:
         self.max_fragmentation = settings.max_fragmentation
         self.max_moves = settings.max_moves
         self.min_steps_between = settings.min_steps_between
-        self.plan = self.plan_islands if settings.moves == "islands" else self.plan_gather
+        self.grow_room = settings.grow_room
+        self.plan = {"islands": self.plan_islands, "gather": self.plan_gather, "pieces": self.plan_pieces}[
+            settings.moves
+        ]
+        #: ``_joined[b]``: block ``b`` follows block ``b - 1`` in some request's
+        #: blocks (handed out together, or grown in place): moving one without
+        #: the other would split a request's run in two.
+        self._joined = bytearray(n)
         self._steps = self._next_round = 0
         self._kv: KVCaches | None = None
         if not settings.compact:
@@ -102,12 +119,15 @@ class RunsPool:
         self._by_length.remove((length, start))
         return length
 
-    def _take(self, start: int, count: int) -> range:
-        """Take the first ``count`` blocks of the free run at ``start``."""
+    def _take(self, start: int, count: int, follows: bool = False) -> range:
+        """Take the first ``count`` blocks of the free run at ``start``
+        (``follows``: the first continues a request's run from ``start - 1``)."""
         length = self._drop_run(start)
         if length > count:
             self._add_run(start + count, length - count)
         self._is_free[start : start + count] = bytes(count)
+        self._joined[start : start + count] = b"\x01" * count
+        self._joined[start] = follows
         self._num_free -= count
         return range(start, start + count)
 
@@ -116,6 +136,7 @@ class RunsPool:
         self._is_free[start : start + count] = b"\x01" * count
         self._num_free += count
         end = start + count
+        self._joined[start : end + 1] = bytes(count + (end < self.num_blocks))  # (the block after follows none)
         if end in self._length:
             count += self._drop_run(end)
         before = self._start.get(start - 1)
@@ -134,18 +155,32 @@ class RunsPool:
         need = num_blocks
         tail = None if request is None else self._tails.of(request.request_id)
         if tail is not None and tail + 1 in self._length:  # grow in place
-            ids.extend(self._take(tail + 1, min(need, self._length[tail + 1])))
+            ids.extend(self._take(tail + 1, min(need, self._length[tail + 1]), True))
             need = num_blocks - len(ids)
         by_length = self._by_length
+        if need and tail is not None and self.grow_room:  # a new piece, with room to grow after it
+            start = self._room_for(need)
+            if start is not None:
+                ids.extend(self._take(start, need, bool(ids) and ids[-1] == start - 1))
+                need = 0
         while need:
             at = by_length.bisect_left((need, -1))
             length, start = by_length[at] if at < len(by_length) else by_length[-1]
-            ids.extend(self._take(start, min(need, length)))
+            ids.extend(self._take(start, min(need, length), bool(ids) and ids[-1] == start - 1))
             need = num_blocks - len(ids)
         if request is not None and ids:
             self._tails.set(request.request_id, ids[-1])
         self._usage = None
         return BlockAllocation(tuple(ids))
+
+    def _room_for(self, need: int) -> int | None:
+        """The start of the smallest free run of at least ``need + grow_room``
+        blocks that is not right after a request's last block, or ``None``."""
+        by_length, is_tail = self._by_length, self._tails.is_tail
+        for _, start in by_length.islice(by_length.bisect_left((need + self.grow_room, -1))):
+            if not is_tail(start - 1):
+                return start
+        return None
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
@@ -249,6 +284,58 @@ class RunsPool:
                 return tuple(moves)
         return ()
 
+    def plan_pieces(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...]:
+        """Moves of *pieces*: the movable blocks right before or after a free
+        run, as far as they go on in one request's run (``_joined``) and no
+        further, so that no request's run is split. Each piece goes whole,
+        in order, to the start of the smallest free run that holds it, and
+        only where that leaves a free run fewer: the piece fills that run
+        exactly, or its blocks' going joins the free run beside it to the
+        one on its other side (both, two fewer). Shortest pieces first, at
+        most ``max_moves`` blocks a round; a free run a move fills or joins
+        takes part in no other move of the round; nor is a run right after a
+        request's last block filled."""
+        length, starts, is_free, joined = self._length, self._start, self._is_free, self._joined
+        n, limit, is_tail = self.num_blocks, self.max_moves, self._tails.is_tail
+        pieces = []  # (size, first block, free run beside it, free run on its other side or -1)
+        for start, run in length.items():
+            end = start + run  # the piece after the run: it begins a request's run (the free block before it)
+            b = end
+            while b < n and b - end < limit and b in movable and (b == end or joined[b]):
+                b += 1
+            if b > end and (b == n or not joined[b]):  # a whole piece: the block after it does not follow it
+                pieces.append((b - end, end, start, b if b < n and is_free[b] else -1))
+            b = start - 1  # the piece before the run: back to where a request's run begins
+            while b >= 0 and start - b <= limit and b in movable and joined[b]:
+                b -= 1
+            if b >= 0 and start - b <= limit and b in movable:  # b begins the piece
+                other = starts[b - 1] if b > 0 and is_free[b - 1] else -1
+                if other < 0:  # (a piece between two runs is the first run's piece after it)
+                    pieces.append((start - b, b, start, other))
+        pieces.sort()
+        room = SortedList(self._by_length)
+        busy: set[int] = set()
+        moves: list[tuple[int, int]] = []
+        for size, first, beside, other in pieces:
+            if len(moves) + size > limit:
+                break
+            if beside in busy or other in busy:
+                continue
+            at = room.bisect_left((size, -1))
+            while at < len(room) and (
+                room[at][1] in busy or room[at][1] in (beside, other) or is_tail(room[at][1] - 1)
+            ):
+                at += 1  # (a run right after a request's last block is where it grows in place)
+            if at == len(room):
+                continue
+            fits, into = room[at]
+            if fits > size and other < 0:
+                continue  # neither fills a run nor joins two: no run fewer
+            room.pop(at)
+            moves.extend(zip(range(first, first + size), range(into, into + size)))
+            busy.update((beside, other, into))
+        return tuple(moves)
+
     def _beside(self, start: int, length: int, movable: EvictionCandidates) -> tuple[list[int], set[int]]:
         """The movable blocks after the free run at ``start``, nearest first,
         then those before it, ``max_moves`` at most; and the free runs they
@@ -282,8 +369,12 @@ class RunsPool:
                 j += 1
             self._take_range(dst[i], j - i)
             i = j
+        joined = self._joined
+        follows = [i > 0 and moves[i - 1] == (s - 1, d - 1) and joined[s] for i, (s, d) in enumerate(moves)]
         self._tails.forget(src)
         self._free_sorted(src)
+        for (_, d), f in zip(moves, follows):  # a moved block follows the one it followed, moved beside it
+            joined[d] = f
         self._usage = None
 
     def _take_range(self, start: int, count: int) -> None:

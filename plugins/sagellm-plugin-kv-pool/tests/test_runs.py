@@ -68,6 +68,38 @@ def test_without_a_run_long_enough_the_longest_runs_go_first():
     assert len(held) == 10
 
 
+def test_with_grow_room_a_new_piece_starts_where_the_request_can_grow_in_place():
+    p = pool(32, grow_room=3)
+    a, b = request("a"), request("b")
+    assert take(p, 2, a) == (0, 1)
+    assert take(p, 2, b) == (2, 3)  # a cannot grow in place any more
+    held = take(p, 28)
+    p.sagellm_free_blocks(block_ids=(4, 10, 11, 20, 21, 22, 23, 24))  # runs: 4 (1), 10-11 (2), 20-24 (5)
+    # b grows in place into 4; a's new piece goes where 3 blocks are left after it:
+    # not the single block (best fit's choice) nor the run of 2, the run of 5
+    assert take(p, 1, b) == (4,)
+    assert take(p, 1, a) == (20,)
+    assert take(p, 2, a) == (21, 22)  # in place
+    # without a run with room, best fit
+    assert take(p, 1, b) == (10,)
+    assert len(held) == 28
+    consistent(p)
+
+
+def test_with_grow_room_a_new_piece_keeps_off_the_run_another_request_grows_into():
+    p = pool(20, grow_room=2)
+    a, b = request("a"), request("b")
+    assert take(p, 2, a) == (0, 1)
+    held = take(p, 18)
+    p.sagellm_free_blocks(block_ids=(7,))
+    assert take(p, 1, b) == (7,)
+    p.sagellm_free_blocks(block_ids=(2, 3, 4, 5, 12, 13, 14, 15))  # runs 2-5 (after a's last block), 12-15
+    assert take(p, 1, b) == (12,)  # not 2, where a grows
+    assert take(p, 1, a) == (2,)
+    assert len(held) == 18
+    consistent(p)
+
+
 def test_bad_frees_are_refused_without_change():
     p = pool(8)
     take(p, 4)
@@ -80,9 +112,12 @@ def test_bad_frees_are_refused_without_change():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3), st.randoms()), max_size=60))
-def test_the_allocator_never_hands_a_block_twice_and_its_runs_stay_exact(ops):
-    p = pool(48)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 3), st.randoms()), max_size=60),
+    st.sampled_from([0, 1, 3]),
+)
+def test_the_allocator_never_hands_a_block_twice_and_its_runs_stay_exact(ops, grow_room):
+    p = pool(48, grow_room=grow_room)
     held: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
     for allocate, n, who, rnd in ops:
         name = f"r{who}"
@@ -144,12 +179,15 @@ def test_a_round_moves_islands_into_free_runs_and_copies_their_kv():
     st.lists(st.booleans(), min_size=24, max_size=64),
     st.lists(st.booleans(), min_size=64, max_size=64),
     st.integers(1, 64),
-    st.sampled_from(["islands", "gather"]),
+    st.sampled_from(["islands", "gather", "pieces"]),
+    st.lists(st.integers(1, 8), min_size=64, max_size=64),
 )
-def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(free, movable, max_moves, kind):
+def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(free, movable, max_moves, kind, sizes):
     n = len(free)
     p = pool(n, compact=True, max_moves=max_moves, moves=kind)
-    take(p, n)
+    taken = 0
+    for size in sizes:  # allocations of several sizes: pieces of several lengths
+        taken += len(take(p, min(size, n - taken)))
     p.sagellm_free_blocks(block_ids=tuple(b for b in range(n) if free[b]))
     can_move = {b for b in range(n) if not free[b] and movable[b]}
     before = len(free_runs(p))
@@ -160,6 +198,98 @@ def test_a_plan_moves_only_movable_blocks_onto_free_ones_and_never_adds_a_run(fr
     p.sagellm_blocks_moved(moves=moves)
     consistent(p)
     assert len(free_runs(p)) <= before - (1 if moves else 0)
+
+
+def joined_pairs(p) -> set[tuple[int, int]]:
+    """The blocks in use that follow the one before them in a request's run, as (before, after)."""
+    return {(b - 1, b) for b in range(1, p.num_blocks) if p._joined[b] and not p._is_free[b]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6), st.integers(0, 3), st.randoms()), max_size=50))
+def test_the_pool_knows_which_blocks_follow_which_in_a_request(ops):
+    """A block follows the one before it when the two were handed out one
+    after the other to a request (in one allocation, or growing in place
+    from its last block), while both are in use."""
+    p = pool(40)
+    pairs: set[tuple[int, int]] = set()
+    last: dict[str, int | None] = {}
+    held: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    for allocate, n, who, rnd in ops:
+        name = f"r{who}"
+        if allocate:
+            ids = take(p, n, request(name))
+            chain = [last.get(name), *ids]
+            pairs |= {(a, b) for a, b in zip(chain, chain[1:]) if a is not None and b == a + 1}
+            held[name] += ids
+            last[name] = ids[-1] if ids else last.get(name)
+        elif held[name]:
+            freed = set(rnd.sample(held[name], min(n, len(held[name]))))
+            p.sagellm_free_blocks(block_ids=tuple(freed))
+            held[name] = [b for b in held[name] if b not in freed]
+            pairs = {(a, b) for a, b in pairs if a not in freed and b not in freed}
+            if last.get(name) in freed:
+                last[name] = None
+        assert joined_pairs(p) == pairs
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 6), min_size=8, max_size=30),
+    st.lists(st.booleans(), min_size=64, max_size=64),
+    st.lists(st.booleans(), min_size=64, max_size=64),
+    st.integers(1, 64),
+)
+def test_moving_pieces_never_splits_a_request_run(sizes, freed, movable, max_moves):
+    p = pool(64, compact=True, moves="pieces", max_moves=max_moves)
+    runs = [take(p, size, request(f"r{i}")) for i, size in enumerate(sizes)]
+    p.sagellm_free_blocks(block_ids=tuple(b for run in runs for b in run if freed[b]))
+    can_move = {b for run in runs for b in run if not freed[b] and movable[b]}
+    pairs, before = joined_pairs(p), len(free_runs(p))
+    moves = p.plan(can_move)
+    dst = dict(moves)
+    for a, b in pairs:  # a request's two adjacent blocks stay adjacent, in order
+        if a in dst or b in dst:
+            assert a in dst and b in dst and dst[b] == dst[a] + 1
+    p.sagellm_blocks_moved(moves=moves)
+    consistent(p)
+    assert len(free_runs(p)) <= before - (1 if moves else 0)
+    assert joined_pairs(p) == {(dst.get(a, a), dst.get(b, b)) for a, b in pairs}
+
+
+def test_moving_pieces_fills_a_run_exactly():
+    p = pool(12, compact=True, moves="pieces", min_steps_between=1)
+    assert (take(p, 4), take(p, 2), take(p, 6)) == ((0, 1, 2, 3), (4, 5), tuple(range(6, 12)))
+    p.sagellm_free_blocks(block_ids=(0, 8, 9, 10))  # free: 0 (1), 8-10 (3)
+    kv = FakeKV(12)
+    p.sagellm_kv_caches_allocated(kv_caches=KVCaches(kv, 0, kv.copy))
+    # pieces beside a free run: 1-3 (after 0), 6-7 (before 8), 11 (after 10);
+    # 11, the shortest, fills the run at 0 exactly and its going lengthens 8-10
+    moves = p.sagellm_plan_compaction(movable={1, 2, 3, 4, 5, 6, 7, 11})
+    assert moves == ((11, 0),)
+    p.sagellm_blocks_moved(moves=moves)
+    assert kv.rows[0] == 1011
+    consistent(p)
+    assert free_runs(p) == [(8, 4)]
+
+
+def test_moving_pieces_joins_the_runs_on_either_side_and_leaves_a_run_a_request_grows_into():
+    p = pool(20, compact=True, moves="pieces", min_steps_between=1)
+    take(p, 3, request("a"))  # 0-2
+    take(p, 2, request("b"))  # 3-4: b grows into 5
+    take(p, 5, request("c"))  # 5-9
+    take(p, 10, request("d"))  # 10-19
+    p.sagellm_free_blocks(block_ids=(0, 5, 6, 10, 15, 16, 17, 18, 19))  # free: 0 (1), 5-6 (2), 10 (1), 15-19 (5)
+    # a's 1-2 and b's 3-4 would fill 5-6 exactly, but b grows into it; in 15-19
+    # they fill nothing and join nothing. c's 7-9 lie between the runs at 5
+    # and 10: moved to 15-17, they join the two (d's 11-14, between 10 and 15,
+    # then wait: its runs are taken)
+    moves = p.sagellm_plan_compaction(movable={1, 2, 3, 4, 7, 8, 9, 11, 12, 13, 14})
+    assert moves == ((7, 15), (8, 16), (9, 17))
+    p.sagellm_blocks_moved(moves=moves)
+    consistent(p)
+    assert free_runs(p) == [(0, 1), (5, 6), (18, 2)]
+    assert joined_pairs(p) == {(1, 2), (3, 4), (11, 12), (12, 13), (13, 14), (15, 16), (16, 17)}
 
 
 def test_gathering_fills_the_shortest_runs_with_the_blocks_beside_the_longest():

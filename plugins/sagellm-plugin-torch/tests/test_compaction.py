@@ -19,7 +19,7 @@ def core_with(tmp_path, tiny_model_dir, pool: str):
     return helpers.engine_core(path)
 
 
-@pytest.mark.parametrize("moves", ["islands", "gather"])
+@pytest.mark.parametrize("moves", ["islands", "gather", "pieces"])
 def test_compaction_moves_real_kv_bytes_and_changes_no_token(tmp_path, tiny_model_dir, moves):
     compacting = f'plugin = "runs"\ncompact = true\nmoves = "{moves}"\nmax_fragmentation = 0.0\nmin_steps_between = 1\n'
     runs = []
