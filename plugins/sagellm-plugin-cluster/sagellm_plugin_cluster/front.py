@@ -178,6 +178,8 @@ class Front:
         self.router = router
         self.keys = keys
         self.ask_instances = ask_instances
+        #: Prompts whose ids and keys an instance gave (``ask_instances``).
+        self.keys_asked = 0
         #: Seconds each of the latest requests took to route (its keys included).
         self.route_s: deque[float] = deque(maxlen=ROUTE_TIMES_KEPT)
         self.pull_timeout_s = pull_timeout_s
@@ -272,6 +274,7 @@ class Front:
                 keys = await self.client.post(f"{member.url}/kv/keys", json={"token_ids": ids, **salt})
                 if keys.status_code != 200:
                     raise _Answered(keys)
+                self.keys_asked += 1
                 return ids, keys.json()["keys"]
             except httpx.HTTPError as exc:
                 failure = exc
@@ -426,6 +429,7 @@ class Front:
             "transfers": dict(self.transfers),
             "index": {"exact": index.exact, "applied": index.applied, "gaps": index.gaps, "resets": index.resets},
             "route_ms": self.route_times(),
+            "keys_asked": self.keys_asked,
             "instances": instances,
         }
 
