@@ -67,6 +67,12 @@ from .index import KVIndex
 POLL_INTERVAL_S = 0.05
 #: Seconds a forwarded request may take in all.
 FORWARD_TIMEOUT_S = 600.0
+#: Seconds an idle connection to an instance is kept for reuse: below
+#: uvicorn's 5 s keep-alive, after which the instance closes it (a request
+#: sent on a connection as the instance closes it fails unanswered).
+KEEPALIVE_S = 2.0
+#: The messages of the latest requests failed at the front, kept for ``/kv/stats``.
+ERRORS_KEPT = 20
 #: The routing times kept for ``/kv/stats`` (the latest ones).
 ROUTE_TIMES_KEPT = 10_000
 #: The header an instance reads a request's tenant from (the server's).
@@ -187,7 +193,13 @@ class Front:
         self.transfers: dict[str, int] = {"done": 0, "failed": 0, "expired": 0}
         self.index = KVIndex([m.instance_id for m in members])
         self.by_id = {m.instance_id: m for m in members}
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(FORWARD_TIMEOUT_S, connect=5.0), transport=transport)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(FORWARD_TIMEOUT_S, connect=5.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+            transport=transport,
+        )
+        #: The latest messages of requests failed at the front with a 502.
+        self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
         #: Requests answered by an instance (its error included), and failed at the front.
         self.counts = {"forwarded": 0, "failed": 0}
         self._background: set[asyncio.Task[None]] = set()
@@ -329,7 +341,8 @@ class Front:
             return Response(answered.response.content, answered.response.status_code, media_type="application/json")
         except (httpx.HTTPError, SagellmError) as exc:
             self.counts["failed"] += 1
-            return _error(502, f"routing failed: {type(exc).__name__}: {exc}")
+            self.errors.append(f"routing failed: {type(exc).__name__}: {exc}")
+            return _error(502, self.errors[-1])
         member.routed += 1
         prompt_tokens = request.num_prompt_tokens
         if decode is not None:
@@ -396,7 +409,8 @@ class Front:
     def failed(self, member: Member, exc: httpx.HTTPError) -> JSONResponse:
         self.counts["failed"] += 1
         member.failed += 1
-        return _error(502, f"instance {member.instance_id} did not answer: {type(exc).__name__}: {exc}")
+        self.errors.append(f"instance {member.instance_id} did not answer: {type(exc).__name__}: {exc}")
+        return _error(502, self.errors[-1])
 
     async def health(self) -> list[str]:
         """The members that do not answer ``/health`` with 200."""
@@ -430,6 +444,7 @@ class Front:
             "index": {"exact": index.exact, "applied": index.applied, "gaps": index.gaps, "resets": index.resets},
             "route_ms": self.route_times(),
             "keys_asked": self.keys_asked,
+            "errors": list(self.errors),
             "instances": instances,
         }
 

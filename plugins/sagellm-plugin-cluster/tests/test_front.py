@@ -242,6 +242,7 @@ def test_round_robin_takes_turns_and_counts_an_instance_down():
     assert [a.status_code for a in answers] == [200, 502, 200, 502]
     assert "instance b did not answer" in answers[1].json()["error"]["message"]
     front = app.state.front
+    assert [e.split(":")[0] for e in front.errors] == ["instance b did not answer"] * 2
     assert front.counts == {"forwarded": 2, "failed": 2}
     assert [(m.routed, m.failed) for m in front.members] == [(2, 0), (2, 2)]
     assert loads(app) == [(0, 0, 0)] * 2
