@@ -28,9 +28,9 @@ serve`` measures them, each against round robin's at the same rate in
 the same run, and the front's own time to route a request (p50/p99), so
 that a TTFT can be split into the front's part and the instance's.
 
-    # docs/benchmarks/disaggregation.md's run: about 15 minutes on 2 busy
-    # cores, 6 of them the four instances loading the model
-    .venv/bin/python benchmarks/serve_cluster_routing.py
+    # docs/benchmarks/disaggregation.md's run: about 35 minutes on 2 cores
+    # at a load average near 20, 20 of them the four instances loading the model
+    .venv/bin/python benchmarks/serve_cluster_routing.py --saturation-requests 40
 """
 
 from __future__ import annotations
