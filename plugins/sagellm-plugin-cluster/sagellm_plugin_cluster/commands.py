@@ -66,7 +66,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     import uvicorn
 
     from . import clusterfile, transports
-    from .front import Member, build_front
+    from .front import Member, PromptKeys, build_front
     from .launcher import Launcher
 
     spec = clusterfile.load(args.cluster)
@@ -84,11 +84,13 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
         )
+    # The front computes the prompts' block keys as the instances do: their tokenizer, their prefix cache.
+    keys = PromptKeys.of_instance(spec.instances[0].settings)
     launcher = Launcher(spec, args.log_level, None if store is None else store.port)
     running = launcher.start()
     try:
         members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
-        app = build_front(members, router, spec.pull_timeout_s)
+        app = build_front(members, router, keys, spec.pull_timeout_s)
         names = ", ".join(f"{m.instance_id} at {m.url}" for m in members)
         print(
             f"sagellm: cluster of {len(members)} ({names}), router {router.plugin_name!r},"

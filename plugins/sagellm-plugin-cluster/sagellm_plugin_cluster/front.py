@@ -8,20 +8,31 @@ instance to compute the prompt (counted in ``transfers``), never a wrong
 token.
 
 The router sees each instance's load as the front counts it (the prompt
-tokens of requests sent there and not yet answered with a first token;
-the requests past their first token and their tokens) and the prompt's
-blocks cached there, from the front's :class:`~.index.KVIndex`: fed by
-polling each instance's ``/kv/events`` (a background task, and again
-once a request there ends), degraded and replayed as the index does. A
-prompt's token ids and block keys are asked of an instance
-(``/tokenize``, ``/kv/keys``): every instance has the same model and
-prefix cache (the cluster file checks).
+tokens not in the instance's device cache, by the index when the request
+was routed there, of requests sent there and not yet answered with a
+first token; the requests past their first token and their tokens) and
+the prompt's blocks cached there, from the front's :class:`~.index.KVIndex`:
+fed by polling each instance's ``/kv/events`` (a background task, every
+instance at once, and again once a request there ends), degraded and
+replayed as the index does.
+
+A prompt's token ids and block keys are computed in the front
+(:class:`PromptKeys`): the instances' tokenizer and the instances'
+``[prefix_cache]`` plugin's own ``sagellm_block_keys``, through the core's
+plugin host, so the keys are the ones the instances publish (the cluster
+file checks that every instance has the same model and prefix cache). A
+front built with ``ask_instances`` asks an instance instead (``/tokenize``,
+``/kv/keys``), which answers on its engine thread, behind the step it is
+computing: the way to measure what that costs. A body the front cannot tokenize (a chat template that refuses its
+messages, a prompt that is neither text nor token ids) is routed by load
+alone, and the instance answers it, its error included.
 
 A non-streaming request counts as prefill work until it ends: the front
 sees its first token only in a stream. Every request ends forwarded
 (with the instance's own answer, an error included) or failed at the
 front (a body that is no JSON object, an instance that did not answer, a
-client that went away), counted in ``/kv/stats``."""
+client that went away), counted in ``/kv/stats``, with the time the front
+took to route each request (``route_ms``)."""
 
 from __future__ import annotations
 
@@ -30,6 +41,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -39,8 +51,13 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from sagellm_core.config import Settings
+from sagellm_core.counters import Counters
 from sagellm_core.drivers.router import Router
 from sagellm_core.errors import SagellmError
+from sagellm_core.ledger import BlockLedger
+from sagellm_core.plugin_host import PluginHost
+from sagellm_core.registry import GROUPS
 from sagellm_core.types import InstanceLoad, KVHints, Request
 
 from .clusterfile import link_name
@@ -50,6 +67,73 @@ from .index import KVIndex
 POLL_INTERVAL_S = 0.05
 #: Seconds a forwarded request may take in all.
 FORWARD_TIMEOUT_S = 600.0
+#: Seconds an idle connection to an instance is kept for reuse: below
+#: uvicorn's 5 s keep-alive, after which the instance closes it (a request
+#: sent on a connection as the instance closes it fails unanswered).
+KEEPALIVE_S = 2.0
+#: The messages of the latest requests failed at the front, kept for ``/kv/stats``.
+ERRORS_KEPT = 20
+#: The routing times kept for ``/kv/stats`` (the latest ones).
+ROUTE_TIMES_KEPT = 10_000
+#: The header an instance reads a request's tenant from (the server's).
+TENANT_HEADER = "x-sagellm-tenant"
+
+
+class PromptKeys:
+    """A prompt's token ids and block keys as an instance computes them:
+    ``tokenizer`` is the instances' (a Hugging Face tokenizer: ``encode``,
+    ``apply_chat_template``), and the keys are the ``[prefix_cache]``
+    plugin of ``settings`` (an instance's config) answering the core's
+    ``sagellm_block_keys`` hook, through a plugin host that loads that
+    plugin alone. Its cache stays empty, so each key is the plugin's chain
+    over the prompt's content (and namespace: tenant, ``cache_salt``)."""
+
+    def __init__(self, tokenizer: Any, settings: Settings):
+        self.tokenizer = tokenizer
+        self.block_size = settings.block_size
+        others = [section for section in GROUPS if section != "prefix_cache"]
+        self.host = PluginHost(
+            settings, BlockLedger(settings.num_blocks), Counters(), hook_timing=False, engine_owns=others
+        )
+
+    @classmethod
+    def of_instance(cls, settings: Settings) -> PromptKeys:
+        """For the instances of ``settings`` (a torch engine's config): its
+        model's tokenizer, loaded as the engine loads it (no weights)."""
+        from sagellm_plugin_torch import models
+        from transformers import AutoTokenizer
+
+        files = models.resolve(settings.engine.params.get("model", models.DEFAULT_MODEL))
+        tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file, local_files_only=True)
+        return cls(tokenizer, settings)
+
+    def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's ids as the instance's ``/v1/completions`` or
+        ``/v1/chat/completions`` encodes them; ``None`` for a body it would
+        refuse (the instance answers it)."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return None
+            try:
+                from sagellm_plugin_server.protocol import ChatMessage
+
+                parsed = [ChatMessage.model_validate(m).for_template() for m in messages]
+                ids = self.tokenizer.apply_chat_template(parsed, add_generation_prompt=True, tokenize=True)
+            except Exception:  # noqa: BLE001 - refused messages, or a template that refuses them
+                return None
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 1 << 63 for t in prompt):
+            return prompt
+        return None
+
+    def keys(self, request: Request) -> list[int]:
+        """The block keys of ``request``'s full prompt blocks."""
+        full = request.num_prompt_tokens // self.block_size
+        return list(self.host.block_keys(request, 0, full)) if full else []
 
 
 @define
@@ -88,18 +172,34 @@ class Front:
         self,
         members: Sequence[Member],
         router: Router,
+        keys: PromptKeys,
         pull_timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        ask_instances: bool = False,
     ):
-        """``transport``: how the front reaches the instances (httpx's own by default)."""
+        """``keys``: the prompts' token ids and block keys, computed here
+        (asked of an instance with ``ask_instances``); ``transport``: how
+        the front reaches the instances (httpx's own by default)."""
         self.members = list(members)
         self.router = router
+        self.keys = keys
+        self.ask_instances = ask_instances
+        #: Prompts whose ids and keys an instance gave (``ask_instances``).
+        self.keys_asked = 0
+        #: Seconds each of the latest requests took to route (its keys included).
+        self.route_s: deque[float] = deque(maxlen=ROUTE_TIMES_KEPT)
         self.pull_timeout_s = pull_timeout_s
         #: Pulls by how they ended.
         self.transfers: dict[str, int] = {"done": 0, "failed": 0, "expired": 0}
         self.index = KVIndex([m.instance_id for m in members])
         self.by_id = {m.instance_id: m for m in members}
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(FORWARD_TIMEOUT_S, connect=5.0), transport=transport)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(FORWARD_TIMEOUT_S, connect=5.0),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+            transport=transport,
+        )
+        #: The latest messages of requests failed at the front with a 502.
+        self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
         #: Requests answered by an instance (its error included), and failed at the front.
         self.counts = {"forwarded": 0, "failed": 0}
         self._background: set[asyncio.Task[None]] = set()
@@ -131,18 +231,29 @@ class Front:
 
     async def poll_forever(self) -> None:
         while True:
-            for member in self.members:
-                await self.quiet_poll(member)
+            # Every instance at once: one busy with a long step delays only its own events.
+            await asyncio.gather(*(self.quiet_poll(member) for member in self.members))
             await asyncio.sleep(POLL_INTERVAL_S)
 
-    async def route(self, body: dict[str, Any], chat: bool) -> tuple[Request, Member, Member | None]:
+    async def route(
+        self, body: dict[str, Any], chat: bool, tenant: str = "default"
+    ) -> tuple[Request, Member, Member | None, int]:
         """The request as the router sees it, the member that computes its
-        prompt, and the decode member its KV goes to (``None``: colocated)."""
-        if chat:
-            asked = {"messages": body.get("messages"), "add_generation_prompt": True}
+        prompt, the decode member its KV goes to (``None``: colocated), and
+        the prompt tokens not in the first member's device cache (by the
+        index): the prefill work it queues there."""
+        started = time.perf_counter()
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        if not self.ask_instances:
+            ids = self.keys.token_ids(body, chat) or []
+            keys = self.keys.keys(Request("keys", ids, 1, tenant=tenant, cache_salt=salt)) if ids else []
         else:
-            asked = {"prompt": body.get("prompt")}
-        ids, keys = await self.prompt_keys({**asked, "model": body.get("model")}, _salt(body))
+            if chat:
+                asked = {"messages": body.get("messages"), "add_generation_prompt": True}
+            else:
+                asked = {"prompt": body.get("prompt")}
+            ids, keys = await self.prompt_keys({**asked, "model": body.get("model")}, _salt(body))
         cache_key = body.get("prompt_cache_key")
         # A key the instance will refuse (empty, too long) is its to answer: routing ignores it.
         valid = isinstance(cache_key, str) and 0 < len(cache_key) <= 256
@@ -155,7 +266,12 @@ class Front:
         loads = [m.load(self.index, keys) for m in self.members]
         decision = self.router.route(request, loads, time.monotonic())
         decode = decision.decode_instance_id
-        return request, self.by_id[decision.instance_id], None if decode is None else self.by_id[decode]
+        cached = next(load.cached_blocks for load in loads if load.instance_id == decision.instance_id)
+        # At least one prompt token is computed wherever it goes (the cache leaves one).
+        work = max(request.num_prompt_tokens - cached * self.keys.block_size, min(request.num_prompt_tokens, 1))
+        self.route_s.append(time.perf_counter() - started)
+        member = self.by_id[decision.instance_id]
+        return request, member, None if decode is None else self.by_id[decode], work
 
     async def prompt_keys(self, asked: dict[str, Any], salt: dict[str, Any]) -> tuple[list[int], list[int]]:
         """The prompt's token ids and block keys, from the first member that
@@ -170,6 +286,7 @@ class Front:
                 keys = await self.client.post(f"{member.url}/kv/keys", json={"token_ids": ids, **salt})
                 if keys.status_code != 200:
                     raise _Answered(keys)
+                self.keys_asked += 1
                 return ids, keys.json()["keys"]
             except httpx.HTTPError as exc:
                 failure = exc
@@ -214,20 +331,24 @@ class Front:
         except ValueError as exc:
             self.counts["failed"] += 1
             return _error(400, f"the request body: {exc}")
+        tenant = http.headers.get(TENANT_HEADER) or body.get("user")
         try:
-            request, member, decode = await self.route(body, chat)
+            request, member, decode, work = await self.route(
+                body, chat, tenant if isinstance(tenant, str) else "default"
+            )
         except _Answered as answered:  # the instance refused the prompt: its own error
             self.counts["failed"] += 1
             return Response(answered.response.content, answered.response.status_code, media_type="application/json")
         except (httpx.HTTPError, SagellmError) as exc:
             self.counts["failed"] += 1
-            return _error(502, f"routing failed: {type(exc).__name__}: {exc}")
+            self.errors.append(f"routing failed: {type(exc).__name__}: {exc}")
+            return _error(502, self.errors[-1])
         member.routed += 1
+        prompt_tokens = request.num_prompt_tokens
         if decode is not None:
             await self.hand_over(member, decode, request)
-            member = decode
-        prompt_tokens = request.num_prompt_tokens
-        member.prefill_tokens += prompt_tokens
+            member, work = decode, prompt_tokens
+        member.prefill_tokens += work
         headers = {k: v for k, v in http.headers.items() if k.lower() in ("authorization", "x-request-id")}
         upstream = self.client.build_request(
             "POST", f"{member.url}{path}", content=raw, headers={**headers, "content-type": "application/json"}
@@ -235,29 +356,32 @@ class Front:
         try:
             answer = await self.client.send(upstream, stream=bool(body.get("stream")))
         except httpx.HTTPError as exc:
-            member.prefill_tokens -= prompt_tokens
+            member.prefill_tokens -= work
             return self.failed(member, exc)
         except BaseException:  # the client went away (the handler is cancelled): its load ends here too
-            member.prefill_tokens -= prompt_tokens
+            member.prefill_tokens -= work
             self.counts["failed"] += 1
             raise
         if not body.get("stream"):
-            member.prefill_tokens -= prompt_tokens
+            member.prefill_tokens -= work
             self.counts["forwarded"] += 1
             self.poll_soon(member)
             return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
         kind = answer.headers.get("content-type", "text/event-stream")
-        return StreamingResponse(self.relay(member, answer, prompt_tokens), answer.status_code, media_type=kind)
+        return StreamingResponse(self.relay(member, answer, work, prompt_tokens), answer.status_code, media_type=kind)
 
-    async def relay(self, member: Member, upstream: httpx.Response, prompt_tokens: int) -> AsyncIterator[bytes]:
-        """A stream's chunks as they come; its first moves the request's
-        tokens from the member's prefill load to its decode load."""
+    async def relay(
+        self, member: Member, upstream: httpx.Response, work: int, prompt_tokens: int
+    ) -> AsyncIterator[bytes]:
+        """A stream's chunks as they come; its first moves the request from
+        the member's prefill load (``work`` tokens) to its decode load (its
+        ``prompt_tokens`` in KV)."""
         decoding, tail = False, b""
         try:
             async for chunk in upstream.aiter_bytes():  # decoded: the relay sends no content-encoding
                 if not decoding:
                     decoding = True
-                    member.prefill_tokens -= prompt_tokens
+                    member.prefill_tokens -= work
                     member.decode_requests += 1
                     member.decode_tokens += prompt_tokens
                 tail = (tail + chunk)[-32:]
@@ -279,13 +403,14 @@ class Front:
                 member.decode_requests -= 1
                 member.decode_tokens -= prompt_tokens
             else:
-                member.prefill_tokens -= prompt_tokens
+                member.prefill_tokens -= work
             self.poll_soon(member)
 
     def failed(self, member: Member, exc: httpx.HTTPError) -> JSONResponse:
         self.counts["failed"] += 1
         member.failed += 1
-        return _error(502, f"instance {member.instance_id} did not answer: {type(exc).__name__}: {exc}")
+        self.errors.append(f"instance {member.instance_id} did not answer: {type(exc).__name__}: {exc}")
+        return _error(502, self.errors[-1])
 
     async def health(self) -> list[str]:
         """The members that do not answer ``/health`` with 200."""
@@ -317,19 +442,38 @@ class Front:
             "requests": dict(self.counts),
             "transfers": dict(self.transfers),
             "index": {"exact": index.exact, "applied": index.applied, "gaps": index.gaps, "resets": index.resets},
+            "route_ms": self.route_times(),
+            "keys_asked": self.keys_asked,
+            "errors": list(self.errors),
             "instances": instances,
+        }
+
+    def route_times(self) -> dict[str, float | int]:
+        """The latest requests' routing times, in milliseconds: how many, median, 99th percentile, longest."""
+        times = sorted(self.route_s)
+        if not times:
+            return {"count": 0}
+        n = len(times)
+        return {
+            "count": n,
+            "p50": 1e3 * times[(n - 1) // 2],
+            "p99": 1e3 * times[min(n - 1, int(0.99 * n))],
+            "max": 1e3 * times[-1],
         }
 
 
 def build_front(
     members: Sequence[Member],
     router: Router,
+    keys: PromptKeys,
     pull_timeout_s: float = 10.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    ask_instances: bool = False,
 ) -> FastAPI:
-    """The front's app over ``members`` (instances that answer ``/health``);
-    ``app.state.front`` is its :class:`Front`."""
-    front = Front(members, router, pull_timeout_s, transport)
+    """The front's app over ``members`` (instances that answer ``/health``),
+    computing the prompts' keys with ``keys``; ``app.state.front`` is its
+    :class:`Front`."""
+    front = Front(members, router, keys, pull_timeout_s, transport, ask_instances)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -3,8 +3,10 @@ request's prompt, and which decode instance its KV goes to.
 
 * ``round-robin``: each in turn, blind to load and cache.
 * ``least-loaded``: the instance with the least work queued, in tokens:
-  its queued prefill tokens plus this prompt's, plus ``decode_weight``
-  times the tokens in KV of the requests decoding there.
+  its queued prefill tokens (those still to compute: a served cluster's
+  front counts a request's prompt tokens not cached there) plus this
+  prompt's, plus ``decode_weight`` times the tokens in KV of the requests
+  decoding there.
 * ``kv-aware``: least-loaded's cost with this prompt's cached blocks taken
   off (Dynamo's KV router and llm-d's scorer weigh the same two things):
   a block in the instance's device cache costs nothing, one in a lower

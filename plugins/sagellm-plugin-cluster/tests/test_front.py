@@ -1,8 +1,13 @@
 """The cluster's front against stand-in instances (httpx's mock transport,
-no engine): it routes by the blocks the instances' KV events show, hands a
-prefill instance's request to a decode instance and counts how the pull
-ended, counts every request forwarded or failed, and leaves no load
-counted once requests have ended, whatever the bodies (fuzzed)."""
+no engine; each tokenizes with a real tokenizer and gives block keys from
+a real radix cache, as an instance does): it routes by the blocks the
+instances' KV events show, its own keys equal to the instances' (with a
+salt and a tenant, and for any prompt: a property), hands a prefill
+instance's request to a decode instance and counts how the pull ended,
+counts every request forwarded or failed and the time it took to route
+it, queues only a prompt's uncached tokens on an instance, and leaves no
+load counted once requests have ended, whatever the bodies (fuzzed),
+asking the instances for the keys or not."""
 
 from __future__ import annotations
 
@@ -14,27 +19,60 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The front is the `serve` extra's (FastAPI, httpx): without it, nothing here runs.
+# The front is the `serve` extra's (FastAPI, httpx, the server's tokenizer
+# and chat messages): without it, nothing here runs.
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+pytest.importorskip("sagellm_plugin_server")
 
 from sagellm_plugin_cluster.events import BlockStored, KVEventBatch, encode  # noqa: E402
-from sagellm_plugin_cluster.front import Member, build_front  # noqa: E402
+from sagellm_plugin_cluster.front import Member, PromptKeys, build_front  # noqa: E402
+from sagellm_plugin_server.protocol import ChatMessage  # noqa: E402
 
 from sagellm_core.drivers.router import Router  # noqa: E402
 from sagellm_core.kit.testing import settings_from_toml  # noqa: E402
+from sagellm_core.types import Request  # noqa: E402
 
-from .conftest import CONFIG  # noqa: E402
+from .conftest import CONFIG, runtime  # noqa: E402
 
 BLOCK = 4  # conftest.CONFIG's
+SETTINGS = settings_from_toml(CONFIG.format(blocks=64))
+
+
+def word_tokenizer():
+    """A real tokenizer of 128 words ``w0`` .. ``w127`` with a chat template (the torch plugin's test model's)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="w127", unk_token="w0")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ 'w2' if m['role'] == 'user' else 'w3' }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w4{% endif %}"
+    )
+    return tokenizer
+
+
+TOKENIZER = word_tokenizer()
+#: What an instance computes with: its own runtime's radix cache (a replay one, no model).
+INSTANCE_RT = runtime()
+
+
+def words(*numbers: int) -> str:
+    return " ".join(f"w{n}" for n in numbers)
 
 
 def tokens_of(prompt: str) -> list[int]:
-    return [ord(c) % 50 + 1 for c in prompt][:64]
+    return list(TOKENIZER.encode(prompt))
 
 
-def keys_of(ids: list[int]) -> list[int]:
-    return [hash(tuple(ids[: BLOCK * (i + 1)])) for i in range(len(ids) // BLOCK)]
+def keys_of(ids: list[int], salt: str | None = None, tenant: str = "default") -> list[int]:
+    """The keys an instance gives (``/kv/keys``): its prefix cache's, through its runtime."""
+    request = Request("keys", ids, 1, cache_salt=salt, tenant=tenant)
+    return list(INSTANCE_RT.host.block_keys(request, 0, len(ids) // BLOCK))
 
 
 class Instances:
@@ -60,12 +98,18 @@ class Instances:
             raise httpx.ConnectError("refused", request=request)
         body = json.loads(request.content) if request.content else {}
         if path == "/tokenize":
-            prompt = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))
-            if not isinstance(prompt, str):
+            if "messages" in body:
+                try:
+                    messages = [ChatMessage.model_validate(m).for_template() for m in body["messages"]]
+                    ids = TOKENIZER.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                except Exception as exc:  # noqa: BLE001 - as the instance refuses them
+                    return httpx.Response(400, json={"error": {"message": f"messages: {type(exc).__name__}"}})
+                return httpx.Response(200, json={"tokens": list(ids["input_ids"] if hasattr(ids, "keys") else ids)})
+            if not isinstance(body.get("prompt"), str):
                 return httpx.Response(400, json={"error": {"message": "prompt: not a string"}})
-            return httpx.Response(200, json={"tokens": tokens_of(prompt)})
+            return httpx.Response(200, json={"tokens": tokens_of(body["prompt"])})
         if path == "/kv/keys":
-            return httpx.Response(200, json={"keys": keys_of(body["token_ids"])})
+            return httpx.Response(200, json={"keys": keys_of(body["token_ids"], body.get("cache_salt"))})
         if path == "/kv/events":
             start = int(request.url.params["start"])
             batches = self.batches[host]
@@ -82,10 +126,12 @@ class Instances:
         return httpx.Response(200, json={"choices": [{"text": host}]})
 
 
-def front_of(instances: Instances, roles: dict[str, str], router: str):
+def front_of(instances: Instances, roles: dict[str, str], router: str, ask_instances: bool = False):
     members = [Member(name, role, f"http://{name}", pid=0) for name, role in roles.items()]
     routed_by = Router(settings_from_toml(CONFIG.format(blocks=64) + f'[router]\nplugin = "{router}"\n'))
-    return build_front(members, routed_by, transport=httpx.MockTransport(instances.handle))
+    keys = PromptKeys(TOKENIZER, SETTINGS)
+    transport = httpx.MockTransport(instances.handle)
+    return build_front(members, routed_by, keys, transport=transport, ask_instances=ask_instances)
 
 
 async def send(app, bodies: list[Any]) -> list[httpx.Response]:
@@ -107,13 +153,14 @@ def loads(app) -> list[tuple[int, int, int]]:
     return [(m.prefill_tokens, m.decode_requests, m.decode_tokens) for m in app.state.front.members]
 
 
-def test_kv_aware_routes_to_the_instance_whose_events_hold_the_prompt():
+@pytest.mark.parametrize("ask_instances", [False, True])
+def test_kv_aware_routes_to_the_instance_whose_events_hold_the_prompt(ask_instances: bool):
     names = ["a", "b", "c"]
     instances = Instances(names)
-    prompt = "the shared system prompt, then a question"
+    prompt = words(*range(10, 30))
     instances.publish("c", keys_of(tokens_of(prompt)))
-    instances.publish("a", keys_of(tokens_of("something else entirely, of equal length")))
-    app = front_of(instances, dict.fromkeys(names, "colocated"), "kv-aware")
+    instances.publish("a", keys_of(tokens_of(words(*range(40, 60)))))
+    app = front_of(instances, dict.fromkeys(names, "colocated"), "kv-aware", ask_instances)
 
     async def run() -> list[httpx.Response]:
         await poll_all(app)
@@ -126,6 +173,64 @@ def test_kv_aware_routes_to_the_instance_whose_events_hold_the_prompt():
     assert [m.routed for m in front.members] == [0, 0, 3]
     assert front.counts == {"forwarded": 3, "failed": 0}
     assert loads(app) == [(0, 0, 0)] * 3
+    asked = [path for _, path in instances.calls if path in ("/tokenize", "/kv/keys")]
+    assert asked == (["/tokenize", "/kv/keys"] * 3 if ask_instances else [])
+    assert front.keys_asked == (3 if ask_instances else 0) and front.route_times()["count"] == 3
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 127), max_size=40), st.none() | st.text(max_size=8), st.sampled_from(["default", "t1"]))
+def test_front_keys_equal_the_instances(ids: list[int], salt: str | None, tenant: str):
+    """Property: for any prompt, salt and tenant, the front's keys are the
+    ones an instance's prefix cache gives, and its ids the tokenizer's."""
+    keys = PromptKeys(TOKENIZER, SETTINGS)
+    text = words(*ids)
+    assert keys.token_ids({"prompt": text}, chat=False) == tokens_of(text) == ids
+    assert keys.token_ids({"prompt": ids}, chat=False) == ids
+    request = Request("r", ids, 1, cache_salt=salt, tenant=tenant)
+    assert keys.keys(request) == keys_of(ids, salt, tenant)
+    chat = keys.token_ids({"messages": [{"role": "user", "content": text}]}, chat=True)
+    assert chat == [2, *ids, 4]  # the template's user turn, then its answer prompt
+
+
+def test_front_leaves_what_it_cannot_tokenize_to_the_instance():
+    keys = PromptKeys(TOKENIZER, SETTINGS)
+    for body, chat in (
+        ({"prompt": 3}, False),
+        ({"prompt": [1, -2]}, False),
+        ({"prompt": [True]}, False),
+        ({"messages": []}, True),
+        ({"messages": [{"role": "robot", "content": "w1"}]}, True),
+        ({"messages": "w1"}, True),
+    ):
+        assert keys.token_ids(body, chat) is None, body
+
+
+def test_kv_aware_queues_only_the_uncached_tokens_on_the_instance():
+    """The load the front counts on an instance is the prompt's tokens not
+    in its device cache: a request whose prefix is cached there queues its
+    tail, one routed elsewhere its whole prompt."""
+    names = ["a", "b"]
+    instances = Instances(names)
+    shared = list(range(10, 26))  # four blocks
+    instances.publish("b", keys_of(shared))
+    app = front_of(instances, dict.fromkeys(names, "colocated"), "kv-aware")
+    front = app.state.front
+
+    async def run() -> list[tuple[str, int]]:
+        await poll_all(app)
+        routed = []
+        for tail in ([30, 31, 32], [40, 41, 42, 43, 44, 45]):
+            _, member, decode, work = await front.route({"prompt": words(*shared, *tail)}, chat=False)
+            assert decode is None
+            routed.append((member.instance_id, work))
+        # With b's queue past what the prompt costs on a: the whole prompt there.
+        front.by_id["b"].prefill_tokens = 1000
+        _, member, _, work = await front.route({"prompt": words(*shared, 50)}, chat=False)
+        routed.append((member.instance_id, work))
+        return routed
+
+    assert asyncio.run(run()) == [("b", 3), ("b", 6), ("a", 17)]
 
 
 def test_round_robin_takes_turns_and_counts_an_instance_down():
@@ -137,6 +242,7 @@ def test_round_robin_takes_turns_and_counts_an_instance_down():
     assert [a.status_code for a in answers] == [200, 502, 200, 502]
     assert "instance b did not answer" in answers[1].json()["error"]["message"]
     front = app.state.front
+    assert [e.split(":")[0] for e in front.errors] == ["instance b did not answer"] * 2
     assert front.counts == {"forwarded": 2, "failed": 2}
     assert [(m.routed, m.failed) for m in front.members] == [(2, 0), (2, 2)]
     assert loads(app) == [(0, 0, 0)] * 2
@@ -195,10 +301,14 @@ bodies = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(bodies, min_size=1, max_size=5), st.sampled_from(["round-robin", "least-loaded", "kv-aware"]))
-def test_fuzz_every_body_ends_forwarded_or_failed_and_no_load_is_left(sent: list[Any], router: str):
+@given(
+    st.lists(bodies, min_size=1, max_size=5),
+    st.sampled_from(["round-robin", "least-loaded", "kv-aware"]),
+    st.booleans(),
+)
+def test_fuzz_every_body_ends_forwarded_or_failed_and_no_load_is_left(sent: list[Any], router: str, ask: bool):
     instances = Instances(["a", "b"])
-    app = front_of(instances, {"a": "colocated", "b": "colocated"}, router)
+    app = front_of(instances, {"a": "colocated", "b": "colocated"}, router, ask_instances=ask)
     answers = asyncio.run(send(app, sent))
     front = app.state.front
     assert sum(front.counts.values()) == len(sent)

@@ -7,7 +7,8 @@ streamed or not; requests sharing a prefix meet on one instance under the
 KV-aware router; with the prefill instance killed, the decode instance
 computes each prompt (the failed transfers counted) and answers the same;
 every instance process is gone once the front stops, or once an instance
-fails to start. Marked ``engine`` (each process loads
+fails to start; the front's own token ids and block keys are an
+instance's (``/tokenize``, ``/kv/keys``), its cache full or empty. Marked ``engine`` (each process loads
 torch and the model): ``tox -e cluster-transfer`` runs them."""
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ pytest.importorskip("sagellm_plugin_server")
 
 import httpx  # noqa: E402
 from sagellm_plugin_cluster import clusterfile, transports  # noqa: E402
+from sagellm_plugin_cluster.front import PromptKeys  # noqa: E402
 from sagellm_plugin_cluster.launcher import Launcher  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
 
 from sagellm_core.errors import SagellmError  # noqa: E402
+from sagellm_core.types import Request  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -189,6 +192,37 @@ def test_disaggregated_answers_as_one_instance_and_falls_back_to_recompute(disag
     decode = next(i for i in after["instances"].values() if i["role"] == "decode")
     assert decode["invariants"] == "ok"
     assert not [pid for pid in (i["pid"] for i in by_role.values()) if alive(pid)]
+
+
+def test_front_computes_the_ids_and_keys_an_instance_gives(configs):
+    folder, config, _ = configs
+    cluster = folder / "one.toml"
+    cluster.write_text(
+        f'start_timeout_s = {START_S}\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "{config.name}"\n'
+    )
+    spec = clusterfile.load(cluster)
+    keys = PromptKeys.of_instance(spec.instances[0].settings)
+    launcher = Launcher(spec)
+    (instance,) = launcher.start()
+    bodies = [({"prompt": p}, False) for p in PROMPTS] + [({"messages": m}, True) for m in CHATS]
+    compared = 0
+    try:
+        for cache_full in (False, True):
+            if cache_full:  # the instance's cache now holds the prompts' blocks: its keys are read off its tree
+                for p in PROMPTS:
+                    complete(instance.url, p)
+            for body, chat in bodies:
+                for salt in (None, "tenant-a"):
+                    asked = {**body, "add_generation_prompt": True} if chat else body
+                    ids = httpx.post(f"{instance.url}/tokenize", json=asked, timeout=60).json()["tokens"]
+                    given = {"token_ids": ids, "cache_salt": salt}
+                    theirs = httpx.post(f"{instance.url}/kv/keys", json=given, timeout=60).json()["keys"]
+                    assert keys.token_ids(body, chat) == ids
+                    assert keys.keys(Request("keys", ids, 1, cache_salt=salt)) == theirs
+                    compared += len(theirs) > 0
+    finally:
+        launcher.stop()
+    assert compared == 2 * 2 * len(bodies)
 
 
 def test_failed_start_stops_every_instance(configs, tmp_path):
