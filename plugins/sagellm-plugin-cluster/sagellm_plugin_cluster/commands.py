@@ -1,6 +1,7 @@
 """``sagellm serve --cluster FILE``: the cluster file's instances started
-as local processes (:mod:`.launcher`) behind one routing front
-(:mod:`.front`).
+where its placement puts them (:mod:`.launcher`: local processes, or Ray
+actors) behind one routing front (:mod:`.front`), which stops routing to
+an instance once its placement reports it gone.
 
 ``sagellm serve`` is the server plugin's command; this plugin adds the
 option to it. The commands of plugins register in entry-point order,
@@ -32,7 +33,8 @@ def add_cluster_option(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         action=_ClusterAction,
         help="serve a cluster: the file's instances (each a torch engine with its own config) as local processes"
-        " behind one front that routes with its [router] (see sagellm-plugin-cluster's README)",
+        " or Ray actors (its placement) behind one front that routes with its [router]"
+        " (see sagellm-plugin-cluster's README)",
     )
 
 
@@ -67,7 +69,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
 
     from . import clusterfile, transports
     from .front import Member, build_front
-    from .launcher import Launcher
+    from .launcher import Launcher, LiveRouter, Watch
 
     spec = clusterfile.load(args.cluster)
     router = spec.router
@@ -86,13 +88,16 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         )
     launcher = Launcher(spec, args.log_level, None if store is None else store.port)
     running = launcher.start()
+    watch = Watch(running)
     try:
-        members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
-        app = build_front(members, router, spec.pull_timeout_s)
+        members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
+        live = LiveRouter(router, watch)
+        app = build_front(members, live, spec.pull_timeout_s)  # type: ignore[arg-type]
         names = ", ".join(f"{m.instance_id} at {m.url}" for m in members)
+        watch.start()
         print(
-            f"sagellm: cluster of {len(members)} ({names}), router {router.plugin_name!r},"
-            f" serving on http://{args.host}:{args.port}",
+            f"sagellm: cluster of {len(members)} ({names}) placed by {spec.placement!r}, router"
+            f" {router.plugin_name!r}, serving on http://{args.host}:{args.port}",
             file=sys.stderr,
             flush=True,
         )
@@ -103,6 +108,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     finally:
+        watch.close()
         launcher.stop()
     return 0
 

@@ -210,4 +210,4 @@ def test_failed_start_stops_every_instance(configs, tmp_path):
     with pytest.raises(SagellmError, match="instance broken-0 .* exited with"):
         launcher.start()
     assert len(launcher.running) == 2
-    assert not [r for r in launcher.running if r.process.poll() is None]
+    assert not [r for r in launcher.running if r.placed.failure() is None]
