@@ -22,10 +22,10 @@ from typing import Any, TextIO
 import httpx
 from attrs import define
 
-from sagellm_core import placement as placement_mod
+from sagellm_core.drivers import placement as placement_mod
 from sagellm_core.drivers.router import PROMPT_ROLES, Router
 from sagellm_core.errors import SagellmError
-from sagellm_core.placement import InstanceCommand, PlacedInstance, Placement
+from sagellm_core.drivers.placement import InstanceCommand, PlacedInstance, Placement
 from sagellm_core.types import InstanceLoad, Request, RouteDecision
 
 from .clusterfile import ClusterSpec, InstanceSpec

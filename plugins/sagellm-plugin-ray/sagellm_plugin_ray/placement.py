@@ -26,8 +26,8 @@ from typing import Any
 
 import ray
 
+from sagellm_core.drivers.placement import InstanceCommand, filled, free_port, tail
 from sagellm_core.errors import SagellmError
-from sagellm_core.placement import InstanceCommand, filled, free_port, tail
 
 from .executor import ADDRESS_ENV
 
@@ -84,7 +84,7 @@ class InstanceActor:
 
 
 class RayActor:
-    """:class:`sagellm_core.placement.PlacedInstance` of :class:`RayActors`."""
+    """:class:`sagellm_core.drivers.placement.PlacedInstance` of :class:`RayActors`."""
 
     def __init__(self, command: InstanceCommand, actor: Any, host: str, port: int, pid: int):
         self.command = command
@@ -120,7 +120,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 class RayActors:
-    """:class:`sagellm_core.placement.Placement` on Ray."""
+    """:class:`sagellm_core.drivers.placement.Placement` on Ray."""
 
     def __init__(self) -> None:
         self.started_ray = not ray.is_initialized()

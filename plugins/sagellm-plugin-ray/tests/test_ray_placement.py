@@ -1,0 +1,150 @@
+"""``sagellm serve --cluster`` with ``placement = "ray"``: each instance a
+Ray actor on a cluster of two Ray nodes (raylets on this machine, one CPU
+each, as two machines would be; each instance asks for one CPU, so Ray
+puts one on each node). The front answers through both; an actor killed
+is reported gone and the front routes around it; once the front stops, no
+actor and no instance process is left. Each instance loads torch and a
+tiny random Llama (CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("torch")
+pytest.importorskip("sagellm_plugin_torch")
+pytest.importorskip("sagellm_plugin_server")
+pytest.importorskip("sagellm_plugin_cluster")
+
+import httpx  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.state import list_actors  # noqa: E402
+from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
+
+START_S = 240.0
+PROMPT = "alpha beta gamma delta epsilon zeta eta theta"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def instance_actors(state: str = "ALIVE") -> list:
+    return list_actors(filters=[("class_name", "=", "InstanceActor"), ("state", "=", state)], detail=True)
+
+
+def stats(url: str) -> dict:
+    return httpx.get(f"{url}/kv/stats", timeout=60).json()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)  # to read the actors' state
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def cluster_file(tmp_path):
+    from sagellm_plugin_torch import testing
+
+    model = testing.save_tiny_llama(tmp_path / "model")
+    config = server_config(tmp_path, model, max_num_seqs=4)
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(
+        f'start_timeout_s = {START_S}\nplacement = "ray"\n[router]\nplugin = "round-robin"\n'
+        f'[[instance]]\nconfig = "{config.name}"\ncount = 2\nnum_cpus = 1\n'
+    )
+    return cluster, config.stem
+
+
+def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes, cluster_file, monkeypatch):
+    cluster_file, _ = cluster_file
+    monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
+    front = Server(args=["--cluster", str(cluster_file)], start_timeout_s=START_S)
+    try:
+        actors = instance_actors()
+        first = [complete(front.url, PROMPT) for _ in range(4)]
+        before = stats(front.url)
+        # One actor's process dies (as its machine would): Ray reports the
+        # actor dead, its instance goes with it, the front routes around it.
+        victim = actors[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{front.url}/health", timeout=30).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        health = httpx.get(f"{front.url}/health", timeout=30)
+        time.sleep(5.0)  # the watch looks once a second
+        after = [complete(front.url, PROMPT) for _ in range(4)]
+        later = stats(front.url)
+    finally:
+        front.process.terminate()
+        try:
+            code = front.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            front.process.kill()
+            raise
+    output = front.process.stdout.read()
+    assert len(actors) == 2 and len({a["node_id"] for a in actors}) == 2  # one instance on each node
+    assert [a.status_code for a in first] == [200] * 4
+    texts = {a.json()["choices"][0]["text"] for a in first}
+    assert len(texts) == 1 and texts != {""}  # greedy: both instances answer alike
+    assert {i["routed"] for i in before["instances"].values()} == {2}  # round robin over both
+    pids = {name: i["pid"] for name, i in before["instances"].items()}
+    dead = next(name for name, pid in pids.items() if not alive(pid))
+    assert health.status_code == 503 and dead in health.text
+    assert f"sagellm: instance {dead} at http://" in output and "lost its Ray actor" in output
+    assert [a.status_code for a in after] == [200] * 4
+    assert {a.json()["choices"][0]["text"] for a in after} == texts
+    assert later["requests"] == {"forwarded": 8, "failed": 0}
+    live = next(name for name in pids if name != dead)
+    assert later["instances"][live]["routed"] == 6 and later["instances"][dead]["routed"] == 2
+    assert code == 128 + signal.SIGTERM
+    assert not [pid for pid in pids.values() if alive(pid)]
+    deadline = time.monotonic() + 30
+    while instance_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert instance_actors() == []
+
+
+def test_an_actor_no_node_can_hold_is_one_line_and_nothing_is_left(two_nodes, cluster_file, monkeypatch, capsys):
+    """Ray finds no node with the instance's resources: the start fails
+    naming the instance, and the actors already placed are gone."""
+    from sagellm_plugin_ray import placement
+
+    cluster_file, stem = cluster_file
+    monkeypatch.setenv("RAY_ADDRESS", two_nodes.address)
+    monkeypatch.setattr(placement, "PLACE_TIMEOUT_S", 5.0)
+    more = f'\n[[instance]]\nconfig = "{stem}.toml"\nnum_gpus = 1\n'
+    cluster_file.write_text(cluster_file.read_text() + more)
+    from sagellm_core.cli import main
+
+    assert main(["serve", "--cluster", str(cluster_file), "--port", "0"]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"instance {stem}-2: Ray found no node with num_cpus=1, num_gpus=1 free" in error
+    deadline = time.monotonic() + 30
+    while instance_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert instance_actors() == []
