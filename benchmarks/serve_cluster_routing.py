@@ -140,7 +140,7 @@ def run_row(router_name: str, folder: Path, running: list[Any], requests: list[A
     router = clusterfile.load(cluster).router
     for instance in running:
         httpx.post(f"{instance.url}/kv/reset_prefix_cache", timeout=60).raise_for_status()
-    members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
+    members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
     with FrontServer(build_front(members, router), free_port()) as front:
         before = cache_counts(httpx.get(f"{front.url}/kv/stats", timeout=60).json())
         args = argparse.Namespace(

@@ -49,8 +49,8 @@ from typing import Any
 from attrs import frozen
 
 from sagellm_core import config as config_mod
-from sagellm_core.drivers import placement as placement_mod
 from sagellm_core.config import Settings
+from sagellm_core.drivers import placement as placement_mod
 from sagellm_core.drivers.router import Router
 from sagellm_core.errors import ConfigError, SagellmError
 

@@ -23,12 +23,14 @@ import httpx
 from attrs import define
 
 from sagellm_core.drivers import placement as placement_mod
+from sagellm_core.drivers.placement import InstanceCommand, PlacedInstance, Placement, free_port
 from sagellm_core.drivers.router import PROMPT_ROLES, Router
 from sagellm_core.errors import SagellmError
-from sagellm_core.drivers.placement import InstanceCommand, PlacedInstance, Placement
 from sagellm_core.types import InstanceLoad, Request, RouteDecision
 
 from .clusterfile import ClusterSpec, InstanceSpec
+
+__all__ = ["Launcher", "LiveRouter", "RunningInstance", "Watch", "free_port", "instance_command"]
 
 #: Seconds a stopped instance has to exit before it is killed.
 STOP_GRACE_S = 20.0
@@ -187,7 +189,8 @@ class Watch:
 
     def close(self) -> None:
         self._quit.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
 
 
 class LiveRouter:
