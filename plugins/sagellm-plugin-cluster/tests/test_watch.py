@@ -1,7 +1,8 @@
 """An instance its placement reports gone: the watch says so once, on one
 line naming it, and the router is no longer offered it, unless it is the
 last of its kind (then every instance is offered, and the front's own
-fallback answers). Real local processes stand for the instances."""
+fallback answers; fuzzed over roles, loads and the instances gone). Real
+local processes stand for the instances."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import signal
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sagellm_plugin_cluster import clusterfile
 from sagellm_plugin_cluster.launcher import LiveRouter, RunningInstance, Watch
 
@@ -112,3 +115,36 @@ def test_the_watch_thread_looks_until_closed(tmp_path: Path, local: LocalProcess
         watch.close()
     assert set(watch.gone) == {"i-0"}
     assert not watch._thread.is_alive()
+
+
+@pytest.fixture(scope="module", params=["round-robin", "least-loaded", "kv-aware"])
+def any_router(tmp_path_factory, request):
+    folder = tmp_path_factory.mktemp("routers")
+    (folder / "i.toml").write_text(INSTANCE)
+    (folder / "cluster.toml").write_text(f'[router]\nplugin = "{request.param}"\n[[instance]]\nconfig = "i.toml"\n')
+    return clusterfile.load(folder / "cluster.toml").router
+
+
+roles = st.one_of(
+    st.lists(st.just("colocated"), min_size=1, max_size=5),
+    st.tuples(st.integers(1, 3), st.integers(1, 3)).map(lambda n: ["prefill"] * n[0] + ["decode"] * n[1]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(roles=roles, data=st.data())
+def test_fuzz_the_router_is_offered_only_live_instances_while_each_kind_has_one(any_router, roles, data) -> None:
+    ids = [f"i-{n}" for n in range(len(roles))]
+    gone = data.draw(st.sets(st.sampled_from(ids), max_size=len(ids)), label="gone")
+    watch = Watch([], out=io.StringIO())
+    watch.gone.update((name, "exited with -9") for name in gone)
+    router = LiveRouter(any_router, watch)
+    offered = [
+        InstanceLoad(name, role, data.draw(st.integers(0, 500)), data.draw(st.integers(0, 4)), 0)
+        for name, role in zip(ids, roles, strict=True)
+    ]
+    decision = router.route(Request("r", [1, 2, 3, 4, 5], 4), offered, 0.0)  # checked by the core's Router
+    live_roles = {role for name, role in zip(ids, roles, strict=True) if name not in gone}
+    kinds_left = bool(live_roles & {"colocated", "prefill"}) and ("prefill" not in live_roles or "decode" in live_roles)
+    if kinds_left:
+        assert decision.instance_id not in gone and decision.decode_instance_id not in gone
