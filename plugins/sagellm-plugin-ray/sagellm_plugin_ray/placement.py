@@ -1,8 +1,8 @@
 """The ``ray`` placement: each instance of a served cluster a Ray actor,
 placed by Ray on a machine of a Ray cluster with the CPUs and GPUs its
 command asks for; the actor runs the instance's command as a child
-process there, serving on its node's address, and reports whether it
-still runs.
+process there, serving on its node's address (on loopback when that node
+is the front's), and reports whether it still runs.
 
 It joins the cluster that ``RAY_ADDRESS`` names, or, without it, starts
 Ray on this machine for the placement's life. Health comes from Ray: an
@@ -47,8 +47,10 @@ def _die_with_parent() -> None:
 class InstanceActor:
     """Runs one instance's command on the node Ray placed it on."""
 
-    def __init__(self, argv: tuple[str, ...], env: dict[str, str], name: str):
-        self.host = ray.util.get_node_ip_address()
+    def __init__(self, argv: tuple[str, ...], env: dict[str, str], name: str, front_host: str):
+        self.node = ray.util.get_node_ip_address()
+        # On the front's machine, loopback: nothing else needs to reach it.
+        self.host = "127.0.0.1" if self.node == front_host else self.node
         self.port = free_port(self.host)
         self.log = Path(tempfile.mkdtemp(prefix="sagellm-instance-")) / f"{name}.log"
         with self.log.open("w") as out:
@@ -60,9 +62,9 @@ class InstanceActor:
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
 
-    def address(self) -> tuple[str, int, int]:
-        """(node address, port, the child's pid)."""
-        return self.host, self.port, self.process.pid
+    def address(self) -> tuple[str, str, int, int]:
+        """(node address, the address served on, port, the child's pid)."""
+        return self.node, self.host, self.port, self.process.pid
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -86,10 +88,10 @@ class InstanceActor:
 class RayActor:
     """:class:`sagellm_core.drivers.placement.PlacedInstance` of :class:`RayActors`."""
 
-    def __init__(self, command: InstanceCommand, actor: Any, host: str, port: int, pid: int):
+    def __init__(self, command: InstanceCommand, actor: Any, node: str, host: str, port: int, pid: int):
         self.command = command
         self.actor = actor
-        self.node = host
+        self.node = node
         self.url = f"http://{host}:{port}"
         self.pid = pid
         self._failure: str | None = None
@@ -137,9 +139,9 @@ class RayActors:
     def start(self, command: InstanceCommand) -> RayActor:
         actor = self._actor.options(
             num_cpus=command.num_cpus, num_gpus=command.num_gpus, max_restarts=0, max_task_retries=0
-        ).remote(command.argv, dict(command.env), command.name)
+        ).remote(command.argv, dict(command.env), command.name, self.front_host())
         try:
-            host, port, pid = ray.get(actor.address.remote(), timeout=PLACE_TIMEOUT_S)
+            node, host, port, pid = ray.get(actor.address.remote(), timeout=PLACE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor)
             raise SagellmError(
@@ -152,7 +154,7 @@ class RayActors:
                 f"instance {command.name}: its Ray actor (num_cpus={command.num_cpus:g},"
                 f" num_gpus={command.num_gpus:g}) failed to start: {_first_line(exc)}"
             ) from None
-        placed = RayActor(command, actor, host, port, pid)
+        placed = RayActor(command, actor, node, host, port, pid)
         self.placed.append(placed)
         return placed
 
