@@ -37,7 +37,8 @@ HOST, PORT = "{host}", "{port}"
 class InstanceCommand:
     """One instance to start: ``python ARGV...`` with ``env`` added to the
     environment, needing ``num_cpus`` CPUs and ``num_gpus`` GPUs (a
-    placement that places by resources reserves them; ``local`` ignores them)."""
+    placement that places by resources reserves them; ``local`` ignores
+    them); ``with_front``: on the machine of the placement's caller."""
 
     #: Unique among the instances of one placement.
     name: str
@@ -45,6 +46,7 @@ class InstanceCommand:
     env: Mapping[str, str] = field(factory=dict)
     num_cpus: float = field(default=1.0, converter=float)
     num_gpus: float = field(default=0.0, converter=float)
+    with_front: bool = False
 
 
 class PlacedInstance(Protocol):

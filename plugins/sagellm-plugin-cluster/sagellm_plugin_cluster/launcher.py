@@ -65,7 +65,14 @@ def instance_command(
         argv += ["--store-host", store[0], "--store-port", str(store[1]), "--links", ",".join(cluster.links(spec))]
         argv += ["--lease-s", str(cluster.lease_s), "--send-timeout-s", str(cluster.pull_timeout_s)]
         argv += ["--transport", cluster.transport]
-    return InstanceCommand(spec.instance_id, tuple(argv), num_cpus=spec.num_cpus, num_gpus=spec.num_gpus)
+    # Prefill and decode instances reach their peers and the store on loopback.
+    return InstanceCommand(
+        spec.instance_id,
+        tuple(argv),
+        num_cpus=spec.num_cpus,
+        num_gpus=spec.num_gpus,
+        with_front=spec.role != "colocated",
+    )
 
 
 class Launcher:

@@ -9,8 +9,10 @@ Ray on this machine for the placement's life. Health comes from Ray: an
 actor that died (its node lost, its process killed) is reported gone with
 Ray's reason; a child that exited, with its exit status. The child is
 bound to its actor's life (Linux's parent-death signal): an actor that
-dies takes its instance with it. :meth:`RayActors.stop` stops each child,
-then kills each actor, so nothing started is left on any node."""
+dies takes its instance with it. A command ``with_front`` (a prefill or
+decode instance) is placed on the front's own node. :meth:`RayActors.stop`
+stops each child, then kills each actor, so nothing started is left on
+any node."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sagellm_core.drivers.placement import InstanceCommand, filled, free_port, tail
 from sagellm_core.errors import SagellmError
@@ -137,8 +140,15 @@ class RayActors:
         return str(ray.util.get_node_ip_address())
 
     def start(self, command: InstanceCommand) -> RayActor:
+        here: Any = "DEFAULT"
+        if command.with_front:  # this node, and no other
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = self._actor.options(
-            num_cpus=command.num_cpus, num_gpus=command.num_gpus, max_restarts=0, max_task_retries=0
+            num_cpus=command.num_cpus,
+            num_gpus=command.num_gpus,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=here,
         ).remote(command.argv, dict(command.env), command.name, self.front_host())
         try:
             node, host, port, pid = ray.get(actor.address.remote(), timeout=PLACE_TIMEOUT_S)

@@ -153,3 +153,37 @@ def test_an_actor_no_node_can_hold_is_one_line_and_nothing_is_left(two_nodes, cl
     while instance_actors() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert instance_actors() == []
+
+
+def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_nodes):
+    """The placement alone, on commands that need no model: those
+    ``with_front`` (prefill and decode instances) land on the caller's
+    node, the others where Ray puts them; an exit is reported with its
+    status; ``stop`` leaves no actor and no process."""
+    from sagellm_plugin_ray.placement import RayActors
+
+    from sagellm_core.drivers.placement import InstanceCommand
+
+    sleep = ("-c", "import sys, time; print(sys.argv[1:], flush=True); time.sleep(120)", "{host}", "{port}")
+    placement = RayActors()
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        near = [placement.start(InstanceCommand(f"near-{n}", sleep, num_cpus=0, with_front=True)) for n in range(3)]
+        exits = placement.start(InstanceCommand("exits", ("-c", "import sys; sys.exit(4)"), num_cpus=1))
+        deadline = time.monotonic() + 60
+        while exits.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert exits.failure() == "exited with 4 in its Ray actor"
+        assert [p.failure() for p in near] == [None] * 3
+        assert all(p.url == f"http://127.0.0.1:{p.url.rsplit(':', 1)[1]}" for p in near)  # the front's node: loopback
+        near_ids = {p.actor._actor_id.hex() for p in near}
+        assert {a["Address"]["NodeID"] for a in instance_actors() if a["ActorID"] in near_ids} == {here}
+        pids = [p.pid for p in (*near, exits)]
+    finally:
+        placement.stop(grace_s=5)
+    assert not [pid for pid in pids if alive(pid)]
+    deadline = time.monotonic() + 30
+    while instance_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert instance_actors() == []
+    assert ray.is_initialized()  # joined, not started: left running
