@@ -100,6 +100,7 @@ def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes
         while httpx.get(f"{front.url}/health", timeout=30).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         health = httpx.get(f"{front.url}/health", timeout=30)
+        running = {name: alive(i["pid"]) for name, i in before["instances"].items()}
         time.sleep(5.0)  # the watch looks once a second
         after = [complete(front.url, PROMPT) for _ in range(4)]
         later = stats(front.url)
@@ -117,7 +118,9 @@ def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes
     assert len(texts) == 1 and texts != {""}  # greedy: both instances answer alike
     assert {i["routed"] for i in before["instances"].values()} == {2}  # round robin over both
     pids = {name: i["pid"] for name, i in before["instances"].items()}
-    dead = next(name for name, pid in pids.items() if not alive(pid))
+    # The killed actor's instance went with it; the other runs.
+    assert sorted(running.values()) == [False, True]
+    dead = next(name for name, up in running.items() if not up)
     assert health.status_code == 503 and dead in health.text
     assert f"sagellm: instance {dead} at http://" in output and "lost its Ray actor" in output
     assert [a.status_code for a in after] == [200] * 4
