@@ -42,6 +42,10 @@ def alive(pid: int) -> bool:
     return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def complete(url: str, prompt: str) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -92,15 +96,17 @@ def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes
         actors = instance_actors()
         first = [complete(front.url, PROMPT) for _ in range(4)]
         before = stats(front.url)
+        pids = {name: i["pid"] for name, i in before["instances"].items()}
+        parents = {name: parent(pid) for name, pid in pids.items()}
         # One actor's process dies (as its machine would): Ray reports the
         # actor dead, its instance goes with it, the front routes around it.
-        victim = actors[0]
-        os.kill(victim["Pid"], signal.SIGKILL)
+        dead, live = sorted(pids)
+        os.kill(parents[dead], signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while httpx.get(f"{front.url}/health", timeout=30).status_code == 200 and time.monotonic() < deadline:
+        while alive(pids[dead]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        health = httpx.get(f"{front.url}/health", timeout=30)
-        running = {name: alive(i["pid"]) for name, i in before["instances"].items()}
+        running = {name: alive(pid) for name, pid in pids.items()}
+        health = httpx.get(f"{front.url}/health", timeout=60)
         time.sleep(5.0)  # the watch looks once a second
         after = [complete(front.url, PROMPT) for _ in range(4)]
         later = stats(front.url)
@@ -117,16 +123,14 @@ def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes
     texts = {a.json()["choices"][0]["text"] for a in first}
     assert len(texts) == 1 and texts != {""}  # greedy: both instances answer alike
     assert {i["routed"] for i in before["instances"].values()} == {2}  # round robin over both
-    pids = {name: i["pid"] for name, i in before["instances"].items()}
-    # The killed actor's instance went with it; the other runs.
-    assert sorted(running.values()) == [False, True]
-    dead = next(name for name, up in running.items() if not up)
+    # Each instance is its actor's child; the killed actor's went with it, the other runs.
+    assert set(parents.values()) == {a["Pid"] for a in actors}
+    assert running == {dead: False, live: True}
     assert health.status_code == 503 and dead in health.text
     assert f"sagellm: instance {dead} at http://" in output and "lost its Ray actor" in output
     assert [a.status_code for a in after] == [200] * 4
     assert {a.json()["choices"][0]["text"] for a in after} == texts
     assert later["requests"] == {"forwarded": 8, "failed": 0}
-    live = next(name for name in pids if name != dead)
     assert later["instances"][live]["routed"] == 6 and later["instances"][dead]["routed"] == 2
     assert code == 128 + signal.SIGTERM
     assert not [pid for pid in pids.values() if alive(pid)]
