@@ -38,7 +38,7 @@ pytestmark = pytest.mark.engine
 PREFIXES = ["alpha beta gamma delta epsilon zeta eta theta", "one two three four five six seven eight nine"]
 PROMPTS = [f"{PREFIXES[i % 2]} tail {i} " + "word " * i for i in range(6)]
 CHATS = [[{"role": "user", "content": f"{PREFIXES[0]} question {i}"}] for i in range(2)]
-START_S = 150.0
+START_S = 300.0
 
 
 def alive(pid: int) -> bool:
