@@ -86,6 +86,11 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
         )
+    # uvicorn stops on SIGTERM, then raises it again with the handler it
+    # found: the default one would end this process before the instances,
+    # and so would a SIGTERM while they start (the launcher stops them on
+    # the SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     launcher = Launcher(spec, args.log_level, None if store is None else store.port)
     running = launcher.start()
     watch = Watch(running)
@@ -101,9 +106,6 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        # uvicorn stops on SIGTERM, then raises it again with the handler it
-        # found: the default one would end this process before the instances.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
