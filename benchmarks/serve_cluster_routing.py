@@ -155,7 +155,7 @@ def run_row(
     router = clusterfile.load(cluster).router
     for instance in running:
         httpx.post(f"{instance.url}/kv/reset_prefix_cache", timeout=60).raise_for_status()
-    members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
+    members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
     app = build_front(members, router, keys, ask_instances=ask)
     load_before = os.getloadavg()[0]
     with FrontServer(app, free_port()) as front:

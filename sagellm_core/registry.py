@@ -95,8 +95,8 @@ class PluginInfo:
 
 
 #: The groups a block-list item may name: the decisions', and those that
-#: add workloads, commands, the torch engine's devices, replay executors
-#: and a cluster's transports between processes.
+#: add workloads, commands, the torch engine's devices, replay executors,
+#: where a served cluster's instances run and its transports between processes.
 BLOCKABLE = (
     *(g for g, _ in GROUPS.values()),
     "sagellm.workloads",
@@ -104,6 +104,7 @@ BLOCKABLE = (
     "sagellm.sections",
     "sagellm.torch_devices",
     "sagellm.executors",
+    "sagellm.placements",
     "sagellm.cluster_transport",
 )
 

@@ -14,6 +14,10 @@ router that picks one for each request.
     # How their KV goes between processes: a sagellm.cluster_transport
     # plugin, "gloo" (the default), "mooncake" or "nixl".
     transport = "gloo"
+    # Where the instances run: a sagellm.placements plugin, "local" (the
+    # default: processes on this machine) or "ray" (Ray actors on the
+    # machines of a Ray cluster; pip install sagellm-plugin-ray).
+    placement = "local"
 
     [router]                  # as a sagellm config's [router]: a sagellm.router plugin and its keys
     plugin = "kv-aware"
@@ -22,6 +26,8 @@ router that picks one for each request.
     config = "instance.toml"  # a sagellm config whose [engine] is torch; relative to this file
     role = "colocated"        # colocated (the default), prefill or decode
     count = 2                 # instances started from this config; 1 by default
+    num_cpus = 1              # what each reserves where the placement places by resources
+    num_gpus = 0              # (ray: the actor's num_cpus and num_gpus); 1 and 0 by default
 
 A colocated instance serves whole requests. A prefill instance computes a
 prompt and lends its blocks; a decode instance pulls them over the file's
@@ -44,14 +50,15 @@ from attrs import frozen
 
 from sagellm_core import config as config_mod
 from sagellm_core.config import Settings
+from sagellm_core.drivers import placement as placement_mod
 from sagellm_core.drivers.router import Router
 from sagellm_core.errors import ConfigError, SagellmError
 
 from . import transports
 
 ROLES = ("colocated", "prefill", "decode")
-TOP_KEYS = ("start_timeout_s", "lease_s", "pull_timeout_s", "transport", "router", "instance")
-INSTANCE_KEYS = ("config", "role", "count")
+TOP_KEYS = ("start_timeout_s", "lease_s", "pull_timeout_s", "transport", "placement", "router", "instance")
+INSTANCE_KEYS = ("config", "role", "count", "num_cpus", "num_gpus")
 
 
 @frozen
@@ -61,6 +68,9 @@ class InstanceSpec:
     role: str
     config_path: Path
     settings: Settings
+    #: What the instance reserves where its placement places by resources.
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
 
 
 @frozen
@@ -76,6 +86,8 @@ class ClusterSpec:
     #: A ``sagellm.cluster_transport`` plugin's name, checked to be installed
     #: (its third-party package is imported when the cluster starts).
     transport: str = transports.DEFAULT
+    #: A ``sagellm.placements`` plugin's name, checked to be installed.
+    placement: str = "local"
 
     def links(self, instance: InstanceSpec) -> tuple[str, ...]:
         """The links of a prefill or decode instance: one per peer of the other role."""
@@ -114,6 +126,8 @@ def load(path: str | Path) -> ClusterSpec:
     seconds = {key: _seconds(path, table, key, default) for key, default in _SECONDS.items()}
     transport = table.get("transport", transports.DEFAULT)
     transports.find(transport, f"{path}: transport")
+    placement = table.get("placement", "local")
+    placement_mod.find(placement, f"{path}: placement")
     router = table.get("router")
     if not isinstance(router, dict) or not isinstance(router.get("plugin"), str):
         raise ConfigError(f'{path}: [router] plugin: missing; name a sagellm.router plugin (e.g. "kv-aware")')
@@ -130,6 +144,9 @@ def load(path: str | Path) -> ClusterSpec:
         count = spec.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
             raise ConfigError(f"{where}.count = {count!r}: a whole number in [1, 64]")
+        resources = {
+            key: _resource(where, spec, key, default) for key, default in (("num_cpus", 1.0), ("num_gpus", 0.0))
+        }
         given = spec.get("config")
         if not isinstance(given, str):
             raise ConfigError(f"{where}.config: missing; name a sagellm config whose [engine] is torch")
@@ -155,7 +172,9 @@ def load(path: str | Path) -> ClusterSpec:
                     )
         stem = config_path.stem
         taken = sum(1 for i in instances if i.config_path.stem == stem)
-        instances += [InstanceSpec(f"{stem}-{taken + k}", role, config_path, settings) for k in range(count)]
+        instances += [
+            InstanceSpec(f"{stem}-{taken + k}", role, config_path, settings, **resources) for k in range(count)
+        ]
     roles = {i.role for i in instances}
     if ("prefill" in roles) != ("decode" in roles):
         raise ConfigError(
@@ -168,7 +187,7 @@ def load(path: str | Path) -> ClusterSpec:
         built = Router(config_mod.load(instances[0].config_path, {("router",): router}))
     except SagellmError as exc:
         raise ConfigError(f"{path}: [router]: {exc}") from None
-    return ClusterSpec(path, tuple(instances), built, transport=transport, **seconds)
+    return ClusterSpec(path, tuple(instances), built, transport=transport, placement=placement, **seconds)
 
 
 #: The file's durations and their defaults, in seconds.
@@ -179,4 +198,11 @@ def _seconds(path: Path, table: dict[str, Any], key: str, default: float) -> flo
     value = table.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 86_400:
         raise ConfigError(f"{path}: {key} = {value!r}: seconds in (0, 86400)")
+    return float(value)
+
+
+def _resource(where: str, table: dict[str, Any], key: str, default: float) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1024:
+        raise ConfigError(f"{where}.{key} = {value!r}: a number in [0, 1024]")
     return float(value)

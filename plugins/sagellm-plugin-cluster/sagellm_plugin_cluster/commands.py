@@ -1,6 +1,7 @@
 """``sagellm serve --cluster FILE``: the cluster file's instances started
-as local processes (:mod:`.launcher`) behind one routing front
-(:mod:`.front`).
+where its placement puts them (:mod:`.launcher`: local processes, or Ray
+actors) behind one routing front (:mod:`.front`), which stops routing to
+an instance once its placement reports it gone.
 
 ``sagellm serve`` is the server plugin's command; this plugin adds the
 option to it. The commands of plugins register in entry-point order,
@@ -32,7 +33,8 @@ def add_cluster_option(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         action=_ClusterAction,
         help="serve a cluster: the file's instances (each a torch engine with its own config) as local processes"
-        " behind one front that routes with its [router] (see sagellm-plugin-cluster's README)",
+        " or Ray actors (its placement) behind one front that routes with its [router]"
+        " (see sagellm-plugin-cluster's README)",
     )
 
 
@@ -67,7 +69,7 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
 
     from . import clusterfile, transports
     from .front import Member, PromptKeys, build_front
-    from .launcher import Launcher
+    from .launcher import Launcher, LiveRouter, Watch
 
     spec = clusterfile.load(args.cluster)
     router = spec.router
@@ -86,25 +88,31 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         )
     # The front computes the prompts' block keys as the instances do: their tokenizer, their prefix cache.
     keys = PromptKeys.of_instance(spec.instances[0].settings)
+    # uvicorn stops on SIGTERM, then raises it again with the handler it
+    # found: the default one would end this process before the instances,
+    # and so would a SIGTERM while they start (the launcher stops them on
+    # the SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     launcher = Launcher(spec, args.log_level, None if store is None else store.port)
     running = launcher.start()
+    watch = Watch(running)
     try:
-        members = [Member(r.spec.instance_id, r.spec.role, r.url, r.process.pid) for r in running]
-        app = build_front(members, router, keys, spec.pull_timeout_s)
+        members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
+        live = LiveRouter(router, watch)
+        app = build_front(members, live, keys, spec.pull_timeout_s)  # type: ignore[arg-type]
         names = ", ".join(f"{m.instance_id} at {m.url}" for m in members)
+        watch.start()
         print(
-            f"sagellm: cluster of {len(members)} ({names}), router {router.plugin_name!r},"
-            f" serving on http://{args.host}:{args.port}",
+            f"sagellm: cluster of {len(members)} ({names}) placed by {spec.placement!r}, router"
+            f" {router.plugin_name!r}, serving on http://{args.host}:{args.port}",
             file=sys.stderr,
             flush=True,
         )
-        # uvicorn stops on SIGTERM, then raises it again with the handler it
-        # found: the default one would end this process before the instances.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     finally:
+        watch.close()
         launcher.stop()
     return 0
 

@@ -34,8 +34,8 @@ The lease and the pull run on the engine's thread (they allocate and free
 blocks): a transfer holds that instance's steps for its length, bounded by
 its deadline.
 
-Run as ``python -m sagellm_plugin_cluster.instance --config FILE --port N``
-(the launcher, :mod:`.launcher`, does)."""
+Run as ``python -m sagellm_plugin_cluster.instance --config FILE --host H
+--port N`` (the launcher, :mod:`.launcher`, has its placement do it)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ class Transfers:
     lease_s: float
     send_timeout_s: float
     transport: str = transports.DEFAULT
+    #: Where the front's store is (its machine's address as the placement sees it).
+    store_host: str = "127.0.0.1"
 
 
 def build_instance(settings, transfers: Transfers | None = None):  # type: ignore[no-untyped-def]
@@ -121,7 +123,7 @@ def build_instance(settings, transfers: Transfers | None = None):  # type: ignor
 def _add_transfer_routes(app, thread, kv: KVTensors, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
     from .workers import connect
 
-    store = connect(transfers.store_port, 30)
+    store = connect(transfers.store_port, 30, transfers.store_host)
     if transfers.role == "prefill":
         _add_prefill_routes(app, thread, kv, store, transfers)
     else:
@@ -216,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sagellm_plugin_cluster.instance", description=__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on (its placement's pick)")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--role", default="colocated", choices=["colocated", "prefill", "decode"])
     parser.add_argument("--store-port", type=int, help="the front's store (prefill and decode instances)")
+    parser.add_argument("--store-host", default="127.0.0.1", help="the address of the front's store")
     parser.add_argument("--links", default="", help="this instance's links, comma-separated")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--send-timeout-s", type=float, default=10.0)
@@ -229,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     transfers = None
     if args.role != "colocated":
         links = tuple(link for link in args.links.split(",") if link)
-        transfers = Transfers(args.role, args.store_port, links, args.lease_s, args.send_timeout_s, args.transport)
+        transfers = Transfers(
+            args.role, args.store_port, links, args.lease_s, args.send_timeout_s, args.transport, args.store_host
+        )
     try:
         app, thread = build_instance(config_mod.load(args.config), transfers)
     except SagellmError as exc:
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     thread.start()
     try:
-        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         thread.stop()
     return 0

@@ -63,9 +63,9 @@ def generate(engine: Engine, request: Request) -> list[int]:
     return tokens
 
 
-def connect(port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the front's store on loopback."""
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def connect(port: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A client of the front's store (on loopback unless ``host`` says otherwise)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _put(store: dist.Store, key: str, value: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """The cluster file of ``sagellm serve --cluster``: a good one gives each
-instance an id and its config; a bad one is one ConfigError line naming
-the file and the key, whatever it holds (fuzzed)."""
+instance an id, its config and its resources, and names the placement; a
+bad one is one ConfigError line naming the file and the key, whatever it
+holds (fuzzed)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,19 @@ def test_instances_named_by_config_and_count(folder: Path) -> None:
         ),
         ('transport = 3\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n', "transport = 3"),
         ("[router\n", "not TOML"),
+        (
+            'placement = "kubernetes"\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n',
+            "placement = 'kubernetes': no such placement; installed: local",
+        ),
+        ('placement = 3\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n', "placement = 3"),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nnum_cpus = -1\n',
+            "instance[0].num_cpus = -1: a number in [0, 1024]",
+        ),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nnum_gpus = "one"\n',
+            "instance[0].num_gpus = 'one'",
+        ),
     ],
 )
 def test_bad_file_names_the_key(folder: Path, text: str, named: str) -> None:
@@ -170,6 +184,20 @@ def test_a_transport_whose_package_is_missing_names_its_pip_install() -> None:
             MOONCAKE.check("transport")
 
 
+def test_the_placement_and_each_instance_resources(folder: Path) -> None:
+    path = write(
+        folder,
+        '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\ncount = 2\nnum_cpus = 2\nnum_gpus = 0.5\n'
+        '[[instance]]\nconfig = "b.toml"\n',
+    )
+    spec = clusterfile.load(path)
+    assert spec.placement == "local"
+    assert [(i.num_cpus, i.num_gpus) for i in spec.instances] == [(2.0, 0.5), (2.0, 0.5), (1.0, 0.0)]
+    if importlib.util.find_spec("sagellm_plugin_ray") is not None:
+        path = write(folder, 'placement = "ray"\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n')
+        assert clusterfile.load(path).placement == "ray"
+
+
 def test_missing_file_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--cluster .*nowhere.toml"):
         clusterfile.load(tmp_path / "nowhere.toml")
@@ -186,6 +214,7 @@ files = st.fixed_dictionaries(
     optional={
         "start_timeout_s": values,
         "transport": st.one_of(values, st.sampled_from(["gloo", "mooncake", "nixl"])),
+        "placement": st.one_of(values, st.sampled_from(["local", "ray"])),
         "router": st.one_of(values, tables, st.just({"plugin": "round-robin"})),
         "instance": st.one_of(values, st.lists(tables, max_size=3), st.just([{"config": "a.toml"}])),
         "other": values,

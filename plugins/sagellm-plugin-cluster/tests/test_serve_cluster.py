@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.engine
 PREFIXES = ["alpha beta gamma delta epsilon zeta eta theta", "one two three four five six seven eight nine"]
 PROMPTS = [f"{PREFIXES[i % 2]} tail {i} " + "word " * i for i in range(6)]
 CHATS = [[{"role": "user", "content": f"{PREFIXES[0]} question {i}"}] for i in range(2)]
-START_S = 150.0
+START_S = 300.0
 
 
 def alive(pid: int) -> bool:
@@ -244,4 +245,41 @@ def test_failed_start_stops_every_instance(configs, tmp_path):
     with pytest.raises(SagellmError, match="instance broken-0 .* exited with"):
         launcher.start()
     assert len(launcher.running) == 2
-    assert not [r for r in launcher.running if r.process.poll() is None]
+    assert not [r for r in launcher.running if r.placed.failure() is None]
+
+
+def test_a_front_stopped_while_its_instances_start_stops_them(configs):
+    """SIGTERM before every instance answers /health: the front stops the
+    instances it started, and exits by the signal."""
+    _, _, cluster = configs
+    front = subprocess.Popen(
+        [sys.executable, "-m", "sagellm_core.cli", "serve", "--cluster", str(cluster), "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(children(front.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = children(front.pid)
+        front.terminate()
+        code = front.wait(timeout=120)
+    finally:
+        if front.poll() is None:
+            front.kill()
+    assert len(started) == 2
+    assert code == 128 + signal.SIGTERM
+    assert not [pid for pid in started if alive(pid)]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
