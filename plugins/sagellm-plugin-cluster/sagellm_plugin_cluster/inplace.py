@@ -68,7 +68,27 @@ from .transports import Faults, OfferReader, parse_offer, span, store_key
 # (the read asks for addresses past the peer's registered memory, which the
 # peer's engine refuses), ``late`` (claims only once the offer is gone, or
 # at its deadline), ``confirm-late`` (after the read, confirms only once
-# the claim is gone, or at its deadline), ``exit-after-claim``.
+# the claim is gone, or at its deadline), ``exit-after-claim``,
+# ``stall`` (the read is still running, whatever it does, until
+# ``STALL_S`` after it started: a peer that stopped answering).
+
+#: How long a ``stall`` fault holds a read.
+STALL_S = 1.0
+
+
+class _Stalled:
+    """A read held as running until ``until`` (monotonic seconds), then itself."""
+
+    def __init__(self, read: Read, until: float) -> None:
+        self.read, self.until = read, until
+
+    def wait(self, timeout_s: float) -> bool | None:
+        left = self.until - time.monotonic()
+        if left > timeout_s:
+            time.sleep(max(0.0, timeout_s))
+            return None
+        time.sleep(max(0.0, left))
+        return self.read.wait(max(0.0, timeout_s - max(0.0, left)))
 
 
 @attrs.frozen
@@ -137,6 +157,9 @@ class Memory:
     subclass per library gives :meth:`_register` and :meth:`start_read`."""
 
     kind: str
+    #: A read's deadline of its own, from its start (``None``: the pull's
+    #: alone): a read still running then ends its pull ``FAILED``.
+    read_timeout_s: float | None = None
 
     def __init__(self) -> None:
         self._registered: dict[tuple[int, int], Local] = {}
@@ -391,10 +414,10 @@ class DecodePuller(OfferReader):
         self._claim = claim
         if fault == "exit-after-claim":
             os._exit(17)
-        read = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault == "error")
-        if read is None:  # still reading at the deadline: its landing waits for it (reap)
+        read, overdue = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault)
+        if read is None:  # still reading at a deadline: its landing waits for it (reap)
             self._landing = None
-            return TransferStatus.EXPIRED, 0
+            return (TransferStatus.FAILED if overdue else TransferStatus.EXPIRED), 0
         if not read:
             return TransferStatus.FAILED, 0
         if fault == "confirm-late":
@@ -420,16 +443,23 @@ class DecodePuller(OfferReader):
         return value == "declined"
 
     def _read(
-        self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, misaddress: bool
-    ) -> bool | None:
+        self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, fault: str | None
+    ) -> tuple[bool | None, bool]:
         """Read ``src_ids`` of the peer's tensor into the landing's blocks,
-        as one batch; ``None`` if it is still reading at ``deadline``."""
+        as one batch: whether it completed (``None``: still reading at the
+        pull's deadline or the read's own, :attr:`Memory.read_timeout_s`),
+        and whether the read's own deadline was the one that passed."""
         local = self.memory.register(self.kv)
         found = segments(peer.layout, src_ids, local.layout, landing.block_ids)
-        if misaddress:
+        if fault == "error":
             found = [(src + peer.nbytes, dst, length) for src, dst, length in found]
         read = self.memory.start_read(local, peer, found)
-        done = read.wait(max(0.0, deadline - self.clock()))
+        if fault == "stall":
+            read = _Stalled(read, time.monotonic() + STALL_S)
+        limit, overdue = deadline - self.clock(), False
+        if self.memory.read_timeout_s is not None and self.memory.read_timeout_s < limit:
+            limit, overdue = self.memory.read_timeout_s, True
+        done = read.wait(max(0.0, limit))
         if done is None:
             self._parked.append((read, landing))
-        return done
+        return done, overdue

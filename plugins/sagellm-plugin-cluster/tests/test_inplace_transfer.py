@@ -175,6 +175,38 @@ def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     assert decode.in_flight == 0 and prefill.in_flight == 0
 
 
+def test_a_read_past_its_own_deadline_fails_and_its_landing_waits_for_it(transport, sides, store, monkeypatch):
+    """The read is still running at its own deadline (a peer that stopped
+    answering): the pull ends failed well before its own deadline, the
+    prefill side lets the lease go at once, and the landing's blocks stay
+    held until the read has returned, then are freed unwritten."""
+    import importlib
+
+    from sagellm_plugin_cluster import inplace
+
+    monkeypatch.setattr(importlib.import_module(f"sagellm_plugin_cluster.{transport}").MEMORY, "read_timeout_s", 0.2)
+    (prefill, server, _), (decode, puller, _) = pair(
+        sides, store, f"stalled-{transport}", decode_faults={"r0": "stall"}
+    )
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    started = time.monotonic()
+    status = serve_while(server, lambda: puller.pull(request, 30.0))
+    assert status is TransferStatus.FAILED and puller.counts.failed == 1
+    assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
+    if time.monotonic() - started < inplace.STALL_S:  # the read has not returned yet: its landing is held
+        assert puller.reap() == 1 and decode.in_flight == 1
+    give_up = time.monotonic() + inplace.STALL_S + 10.0  # the read returns once the stall ends
+    while puller.reap() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert puller.reap() == 0 and decode.in_flight == 0
+    assert decode.host.lookup(request).num_blocks == 0
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert prefill.in_flight == 0
+
+
 def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
     """The read asks for addresses past the prefill side's registered
     memory: the peer's engine refuses it."""
