@@ -128,12 +128,14 @@ def one_thread() -> Iterator[None]:
     """Torch's intra-op work on the calling thread alone, for a copy.
 
     A copy of more than torch's grain (32768 elements; one block of
-    SmolLM2-135M's KV is 184320) is split over its thread pool, whose other
-    threads must be scheduled before the copy returns: on a 2-core machine
-    under a load of 17, one block's copy took 26 ms so against 0.04 ms on
-    one thread, and 256 blocks' 116 ms against 95 ms
-    (docs/benchmarks/disaggregation.md). Setting the count costs well
-    under a microsecond; the engine's own count is restored after."""
+    SmolLM2-135M's KV is 184320) is split over its thread pool, whose idle
+    threads must wake and be scheduled before the copy returns: on a 2-core
+    machine under a load of 22, one block's copy after an idle gap took
+    40 ms so against 0.25 ms on one thread, 16 blocks' 48 ms against 1.6 ms
+    (``benchmarks/kv_copy_threads.py``; at 256 blocks the pool was the
+    faster, 159 against 216 ms, but gloo copies a pull that large only where
+    its blocks are not one run). Setting the count costs well under a
+    microsecond; the engine's own count is restored after."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
