@@ -25,10 +25,12 @@ The exchange, per request (``kv/<link>/`` keys):
    error or its deadline abandons the landing and computes the prompt.
 
 Each key is deleted by the side that reads it last: a lease's key that
-holds the decode side's word (a claim, ``declined``) by the prefill side
-as it reads it; one that holds the prefill side's last word (``none``,
-``expired``) by the decode side once read; an answer by the decode side
-once read, or by the prefill side when its send failed.
+holds ``declined`` by the prefill side as it reads it, one that holds a
+claim once the send has returned (a failed one leaves ``failed`` there, for
+a decode process that restarted to find); one that holds the prefill side's
+last word (``none``, ``expired``, ``failed``) by the decode side once read;
+an answer by the decode side once read, or by the prefill side when its
+send failed.
 
 A pull goes as few large copies: a small one as one message, its blocks
 gathered into a buffer each side keeps between pulls (received there, then
@@ -207,16 +209,16 @@ class PrefillServer:
             if value == offered:
                 continue
             del self._offers[rid]
-            self.store.delete_key(key)  # the decode side's last word: nobody reads it again
             claim = parse_claim(value)
             if claim is not None:
                 self._serve(rid, *claim)
             else:  # declined, or a value no decode side writes: nothing is sent
+                self.store.delete_key(key)  # the decode side's last word: nobody reads it again
                 self.leases.end(rid, TransferStatus.DONE if value == "declined" else TransferStatus.FAILED)
 
     def _serve(self, rid: str, start: int, count: int, epoch: int) -> None:
         lease = self.leases.open[rid]
-        answer = store_key(self.link, f"answer/{rid}/{epoch}")
+        key, answer = store_key(self.link, f"lease/{rid}"), store_key(self.link, f"answer/{rid}/{epoch}")
         try:
             if not 0 <= start < start + count <= len(lease.block_ids):
                 raise TransportError(f"pull of blocks [{start}, {start + count}) of a lease of {len(lease.block_ids)}")
@@ -227,6 +229,7 @@ class PrefillServer:
             messages = outgoing(self.kv, lease.block_ids[start : start + count])
         except (RuntimeError, IndexError):  # TransportError, or torch's copy failing: the lease still ends
             self.leases.end(rid, TransferStatus.FAILED)
+            self.store.set(key, "failed")  # for a decode process that restarted: read, then deleted
             self.store.set(answer, "failed")
             return
         self.store.set(answer, f"sending {len(messages)}")
@@ -242,12 +245,14 @@ class PrefillServer:
         except Exception:  # the pair is closed (a timeout, a dead peer): gloo's errors are RuntimeErrors
             self.send_failures += 1
             self.store.delete_key(answer)  # the decode side is gone, or gave up: nobody reads it
+            self.store.set(key, "failed")  # for a decode process that restarted: read, then deleted
             self.kv.drop_buffers()
             self._broken.add(epoch)
             self._pair.drop()
             self.leases.end(rid, TransferStatus.FAILED)
             return
-        # Sent: the blocks (or their copy) are no longer read.
+        # Sent: the blocks (or their copy) are no longer read, nor is the claim.
+        self.store.delete_key(key)
         self.leases.end(rid, TransferStatus.DONE)
 
     @property
@@ -310,7 +315,7 @@ class DecodePuller(OfferReader):
         key = store_key(self.link, f"lease/{rid}")
         self.store.wait([key], span(deadline - self.clock()))
         offered = self.store.get(key).decode()
-        if offered in ("none", "expired"):  # the prefill side's last word: nobody reads it again
+        if offered in ("none", "expired", "failed"):  # the prefill side's last word: nobody reads it again
             self.store.delete_key(key)
         if offered == "none":  # nothing to lend (a short prompt, or its blocks evicted before the lease)
             return TransferStatus.DONE, 0
