@@ -348,6 +348,7 @@ class DecodePuller(OfferReader):
         self.store.wait([answer], span(deadline - self.clock()))
         messages = parse_answer(self.store.get(answer).decode())
         self.store.delete_key(answer)  # read: nobody reads it again
+        self.store.delete_key(key)  # the claim, or "failed" (set before the answer): this side is done with it
         if messages is None:
             return TransferStatus.FAILED, 0
         group = self._pair.of(epoch, deadline - self.clock())
