@@ -4,9 +4,11 @@ tensor, fp32, 16-token blocks), against a raw transfer of the same bytes
 with the same library in the same run.
 
 * gloo: what :mod:`sagellm_plugin_cluster.gloo` does with a pull's blocks
-  (gathered out of the prefill engine's KV tensor into one tensor, sent,
-  received, scattered into the decode engine's blocks) against a gloo send
-  of the same bytes as one preallocated tensor on the same group.
+  (a small pull gathered out of the prefill engine's KV tensor into one
+  message and scattered into the decode engine's blocks; a large one as a
+  message per layer slab, sent from and received into the engines' KV
+  tensors) against a gloo send of the same bytes as one preallocated
+  tensor on the same group.
 * mooncake, nixl: what :mod:`sagellm_plugin_cluster.inplace` does over the
   Mooncake Transfer Engine and NIXL (one batch of in-place reads from the
   prefill engine's registered KV tensor into the decode engine's, one per
@@ -50,12 +52,15 @@ def expected_kv(kv) -> torch.Tensor:  # type: ignore[no-untyped-def]
 
 
 def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, results) -> None:  # type: ignore[no-untyped-def]
+    from sagellm_plugin_cluster import gloo
+
     group = dist.ProcessGroupGloo(dist.PrefixStore("bench/gloo/", store), rank, 2, TIMEOUT)
     block_dim = kv.caches.block_dim
     for size in SIZES:
         ids = tuple(range(size))
         sent = expected.narrow(block_dim, 0, size).contiguous().flatten()
         raw = sent.clone() if rank == 0 else torch.zeros_like(sent)
+        messages = gloo.message_count(kv, size)
         times: dict[str, list[float]] = {"raw": [], "kv": []}
         for _ in range(repeats + 1):
             for kind in ("raw", "kv"):  # alternated, so that a change in the machine's load meets both
@@ -68,11 +73,15 @@ def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, result
                     op = group.send([raw], 1, 0) if rank == 0 else group.recv([raw], 0, 0)
                     op.wait(TIMEOUT)
                 elif rank == 0:
-                    group.send([kv.read(ids)], 1, 0).wait(TIMEOUT)
+                    outgoing = gloo.outgoing(kv, ids)
+                    assert len(outgoing) == messages
+                    for work in [group.send([m], 1, tag) for tag, m in enumerate(outgoing)]:
+                        work.wait(TIMEOUT)
                 else:
-                    data = kv.empty(size)
-                    group.recv([data], 0, 0).wait(TIMEOUT)
-                    kv.write(ids, data)
+                    targets, in_place = gloo.incoming(kv, ids, messages)
+                    for work in [group.recv([t], 0, tag) for tag, t in enumerate(targets)]:
+                        work.wait(TIMEOUT)
+                    gloo.land(kv, ids, in_place)
                 times[kind].append(time.perf_counter() - start)
                 if rank == 1:
                     arrived = raw if kind == "raw" else kv.tensor.narrow(block_dim, 0, size).contiguous().flatten()
@@ -80,7 +89,14 @@ def gloo_rows(rank: int, kv, store, expected: torch.Tensor, repeats: int, result
         if rank == 1:
             for kind in ("raw", "kv"):
                 results.put(
-                    ("gloo", size, kind, statistics.median(times[kind][1:]), sent.numel() * sent.element_size())
+                    (
+                        "gloo",
+                        size,
+                        kind,
+                        statistics.median(times[kind][1:]),
+                        sent.numel() * sent.element_size(),
+                        messages,
+                    )
                 )
 
 
@@ -170,7 +186,7 @@ def main() -> None:
             assert proc.exitcode == 0, f"a benchmark process exited with {proc.exitcode}"
     seconds = {(row[0], row[1], row[2]): row[3] for row in rows}
     nbytes = {(row[0], row[1]): row[4] for row in rows}
-    reads = {(row[0], row[1]): row[5] for row in rows if len(row) > 5 and row[2] == "kv"}
+    reads = {(row[0], row[1]): row[5] for row in rows if row[2] == "kv"}
     raw_name = {"gloo": "raw gloo send", "mooncake": "raw Mooncake read", "nixl": "raw NIXL read"}
     print("| transport | blocks | bytes | raw (same library) | KV transfer | KV / raw |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -178,7 +194,8 @@ def main() -> None:
         for size in SIZES:
             raw, kv = seconds[transport, size, "raw"], seconds[transport, size, "kv"]
             gbps = nbytes[transport, size] / raw / 1e9
-            how = f" ({reads[transport, size]} reads)" if (transport, size) in reads else ""
+            unit = "messages" if transport == "gloo" else "reads"
+            how = f" ({reads[transport, size]} {unit})"
             print(
                 f"| {transport} | {size} | {nbytes[transport, size] / 2**20:.1f} MiB"
                 f" | {raw * 1e3:.2f} ms ({gbps:.2f} GB/s, {raw_name[transport]}) | {kv * 1e3:.2f} ms{how}"

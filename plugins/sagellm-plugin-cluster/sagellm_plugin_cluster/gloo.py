@@ -6,7 +6,7 @@ pair and every later operation on the group fails, so a lease request
 that waits would kill the group. The control messages are keys of a
 ``TCPStore`` (hosted by the long-lived front, so that neither peer takes it
 down by dying); gloo carries only the blocks of a pull both sides agreed
-on, as one tensor, from a standing group of the two ranks (prefill 0,
+on, from a standing group of the two ranks (prefill 0,
 decode 1). After any failure the decode side takes a new epoch (a counter
 in the store) and both sides build a new group under it: a broken group is
 never used again.
@@ -18,11 +18,27 @@ The exchange, per request (``kv/<link>/`` keys):
    ``start`` being the blocks it already holds; the prefill side ends an
    unclaimed lease at its deadline by compare-and-set to ``expired``, so
    exactly one of the two wins;
-3. prefill: copies the blocks out, ends the lease (its blocks are free from
-   here on: the copy is what is sent), answers ``answer/<rid>/<epoch>`` =
-   ``sending`` (or ``failed``), and sends;
+3. prefill: answers ``answer/<rid>/<epoch>`` = ``sending <messages>`` (or
+   ``failed``), sends, and ends the lease once the send has returned
+   (``done``, or ``failed`` if it failed);
 4. decode: receives into its landing's blocks and caches them, or on any
    error or its deadline abandons the landing and computes the prompt.
+
+Each key is deleted by the side that reads it last: a lease's key that
+holds ``declined`` by the prefill side as it reads it, one that holds a
+claim once the send has returned (a failed one leaves ``failed`` there, for
+a decode process that restarted to find); one that holds the prefill side's
+last word (``none``, ``expired``, ``failed``) by the decode side once read;
+an answer by the decode side once read, or by the prefill side when its
+send failed.
+
+A pull goes as few large copies: a small one as one message, its blocks
+gathered into a buffer each side keeps between pulls (received there, then
+copied into the landing's blocks); one whose share of each layer slab is
+at least ``SLAB_MESSAGE_BYTES`` as one message per slab (``<messages>`` is
+the KV tensor's slab count), sent straight from the prefill side's KV
+tensor and received straight into the landing's blocks wherever a side's
+blocks are one run of ids, through the kept buffer otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from sagellm_core.runtime import Runtime
@@ -46,6 +63,64 @@ from .transports import Faults, OfferReader, parse_offer, span, store_key
 # ``expire`` (the prefill side's lease ends at its first watch),
 # ``late`` (the decode side claims only once the offer is gone, or at its
 # deadline).
+
+
+#: A pull whose share of each slab is at least this is sent as one message
+#: per slab, from the KV tensor itself where its blocks are one run; a
+#: smaller one as one message, gathered (each message costs a round of
+#: gloo's protocol: 60 of one block each took 10 to 15 ms here, against
+#: 0.3 to 1.3 ms for the block's bytes as one).
+SLAB_MESSAGE_BYTES = 1 << 20
+
+
+def message_count(kv: KVTensors, num_blocks: int) -> int:
+    """How many messages carry a pull of ``num_blocks``: one, or one per slab."""
+    return kv.outer if num_blocks * kv.bytes_per_block >= SLAB_MESSAGE_BYTES * kv.outer else 1
+
+
+def outgoing(kv: KVTensors, block_ids: tuple[int, ...]) -> list[torch.Tensor]:
+    """The messages that carry ``block_ids`` (:func:`message_count`): views
+    of the KV tensor itself where there is one per slab and the ids are one
+    run, else views of the kept send buffer, the blocks gathered into it."""
+    count = len(block_ids)
+    if message_count(kv, count) == 1:
+        return [kv.read(block_ids)]
+    found = kv.slabs(block_ids)
+    return found if found is not None else list(kv.read(block_ids).view(kv.outer, count, -1).unbind(0))
+
+
+def incoming(kv: KVTensors, block_ids: tuple[int, ...], messages: int) -> tuple[list[torch.Tensor], bool]:
+    """Where ``messages`` that carry blocks into ``block_ids`` are received,
+    and whether that is the KV tensor itself; if not, the kept receive
+    buffer, which :func:`land` copies into the blocks.
+
+    Receiving into the landing's blocks is safe on failure: gloo closes
+    every pair of the group before a timed-out wait throws (and a pair
+    that fails is closed), so no byte arrives after the wait has ended,
+    and the landing is abandoned unwritten."""
+    count = len(block_ids)
+    if messages == 1:
+        return [kv.empty(count)], False
+    if messages != kv.outer:
+        raise TransportError(f"{messages} messages for a KV tensor of {kv.outer} slabs")
+    found = kv.slabs(block_ids)
+    if found is not None:
+        return found, True
+    return list(kv.empty(count).view(messages, count, -1).unbind(0)), False
+
+
+def land(kv: KVTensors, block_ids: tuple[int, ...], in_place: bool) -> None:
+    """After every message of :func:`incoming` has arrived: the blocks."""
+    if not in_place:
+        kv.write(block_ids, kv.empty(len(block_ids)))
+
+
+def parse_answer(value: str) -> int | None:
+    """``sending <messages>`` as its number; ``None`` for anything else (``failed``)."""
+    match value.split():
+        case ["sending", messages] if messages.isdigit() and int(messages) > 0:
+            return int(messages)
+    return None
 
 
 def parse_claim(value: str) -> tuple[int, int, int] | None:
@@ -138,11 +213,12 @@ class PrefillServer:
             if claim is not None:
                 self._serve(rid, *claim)
             else:  # declined, or a value no decode side writes: nothing is sent
+                self.store.delete_key(key)  # the decode side's last word: nobody reads it again
                 self.leases.end(rid, TransferStatus.DONE if value == "declined" else TransferStatus.FAILED)
 
     def _serve(self, rid: str, start: int, count: int, epoch: int) -> None:
         lease = self.leases.open[rid]
-        answer = store_key(self.link, f"answer/{rid}/{epoch}")
+        key, answer = store_key(self.link, f"lease/{rid}"), store_key(self.link, f"answer/{rid}/{epoch}")
         try:
             if not 0 <= start < start + count <= len(lease.block_ids):
                 raise TransportError(f"pull of blocks [{start}, {start + count}) of a lease of {len(lease.block_ids)}")
@@ -150,25 +226,34 @@ class PrefillServer:
                 raise TransportError(f"epoch {epoch}'s group failed")
             if self.faults.get(rid) == "error":
                 raise TransportError("injected transport error")
-            data = self.kv.read(lease.block_ids[start : start + count])
+            messages = outgoing(self.kv, lease.block_ids[start : start + count])
         except (RuntimeError, IndexError):  # TransportError, or torch's copy failing: the lease still ends
             self.leases.end(rid, TransferStatus.FAILED)
+            self.store.set(key, "failed")  # for a decode process that restarted: read, then deleted
             self.store.set(answer, "failed")
             return
-        # Copied out: the blocks are free from here on, whatever the send does.
-        self.leases.end(rid, TransferStatus.DONE)
-        self.store.set(answer, "sending")
+        self.store.set(answer, f"sending {len(messages)}")
         self.sends += 1
         try:
             group = self._pair.of(epoch, self.send_timeout_s)
             if self.faults.get(rid) == "exit-before-send":
                 os._exit(17)
-            group.send([data], 1, 0).wait(span(self.send_timeout_s))
+            until = time.monotonic() + self.send_timeout_s
+            works = [group.send([message], 1, tag) for tag, message in enumerate(messages)]
+            for work in works:
+                work.wait(span(until - time.monotonic()))
         except Exception:  # the pair is closed (a timeout, a dead peer): gloo's errors are RuntimeErrors
             self.send_failures += 1
+            self.store.delete_key(answer)  # the decode side is gone, or gave up: nobody reads it
+            self.store.set(key, "failed")  # for a decode process that restarted: read, then deleted
             self.kv.drop_buffers()
             self._broken.add(epoch)
             self._pair.drop()
+            self.leases.end(rid, TransferStatus.FAILED)
+            return
+        # Sent: the blocks (or their copy) are no longer read, nor is the claim.
+        self.store.delete_key(key)
+        self.leases.end(rid, TransferStatus.DONE)
 
     @property
     def busy(self) -> bool:
@@ -230,6 +315,8 @@ class DecodePuller(OfferReader):
         key = store_key(self.link, f"lease/{rid}")
         self.store.wait([key], span(deadline - self.clock()))
         offered = self.store.get(key).decode()
+        if offered in ("none", "expired", "failed"):  # the prefill side's last word: nobody reads it again
+            self.store.delete_key(key)
         if offered == "none":  # nothing to lend (a short prompt, or its blocks evicted before the lease)
             return TransferStatus.DONE, 0
         offer = parse_offer(offered)
@@ -237,14 +324,13 @@ class DecodePuller(OfferReader):
             return (TransferStatus.EXPIRED if offered == "expired" else TransferStatus.FAILED), 0
         num_blocks, bytes_per_block = offer
         if bytes_per_block != self.kv.bytes_per_block:  # another model or layout: its bytes are not our KV
-            self.store.compare_set(key, offered, "declined")
-            return TransferStatus.FAILED, 0
+            return (TransferStatus.FAILED if self._decline(key, offered) else TransferStatus.EXPIRED), 0
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
-            self.store.compare_set(key, offered, "declined")
+            declined = self._decline(key, offered)
             if landing is None:
-                return TransferStatus.FAILED, 0
-            self._landing = None
+                return (TransferStatus.FAILED if declined else TransferStatus.EXPIRED), 0
+            self._landing = None  # this instance holds every block: the lease's outcome does not matter
             landing.land()
             return TransferStatus.DONE, 0
         if self.faults.get(rid) == "late":
@@ -253,18 +339,32 @@ class DecodePuller(OfferReader):
         count, epoch = len(landing.block_ids), self.epoch
         claim = f"pull {landing.start} {count} {epoch}"
         if self.store.compare_set(key, offered, claim).decode() != claim:
+            self._decline(key, offered)  # the value is "expired": read, deleted
             return TransferStatus.EXPIRED, 0
         self._claimed = True
         if self.faults.get(rid) == "exit-after-claim":
             os._exit(17)
         answer = store_key(self.link, f"answer/{rid}/{epoch}")
         self.store.wait([answer], span(deadline - self.clock()))
-        if self.store.get(answer).decode() != "sending":
+        messages = parse_answer(self.store.get(answer).decode())
+        self.store.delete_key(answer)  # read: nobody reads it again
+        self.store.delete_key(key)  # the claim, or "failed" (set before the answer): this side is done with it
+        if messages is None:
             return TransferStatus.FAILED, 0
-        data = self.kv.empty(count)
         group = self._pair.of(epoch, deadline - self.clock())
-        group.recv([data], 0, 0).wait(span(deadline - self.clock()))
-        self.kv.write(landing.block_ids, data)
+        targets, in_place = incoming(self.kv, landing.block_ids, messages)
+        works = [group.recv([target], 0, tag) for tag, target in enumerate(targets)]
+        for work in works:
+            work.wait(span(deadline - self.clock()))
+        land(self.kv, landing.block_ids, in_place)
         self._landing = None
         landing.land()
         return TransferStatus.DONE, count
+
+    def _decline(self, key: str, offered: str) -> bool:
+        """Give the lease back unsent; False if its deadline ended it first
+        (``expired``, then deleted: this side read it last)."""
+        value = self.store.compare_set(key, offered, "declined").decode()
+        if value == "expired":
+            self.store.delete_key(key)
+        return value == "declined"

@@ -17,14 +17,26 @@ The exchange, per request (``kv/<link>/`` keys):
    <blocks> <chunk bytes> <layout fingerprint> [<handshake, hex>]``; after
    the prefill, ``blocks/<rid>`` = the leased block ids, then
    ``lease/<rid>`` = ``offer <blocks> <bytes per block>``;
-2. decode: claims it by compare-and-set to ``read <start> <count>``;
-   the prefill side ends an unclaimed or claimed lease at its deadline by
-   compare-and-set to ``expired``;
+2. decode: claims it by compare-and-set to ``read <start> <count>
+   <epoch>``; the prefill side ends an unclaimed or claimed lease at its
+   deadline by compare-and-set to ``expired``;
 3. decode: reads the blocks into its landing, then compare-and-sets the
    claim to ``done`` (the prefill side lets the blocks go) and caches them;
    if ``expired`` won instead, the bytes read may be of blocks reused since:
    the landing is freed unwritten and the prompt computed. A read that
    fails sets ``failed``.
+
+Each key is deleted by the side that reads it last: ``blocks/<rid>`` and a
+lease's key that holds the decode side's last word (``done``,
+``declined``, ``failed``) by the prefill side as the lease ends; a lease's
+key that holds the prefill side's (``none``, ``expired``) by the decode
+side once it has read it.
+
+``<epoch>`` is the decode process's turn on the link (a counter in the
+store, taken as it starts): a decode process that restarts finds the
+claims its predecessor left (a lease claimed and never confirmed) and takes
+them over by compare-and-set, reading the blocks the lease still holds;
+the predecessor's confirmation, should it still come, loses.
 
 A read still running at the decode side's deadline (a peer that stopped
 without closing its connection) is not waited for: the pull ends
@@ -56,7 +68,27 @@ from .transports import Faults, OfferReader, parse_offer, span, store_key
 # (the read asks for addresses past the peer's registered memory, which the
 # peer's engine refuses), ``late`` (claims only once the offer is gone, or
 # at its deadline), ``confirm-late`` (after the read, confirms only once
-# the claim is gone, or at its deadline), ``exit-after-claim``.
+# the claim is gone, or at its deadline), ``exit-after-claim``,
+# ``stall`` (the read is still running, whatever it does, until
+# ``STALL_S`` after it started: a peer that stopped answering).
+
+#: How long a ``stall`` fault holds a read.
+STALL_S = 1.0
+
+
+class _Stalled:
+    """A read held as running until ``until`` (monotonic seconds), then itself."""
+
+    def __init__(self, read: Read, until: float) -> None:
+        self.read, self.until = read, until
+
+    def wait(self, timeout_s: float) -> bool | None:
+        left = self.until - time.monotonic()
+        if left > timeout_s:
+            time.sleep(max(0.0, timeout_s))
+            return None
+        time.sleep(max(0.0, left))
+        return self.read.wait(max(0.0, timeout_s - max(0.0, left)))
 
 
 @attrs.frozen
@@ -125,6 +157,9 @@ class Memory:
     subclass per library gives :meth:`_register` and :meth:`start_read`."""
 
     kind: str
+    #: A read's deadline of its own, from its start (``None``: the pull's
+    #: alone): a read still running then ends its pull ``FAILED``.
+    read_timeout_s: float | None = None
 
     def __init__(self) -> None:
         self._registered: dict[tuple[int, int], Local] = {}
@@ -159,11 +194,11 @@ class Memory:
         raise NotImplementedError
 
 
-def parse_read(value: str) -> tuple[int, int] | None:
-    """``read <start> <count>`` as its two numbers; ``None`` for anything else."""
+def parse_read(value: str) -> tuple[int, int, int] | None:
+    """``read <start> <count> <epoch>`` as its three numbers; ``None`` for anything else."""
     match value.split():
-        case ["read", start, count] if start.isdigit() and count.isdigit():
-            return int(start), int(count)
+        case ["read", start, count, epoch] if start.isdigit() and count.isdigit() and epoch.isdigit():
+            return int(start), int(count), int(epoch)
     return None
 
 
@@ -245,9 +280,11 @@ class PrefillServer:
                         self.expired_claimed += claimed
                         break
             del self._offers[rid]
-            if value == "expired":
+            self.store.delete_key(store_key(self.link, f"blocks/{rid}"))
+            if value == "expired":  # kept for the decode side, which deletes it once read
                 self.leases.end(rid, TransferStatus.EXPIRED)
             else:  # done (read), declined (not needed), failed or a value no decode side writes
+                self.store.delete_key(key)  # the decode side's last word: nobody reads it again
                 self.leases.end(rid, TransferStatus.DONE if value in ("done", "declined") else TransferStatus.FAILED)
 
     @property
@@ -284,6 +321,9 @@ class DecodePuller(OfferReader):
         self._claim: str | None = None
         #: Reads that outlived their pull's deadline, and their landings.
         self._parked: list[tuple[Read, Landing]] = []
+        #: This process's turn on the link: a decode process that restarts
+        #: takes a higher one, and takes over the claims of lower ones.
+        self.epoch = int(self.store.add(store_key(self.link, "epoch"), 1))
 
     def reap(self) -> int:
         """Free the landings of parked reads that have returned; how many
@@ -326,9 +366,17 @@ class DecodePuller(OfferReader):
         rid = request.request_id
         self.store.wait([key], span(deadline - self.clock()))
         offered = self.store.get(key).decode()
+        if offered in ("none", "expired"):  # the prefill side's last word: nobody reads it again
+            self.store.delete_key(key)
         if offered == "none":  # nothing to lend (a short prompt, or its blocks evicted before the lease)
             return TransferStatus.DONE, 0
         offer = parse_offer(offered)
+        taken = parse_read(offered)
+        if offer is None and taken is not None and taken[2] < self.epoch:
+            # Claimed by this link's decode process before this one, which is
+            # gone: the lease still holds the blocks, and this process takes
+            # the claim over (the earlier one's confirmation could not win).
+            offer = (0, self.kv.bytes_per_block)
         if offer is None:
             return (TransferStatus.EXPIRED if offered == "expired" else TransferStatus.FAILED), 0
         num_blocks, bytes_per_block = offer
@@ -336,21 +384,22 @@ class DecodePuller(OfferReader):
         blocks_key = store_key(self.link, f"blocks/{rid}")
         ids = None
         if peer is not None and self.store.check([blocks_key]):
-            ids = parse_ids(self.store.get(blocks_key).decode(), num_blocks, peer.layout.num_blocks)
+            listed = self.store.get(blocks_key).decode()
+            num_blocks = num_blocks or len(listed.split(","))
+            ids = parse_ids(listed, num_blocks, peer.layout.num_blocks)
         if (
             ids is None
             or peer is None
             or bytes_per_block != self.kv.bytes_per_block
             or peer.fingerprint != self.kv.fingerprint  # another model or layout: its bytes are not our KV
         ):
-            self.store.compare_set(key, offered, "declined")
-            return TransferStatus.FAILED, 0
+            return (TransferStatus.FAILED if self._decline(key, offered) else TransferStatus.EXPIRED), 0
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
-            self.store.compare_set(key, offered, "declined")
+            declined = self._decline(key, offered)
             if landing is None:
-                return TransferStatus.FAILED, 0
-            self._landing = None
+                return (TransferStatus.FAILED if declined else TransferStatus.EXPIRED), 0
+            self._landing = None  # this instance holds every block: the lease's outcome does not matter
             landing.land()
             return TransferStatus.DONE, 0
         fault = self.faults.get(rid)
@@ -358,41 +407,59 @@ class DecodePuller(OfferReader):
             while self.store.get(key).decode() == offered and self.clock() < deadline:
                 time.sleep(0.005)
         count = len(landing.block_ids)
-        claim = f"read {landing.start} {count}"
+        claim = f"read {landing.start} {count} {self.epoch}"
         if self.store.compare_set(key, offered, claim).decode() != claim:
+            self._decline(key, offered)  # the value is "expired" (read, deleted) or a newer claim
             return TransferStatus.EXPIRED, 0
         self._claim = claim
         if fault == "exit-after-claim":
             os._exit(17)
-        read = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault == "error")
-        if read is None:  # still reading at the deadline: its landing waits for it (reap)
+        read, overdue = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault)
+        if read is None:  # still reading at a deadline: its landing waits for it (reap)
             self._landing = None
-            return TransferStatus.EXPIRED, 0
+            return (TransferStatus.FAILED if overdue else TransferStatus.EXPIRED), 0
         if not read:
             return TransferStatus.FAILED, 0
         if fault == "confirm-late":
             while self.store.get(key).decode() == claim and self.clock() < deadline:
                 time.sleep(0.005)
         if self.store.compare_set(key, claim, "done").decode() != "done":
-            # The deadline ended the lease first: the blocks read may have been reused since.
+            # The deadline ended the lease first (or a later decode process took
+            # the claim over): the blocks read may have been reused since.
             self._claim = None
+            self._decline(key, claim)  # deletes "expired", read
             return TransferStatus.EXPIRED, 0
         self._claim = None
         self._landing = None
         landing.land()
         return TransferStatus.DONE, count
 
+    def _decline(self, key: str, offered: str) -> bool:
+        """Give the lease back unread; False if its deadline ended it first
+        (``expired``, then deleted: this side read it last)."""
+        value = self.store.compare_set(key, offered, "declined").decode()
+        if value == "expired":
+            self.store.delete_key(key)
+        return value == "declined"
+
     def _read(
-        self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, misaddress: bool
-    ) -> bool | None:
+        self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, fault: str | None
+    ) -> tuple[bool | None, bool]:
         """Read ``src_ids`` of the peer's tensor into the landing's blocks,
-        as one batch; ``None`` if it is still reading at ``deadline``."""
+        as one batch: whether it completed (``None``: still reading at the
+        pull's deadline or the read's own, :attr:`Memory.read_timeout_s`),
+        and whether the read's own deadline was the one that passed."""
         local = self.memory.register(self.kv)
         found = segments(peer.layout, src_ids, local.layout, landing.block_ids)
-        if misaddress:
+        if fault == "error":
             found = [(src + peer.nbytes, dst, length) for src, dst, length in found]
         read = self.memory.start_read(local, peer, found)
-        done = read.wait(max(0.0, deadline - self.clock()))
+        if fault == "stall":
+            read = _Stalled(read, time.monotonic() + STALL_S)
+        limit, overdue = deadline - self.clock(), False
+        if self.memory.read_timeout_s is not None and self.memory.read_timeout_s < limit:
+            limit, overdue = self.memory.read_timeout_s, True
+        done = read.wait(max(0.0, limit))
         if done is None:
             self._parked.append((read, landing))
-        return done
+        return done, overdue

@@ -4,7 +4,9 @@ as byte ranges for transports that read memory in place."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -45,6 +47,12 @@ class KVTensors:
     def bytes_per_block(self) -> int:
         return self._kv().bytes_per_block
 
+    @property
+    def outer(self) -> int:
+        """The tensor's slabs: the product of its dimensions before the blocks'."""
+        kv = self._kv()
+        return math.prod(kv.tensor.shape[: kv.block_dim])
+
     def read(self, block_ids: tuple[int, ...]) -> torch.Tensor:
         """The blocks, copied into one contiguous tensor: a view of a buffer
         this object keeps for the next read (:meth:`drop_buffers`)."""
@@ -52,10 +60,21 @@ class KVTensors:
         out = self._buffer("send", len(block_ids))
         d = kv.block_dim
         at = 0
-        for start, _, length in runs(block_ids, block_ids):
-            _copy(out, at, kv.tensor, start, length, d)
-            at += length
+        with one_thread():
+            for start, _, length in runs(block_ids, block_ids):
+                _copy(out, at, kv.tensor, start, length, d)
+                at += length
         return out
+
+    def slabs(self, block_ids: tuple[int, ...]) -> list[torch.Tensor] | None:
+        """The blocks as views of the KV tensor itself, one contiguous view
+        per slab (:class:`BlockLayout`), when the ids are one run of
+        consecutive blocks of a contiguous tensor; ``None`` otherwise."""
+        tensor = self._kv().tensor
+        if not block_ids or not tensor.is_contiguous() or len(runs(block_ids, block_ids)) != 1:
+            return None
+        flat = tensor.view(self.outer, tensor.shape[self._kv().block_dim], -1)
+        return list(flat[:, block_ids[0] : block_ids[0] + len(block_ids)].unbind(0))
 
     def empty(self, num_blocks: int) -> torch.Tensor:
         """Room for ``num_blocks`` blocks, contiguous: a view of a buffer this
@@ -66,9 +85,10 @@ class KVTensors:
         kv = self._kv()
         d = kv.block_dim
         at = 0
-        for start, _, length in runs(block_ids, block_ids):
-            _copy(kv.tensor, start, data, at, length, d)
-            at += length
+        with one_thread():
+            for start, _, length in runs(block_ids, block_ids):
+                _copy(kv.tensor, start, data, at, length, d)
+                at += length
 
     def drop_buffers(self) -> None:
         """Forget the kept buffers: after a failed send or receive, which
@@ -103,15 +123,33 @@ class KVTensors:
         return BlockLayout(math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :]) * tensor.element_size())
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch's intra-op work on the calling thread alone, for a copy.
+
+    A copy of more than torch's grain (32768 elements; one block of
+    SmolLM2-135M's KV is 184320) is split over its thread pool, whose idle
+    threads must wake and be scheduled before the copy returns: on a 2-core
+    machine under a load of 22, one block's copy after an idle gap took
+    40 ms so against 0.25 ms on one thread, 16 blocks' 48 ms against 1.6 ms
+    (``benchmarks/kv_copy_threads.py``; at 256 blocks the pool was the
+    faster, 159 against 216 ms, but gloo copies a pull that large only where
+    its blocks are not one run). Setting the count costs well under a
+    microsecond; the engine's own count is restored after."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _copy(dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, length: int, dim: int) -> None:
     """Blocks ``[src_at, src_at + length)`` of ``src`` into ``dst`` from ``dst_at``, along ``dim``."""
-    if length == 1:
-        # A one-block slice by select, not narrow: torch 2.13 sends the
-        # narrowed copy through its thread pool, which took 16 ms for one
-        # block on this loaded 2-core machine against 0.02 ms for select.
-        dst.select(dim, dst_at).copy_(src.select(dim, src_at))
-    else:
-        dst.narrow(dim, dst_at, length).copy_(src.narrow(dim, src_at, length))
+    dst.narrow(dim, dst_at, length).copy_(src.narrow(dim, src_at, length))
 
 
 class BlockLayout:

@@ -4,12 +4,21 @@ machine has it): the protocol of :mod:`.inplace`, the reads one
 ``batch_transfer_sync_read`` of the pull's byte ranges.
 
 Each process registers its KV tensor with one ``TransferEngine`` (P2P
-handshake: no metadata server). The engine's read has no deadline of its
-own (it gives up after 30 s without progress), so it runs on a thread the
-pull waits for until its deadline."""
+handshake: no metadata server). The engine's read blocks, and gives up
+only after ``MC_TCP_PROGRESS_TIMEOUT_SEC`` without progress (30 s unless
+set), so it runs on a thread, with a deadline of its own
+(:data:`READ_TIMEOUT_S`, from its start): a read still running then, or at
+the pull's deadline if that comes first, ends the pull (``failed``, or
+``expired``) and the prompt is computed; its landing's blocks stay held
+until the thread returns (:meth:`.inplace.DecodePuller.reap`). The engine's
+progress timeout is set to the read's deadline where the environment does
+not set it, so that a read of a peer that stopped answering returns, and
+its landing is let go, soon after."""
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from typing import Any
 
@@ -20,6 +29,8 @@ from .kv_tensors import TransportError
 #: Where this process's engine listens, and how it moves bytes.
 HOSTNAME = "127.0.0.1"
 PROTOCOL = "tcp"
+#: A read's deadline of its own, in seconds from its start.
+READ_TIMEOUT_S = 5.0
 
 
 class ThreadRead:
@@ -37,8 +48,10 @@ class ThreadRead:
 
 class MooncakeMemory(inplace.Memory):
     kind = "mooncake"
+    read_timeout_s = READ_TIMEOUT_S
 
     def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(math.ceil(READ_TIMEOUT_S)))
         from mooncake.engine import TransferEngine
 
         engine = TransferEngine()

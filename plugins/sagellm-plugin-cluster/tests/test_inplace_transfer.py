@@ -111,6 +111,47 @@ def test_the_decode_side_reads_the_leased_blocks_in_place(transport, sides, stor
     decode.check_invariants()
 
 
+def test_a_restarted_decode_side_takes_over_its_predecessors_claim(transport, sides, store):
+    """A decode process claims a lease and is gone before reading it; the
+    one that replaces it on the link (a higher epoch) takes the claim over
+    and reads the blocks the lease still holds. A claim of a later epoch is
+    not taken back; and every key of a lease is gone from the store once
+    the lease has ended."""
+    link = f"restart-{transport}"
+    (prefill, server, prefill_tensor), (decode, gone, _) = pair(sides, store, link)
+    request, other = prompt(0), prompt(1)
+    for r in (request, other):
+        compute(prefill, r)
+        server.offer(r, time.monotonic())
+    key, other_key = f"kv/{link}/lease/r0", f"kv/{link}/lease/r1"
+    lease_ids = server.leases.open["r0"].block_ids
+    offered = store.get(key).decode()
+    claim = f"read 0 4 {gone.epoch}"
+    assert store.compare_set(key, offered, claim).decode() == claim  # as the predecessor claims, then dies
+    server.poll(time.monotonic())
+    assert server.busy  # the claim holds the lease
+    decode2, kv2, decode2_tensor = side(blocks=48, seed=3)
+    puller = sides[1](decode2, kv2, store, link)
+    assert puller.epoch > gone.epoch
+    assert serve_while(server, lambda: puller.pull(request, 5.0)) is TransferStatus.DONE
+    landed = decode2.host.lookup(request).block_ids
+    assert torch.equal(decode2_tensor[:, :, list(landed)], prefill_tensor[:, :, list(lease_ids)])
+    assert server.leases.ended[TransferStatus.DONE] == 1
+    assert not store.check([key]) and not store.check([f"kv/{link}/blocks/r0"])
+    # A claim of the later epoch: the earlier process takes nothing over.
+    later = f"read 0 1 {puller.epoch}"
+    assert store.compare_set(other_key, store.get(other_key).decode(), later).decode() == later
+    assert gone.pull(other, 0.5) is TransferStatus.FAILED
+    assert decode.host.lookup(other).num_blocks == 0 and store.get(other_key).decode() == later
+    server.poll(time.monotonic() + 120.0)  # its deadline ends it; "expired" waits for the decode side
+    assert server.leases.ended[TransferStatus.EXPIRED] == 1 and not server.busy
+    assert store.get(other_key).decode() == "expired" and not store.check([f"kv/{link}/blocks/r1"])
+    assert puller.pull(other, 0.5) is TransferStatus.EXPIRED and not store.check([other_key])
+    for rt in (prefill, decode, decode2):
+        rt.check_invariants()
+        assert rt.in_flight == 0
+
+
 def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     """The prefill side ends the lease once it is claimed; the decode side's
     read completes, but its confirmation loses: nothing lands."""
@@ -132,6 +173,38 @@ def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     prefill.check_invariants()
     decode.check_invariants()
     assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+def test_a_read_past_its_own_deadline_fails_and_its_landing_waits_for_it(transport, sides, store, monkeypatch):
+    """The read is still running at its own deadline (a peer that stopped
+    answering): the pull ends failed well before its own deadline, the
+    prefill side lets the lease go at once, and the landing's blocks stay
+    held until the read has returned, then are freed unwritten."""
+    import importlib
+
+    from sagellm_plugin_cluster import inplace
+
+    monkeypatch.setattr(importlib.import_module(f"sagellm_plugin_cluster.{transport}").MEMORY, "read_timeout_s", 0.2)
+    (prefill, server, _), (decode, puller, _) = pair(
+        sides, store, f"stalled-{transport}", decode_faults={"r0": "stall"}
+    )
+    request = prompt(0)
+    compute(prefill, request)
+    server.offer(request, time.monotonic())
+    started = time.monotonic()
+    status = serve_while(server, lambda: puller.pull(request, 30.0))
+    assert status is TransferStatus.FAILED and puller.counts.failed == 1
+    assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
+    if time.monotonic() - started < inplace.STALL_S:  # the read has not returned yet: its landing is held
+        assert puller.reap() == 1 and decode.in_flight == 1
+    give_up = time.monotonic() + inplace.STALL_S + 10.0  # the read returns once the stall ends
+    while puller.reap() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert puller.reap() == 0 and decode.in_flight == 0
+    assert decode.host.lookup(request).num_blocks == 0
+    prefill.check_invariants()
+    decode.check_invariants()
+    assert prefill.in_flight == 0
 
 
 def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
@@ -238,13 +311,14 @@ def test_a_prefill_killed_mid_transfer(transport, processes, config, requests, r
 
 
 @pytest.mark.engine
-def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
+def test_a_decode_restarting_takes_over_the_claim_its_predecessor_left(
     transport, processes, config, requests, reference
 ):
-    """The decode process exits after claiming r2; the prefill side holds
-    r2's blocks until the lease's deadline, then lets them go; a new decode
-    process finds r2 claimed, or its lease already expired, and computes
-    it, then reads r3 onwards (their leases outlast its start)."""
+    """The decode process exits after claiming r2; a new one serves r2
+    onwards: it takes r2's claim over (a later epoch on the link) and reads
+    the blocks the lease still holds, then r3 onwards (their leases outlast
+    its start). Every request is read in place, with the outputs of one
+    instance alone, and every lease ends done."""
     front, started = processes.Front(), time.monotonic()
     procs = [
         start(front, transport, "prefill", config, requests, lease_s=75.0),
@@ -256,10 +330,12 @@ def test_a_decode_killed_after_claiming_leaves_the_lease_to_its_deadline(
     processes.join(procs, started)
     results = processes.outcomes(front, requests)
     assert {rid: r["tokens"] for rid, r in results.items()} == reference
-    statuses = [r["status"] for r in results.values()]
-    assert statuses[:2] + statuses[3:] == ["done"] * 5 and statuses[2] in ("failed", "expired")
-    prefilled = front.read("report/p0-d0/prefill")
+    assert [r["status"] for r in results.values()] == ["done"] * 6
+    prefilled, decoded = front.read("report/p0-d0/prefill"), front.read("report/p0-d0/decode")
     processes.whole(prefilled)
-    processes.whole(front.read("report/p0-d0/decode"))
-    assert prefilled["leases"] == {"done": 5, "failed": 0, "expired": 1}
-    assert prefilled["expired_claimed"] == 1
+    processes.whole(decoded)
+    assert prefilled["leases"] == {"done": 6, "failed": 0, "expired": 0}
+    assert prefilled["expired_claimed"] == 0
+    assert decoded["counts"]["done"] == 4 and decoded["counts"]["recomputed_tokens"] == 0
+    assert not [k for r in requests for k in (f"kv/p0-d0/lease/{r.request_id}", f"kv/p0-d0/blocks/{r.request_id}")
+                if front.store.check([k])]  # fmt: skip

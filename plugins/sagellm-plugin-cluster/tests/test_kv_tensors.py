@@ -5,7 +5,7 @@ the layout, in as few ranges as the runs of ids allow."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -53,6 +53,7 @@ def test_copying_the_segments_copies_the_blocks(case):
     assert len(found) == outer * len(runs(src_ids, dst_ids))
 
 
+@settings(deadline=None)  # a loaded machine's thread pool, not the test, sets its time
 @given(st.lists(st.lists(st.integers(0, 9), unique=True, min_size=1, max_size=10), min_size=1, max_size=4))
 def test_gathered_blocks_scatter_back_through_kept_buffers(pulls):
     """gloo's copies: each pull's blocks gathered into the kept send buffer
@@ -88,3 +89,53 @@ def test_only_contiguous_host_memory_is_laid_out_and_layouts_must_agree():
         segments(a, (0,), b, (0,))
     with pytest.raises(ValueError, match="1 source blocks for 2"):
         runs((0,), (0, 1))
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(1, 10), st.integers(0, 9), st.booleans()), min_size=1, max_size=4
+    ),
+    st.integers(1, 64),
+)
+def test_gloo_messages_carry_the_blocks_into_the_landing(pulls, message_bytes):
+    """gloo's pull, its messages copied across as gloo would: one gathered
+    message, or one per slab, sent from the KV tensor itself or from the
+    gathered buffer and received into the blocks themselves or into the
+    buffer, whichever the ids and the size make it; the decode side's blocks
+    end equal to the prefill side's, and no other block changes."""
+    from sagellm_plugin_cluster import gloo
+
+    src = torch.randn(2, 3, 10, 4)
+    prefill, decode = kv_of(src, 2), kv_of(torch.zeros(2, 3, 10, 4), 2)
+    old = gloo.SLAB_MESSAGE_BYTES
+    gloo.SLAB_MESSAGE_BYTES = message_bytes  # bytes_per_block is 96 (6 slabs of 16 B): both modes come up
+    try:
+        for start, count, dst_start, shuffled in pulls:
+            count = min(count, 10 - start, 10 - dst_start)
+            ids = tuple(range(start, start + count))
+            dst_ids = tuple(range(dst_start, dst_start + count))
+            if shuffled:
+                dst_ids = dst_ids[::-1]
+            before = decode.tensor.clone()
+            sent = gloo.outgoing(prefill, ids)
+            assert len(sent) == gloo.message_count(prefill, count) in (1, 6)
+            targets, in_place = gloo.incoming(decode, dst_ids, len(sent))
+            assert in_place == (len(sent) == 6 and (count == 1 or not shuffled))
+            for message, target in zip(sent, targets, strict=True):
+                target.copy_(message)
+            gloo.land(decode, dst_ids, in_place)
+            expected = before.clone()
+            expected[:, :, list(dst_ids)] = src[:, :, list(ids)]
+            assert torch.equal(decode.tensor, expected)
+    finally:
+        gloo.SLAB_MESSAGE_BYTES = old
+
+
+def test_gloo_refuses_a_message_count_that_is_not_its_layouts():
+    from sagellm_plugin_cluster import gloo
+
+    decode = kv_of(torch.zeros(2, 3, 10, 4), 2)
+    with pytest.raises(TransportError, match="5 messages for a KV tensor of 6 slabs"):
+        gloo.incoming(decode, (0, 1), 5)
+    assert gloo.parse_answer("sending 6") == 6
+    assert [gloo.parse_answer(v) for v in ("sending", "sending 0", "sending -1", "failed", "sending 6 1")] == [None] * 5
