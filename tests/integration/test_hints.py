@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from sagellm_plugin_eviction.hints import HintSettings
 
 from sagellm_core import hookimpl
 from sagellm_core.kit.testing import settings_from_toml
@@ -173,7 +174,7 @@ class HintMachine(RuleBasedStateMachine):
         self.watch.check_budgets()
 
 
-@pytest.mark.parametrize("fallback", ["lru", "s3fifo", "adaptive"])
+@pytest.mark.parametrize("fallback", ["lru", "s3fifo", "adaptive", "revisit"])
 def test_pins_hold_and_budgets_hold_in_replay(fallback):
     machine = type(f"HintMachine_{fallback}", (HintMachine,), {"fallback": fallback})
     case = machine.TestCase
@@ -228,7 +229,7 @@ def test_pins_make_a_difference_the_watch_can_see():
     rt.check_invariants()
 
 
-@pytest.mark.parametrize("fallback", ["lru", "s3fifo", "adaptive"])
+@pytest.mark.parametrize("fallback", ["lru", "s3fifo", "adaptive", "revisit"])
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 40))
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_without_hints_it_is_its_fallback_block_for_block(fallback, seed, num_blocks):
@@ -272,7 +273,8 @@ def replay_report(source: str, sessions: int, num_blocks: int, eviction: str, hi
 
 @pytest.mark.parametrize("source", ["agentic", "tenant-mix"])
 def test_without_hints_a_suite_workload_replays_as_its_fallback(source):
-    reports = [replay_report(source, 4, 300, f'plugin = "{p}"') for p in ("hints", "lru")]
+    """``hints`` with its default fallback, and that fallback alone."""
+    reports = [replay_report(source, 4, 300, f'plugin = "{p}"') for p in ("hints", HintSettings().fallback)]
     for key in ("block_hit_rate", "evicted_blocks", "hit_blocks"):
         assert reports[0][key] == reports[1][key], key
     assert reports[0]["evicted_blocks"] > 0

@@ -173,7 +173,7 @@ def test_a_policy_with_settings_and_a_weaker_oracle(tmp_path):
 
 def test_hint_modes_run_on_the_workloads_that_send_hints(small_suite, tmp_path):
     """With ``--hints``: one column per mode; a workload whose source sends
-    hints runs each mode (without hints the policy is LRU exactly), one
+    hints runs each mode (without hints the policy is its fallback, LRU here, exactly), one
     that sends none (a Mooncake trace) runs once and every mode shows that
     run."""
     parsed, where = suite.read_suite(small_suite)
@@ -183,15 +183,19 @@ def test_hint_modes_run_on_the_workloads_that_send_hints(small_suite, tmp_path):
     ]
     (tmp_path / "no-such.jsonl").write_text("\n".join(trace) + "\n")
     assert [suite.sends_hints(entry) for entry in parsed["workload"]] == [True, True, False]
-    rows = suite.evaluate(parsed, where, ["hints"], split="all", traces=tmp_path, hints=("none", "truthful"))
+    rows = suite.evaluate(
+        parsed, where, ["hints:fallback=lru"], split="all", traces=tmp_path, hints=("none", "truthful")
+    )
     by = {(row["workload"], row["num_blocks"], row["policy"]): row["block_hit_rate"] for row in rows}
     assert {workload for workload, _, _ in by} == {"chat", "agents", "missing-trace"}
     for workload, blocks, policy in by:
-        if policy == "hints [none]":
+        if policy == "hints:fallback=lru [none]":
             assert by[(workload, blocks, policy)] == by[(workload, blocks, "lru")]
-        if policy == "hints [truthful]" and workload == "missing-trace":
-            assert by[(workload, blocks, policy)] == by[(workload, blocks, "hints [none]")]
-    agents = sorted((blocks, rate) for (w, blocks, p), rate in by.items() if w == "agents" and p == "hints [truthful]")
+        if policy == "hints:fallback=lru [truthful]" and workload == "missing-trace":
+            assert by[(workload, blocks, policy)] == by[(workload, blocks, "hints:fallback=lru [none]")]
+    agents = sorted(
+        (blocks, rate) for (w, blocks, p), rate in by.items() if w == "agents" and p == "hints:fallback=lru [truthful]"
+    )
     lru = sorted((blocks, rate) for (w, blocks, p), rate in by.items() if w == "agents" and p == "lru")
     assert agents != lru  # the agents' hints changed what was kept
 

@@ -86,7 +86,8 @@ def _known_fallback(instance: object, attribute: object, value: str) -> None:
 @frozen
 class HintSettings:
     #: The policy for the blocks no hint speaks of, ``NAME`` or
-    #: ``NAME:KEY=VALUE,...``: ``lru``, ``adaptive`` or another expert.
+    #: ``NAME:KEY=VALUE,...``: ``lru``, ``revisit``, ``adaptive`` or another
+    #: expert (``revisit`` measured against ``lru``: docs/benchmarks/hints.md).
     fallback: str = field(default="lru", validator=[validators.instance_of(str), _known_fallback])
     #: The share of the pool each tenant may hold pinned (at most 0.5).
     pin_share: float = field(
