@@ -34,10 +34,11 @@ while nothing runs); the step reports those as ``rejected``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from itertools import count, repeat
 from typing import Any, Protocol, runtime_checkable
 
-from attrs import frozen
+from attrs import define
 
 from sagellm_core.drivers.step_scheduler import PackedStep, pack
 from sagellm_core.errors import RequestError
@@ -45,9 +46,11 @@ from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request, RequestOutcome, RequestStatus, ScheduleIR, SequenceState
 
 
-@frozen
+@define
 class StepOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request; nothing changes it once the
+    step returned it. Not a frozen class: a step builds one per sequence,
+    and a frozen attrs instance costs about four times as much to build."""
 
     request_id: str
     #: The token sampled this step; ``None`` for a rejected or aborted
@@ -117,10 +120,13 @@ class StepEngine:
         completes its sequence, in step order (``None``: no token ids)."""
         raise NotImplementedError
 
-    def sampled(self, state: SequenceState, token_id: int) -> str | None:
-        """``state``'s request sampled ``token_id``: keep it; return
-        ``"stop"`` if it ends the request."""
-        return None
+    def sampled(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> Collection[int]:
+        """The requests of ``states`` (a step's chunks that complete their
+        sequence, in step order) sampled ``token_ids``, one each: keep
+        them; return the positions in ``states`` of those whose token ends
+        the request (``stop``). Called once a step, before the outputs are
+        applied."""
+        return ()
 
     def generated_ids(self, state: SequenceState) -> Sequence[int] | None:
         """The token ids ``state``'s request generated, for the prefix cache
@@ -207,37 +213,68 @@ class StepEngine:
     def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
         """Apply what ``step`` computed at ``now``: each chunk's tokens are
         in KV; a chunk that completes its sequence brings one token (from
-        ``tokens``, in step order), the first stamps ``first_token_s``; a
-        finished prefill caches the prompt's blocks for the requests that
-        share them; a request ends at a stop token or at its
-        ``output_tokens`` (``length``), cached and released. Returns an
-        output per token sampled, or with no token ids (``tokens`` is
-        ``None``: nothing to stream) per request that ended."""
-        rt, running, outputs = self.rt, self.running, []
-        sampled = None if tokens is None else iter(tokens)
+        ``tokens``, in step order, kept by :meth:`sampled`), the first
+        stamps ``first_token_s``; a finished prefill caches the prompt's
+        blocks for the requests that share them; a request ends at a stop
+        token or at its ``output_tokens`` (``length``), cached and released.
+        Returns an output per token sampled, or with no token ids
+        (``tokens`` is ``None``: nothing to stream) per request that ended,
+        in step order."""
+        if step.all_decode:
+            return self._apply_decodes(step.states, tokens, now)
+        rt, outputs = self.rt, []
+        if tokens is None:
+            sampled, stops = repeat(None), frozenset()
+        else:
+            completing = [state for state, completes in zip(step.states, step.completes) if completes]
+            sampled, stops = iter(tokens), frozenset(self.sampled(completing, tokens))
+        k = -1  # the position of the chunk among those that complete their sequence
         for state, n, prefill, completes in zip(step.states, step.num_new, step.prefill, step.completes):
             state.num_computed_tokens += n
             if not completes:
                 continue  # a prefill chunk that is not the last
+            k += 1
             num_output = state.num_output_tokens + 1
             state.num_output_tokens = num_output
             if state.first_token_s is None:
                 state.first_token_s = now
-            token = reason = None
-            if sampled is not None:
-                token = next(sampled)
-                reason = self.sampled(state, token)
+            token = next(sampled)
             if prefill:
                 rt.cache(state, self.generated_ids(state))
-            if reason is None:
-                if num_output < state.request.output_tokens:
-                    if sampled is not None:
-                        outputs.append(StepOutput(state.request_id, token, False))
-                    continue
-                reason = "length"
-            state.finish_s = now
-            running.remove(state)
-            outcome = rt.finish(state, self.generated_ids(state))
-            self._end(state)
-            outputs.append(StepOutput(state.request_id, token, True, reason, outcome))
+            if stops and k in stops:
+                outputs.append(self._finish(state, token, "stop", now))
+            elif num_output < state.request.output_tokens:
+                if token is not None:
+                    outputs.append(StepOutput(state.request_id, token, False))
+            else:
+                outputs.append(self._finish(state, token, "length", now))
         return outputs
+
+    def _apply_decodes(self, states: list[SequenceState], tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
+        """:meth:`apply_outputs` of a step of decodes only (``PackedStep.all_decode``),
+        as most steps are: each sequence computed one token and sampled the next."""
+        outputs: list[StepOutput] = []
+        append = outputs.append
+        stops = frozenset(self.sampled(states, tokens)) if tokens is not None else frozenset()
+        for k, state, token in zip(count(), states, repeat(None) if tokens is None else tokens):
+            state.num_computed_tokens += 1
+            num_output = state.num_output_tokens = state.num_output_tokens + 1
+            if state.first_token_s is None:
+                state.first_token_s = now
+            request = state.request
+            if stops and k in stops:
+                append(self._finish(state, token, "stop", now))
+            elif num_output < request.output_tokens:
+                if token is not None:
+                    append(StepOutput(request.request_id, token, False))
+            else:
+                append(self._finish(state, token, "length", now))
+        return outputs
+
+    def _finish(self, state: SequenceState, token: int | None, reason: str, now: float) -> StepOutput:
+        """``state``'s request ends at ``now`` with ``reason``: its blocks cached and released."""
+        state.finish_s = now
+        self.running.remove(state)
+        outcome = self.rt.finish(state, self.generated_ids(state))
+        self._end(state)
+        return StepOutput(state.request_id, token, True, reason, outcome)

@@ -6,6 +6,8 @@ after the scheduling passes have ordered the queues."""
 
 from __future__ import annotations
 
+from operator import mul
+
 from attrs import frozen
 
 from sagellm_core.runtime import Runtime, blocks_for
@@ -48,6 +50,7 @@ class PackedStep:
         "context",
         "prefill",
         "completes",
+        "all_decode",
         "num_batched_tokens",
         "attention_pairs",
         "kv_tokens",
@@ -66,6 +69,9 @@ class PackedStep:
         #: The chunk computes the sequence's last missing token: the step
         #: samples one token for it.
         self.completes: list[bool] = []
+        #: Every chunk is a decode: one token of a sequence whose prompt
+        #: (and recomputed output) is in KV, which the step samples.
+        self.all_decode = False
         self.num_batched_tokens = 0
         #: Sum over chunks of the (query, key) pairs their new tokens attend
         #: to, causally: ``n * ctx + n * (n + 1) / 2``, an integer for every
@@ -82,17 +88,27 @@ class PackedStep:
         self.rejected: list[SequenceState] = []
 
     def _drop(self, state: SequenceState) -> int:
-        """Take ``state``'s chunk (if any) out of the step; return its tokens."""
+        """Take ``state``'s chunk (if any) out of the step's columns; return
+        its tokens (the totals are summed from the columns once packed)."""
         for i, scheduled in enumerate(self.states):
             if scheduled is state:
-                n, context = self.num_new[i], self.context[i]
+                n = self.num_new[i]
                 for column in (self.states, self.num_new, self.context, self.prefill, self.completes):
                     del column[i]
-                self.num_batched_tokens -= n
-                self.attention_pairs -= n * context + n * (n + 1) // 2
-                self.kv_tokens -= context + n
                 return n
         return 0
+
+    def _sum(self) -> None:
+        """The step's totals from its columns."""
+        num_new, context = self.num_new, self.context
+        tokens = sum(num_new)
+        self.num_batched_tokens = tokens
+        self.kv_tokens = sum(context) + tokens
+        self.all_decode = 0 < tokens == len(num_new) and not any(self.prefill)
+        if self.all_decode:  # each chunk attends to its context and itself
+            self.attention_pairs = self.kv_tokens
+        else:
+            self.attention_pairs = sum(map(mul, num_new, context)) + sum(n * (n + 1) // 2 for n in num_new)
 
     def plan(self) -> StepPlan:
         return StepPlan(
@@ -128,12 +144,13 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     preempted: list[SequenceState] = []
     gone: set[int] = set()  # id() of the states preempted so far in this step
     # The loop runs once per running sequence per step: SequenceState's
-    # num_tokens and in_prefill, Runtime.grow's test of whether a new block
-    # is needed, and the step's totals are computed in line (most running
-    # sequences decode, and fill a block only every block_size steps).
-    tokens = pairs = kv_tokens = 0
-    add_state, add_new, add_context = states.append, num_new.append, contexts.append
-    add_prefill, add_completes = prefills.append, completes.append
+    # num_tokens and in_prefill, and Runtime.grow's test of whether a new
+    # block is needed, are computed in line. A decode in a block with room,
+    # as most are, is its state and context alone: the columns that are the
+    # same for every decode (one token, not a prefill, sampled) are filled
+    # in bulk where another chunk follows, and at the end; the step's
+    # totals are summed from the columns once (PackedStep._sum).
+    add_state, add_context = states.append, contexts.append
     for state in tuple(running):
         if gone and id(state) in gone:
             continue  # preempted earlier in this step
@@ -141,18 +158,11 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         num_output = state.num_output_tokens
         num_tokens = len(state.request.prompt_token_ids) + num_output
         if num_tokens - context == 1 and budget > 0 and num_output and context < len(state.block_ids) * block_size:
-            # A decode in a block with room, as most are: one token, no new
-            # block, not a prefill, and the step samples for it.
             add_state(state)
-            add_new(1)
             add_context(context)
-            add_prefill(False)
-            add_completes(True)
-            tokens += 1
-            pairs += context + 1
-            kv_tokens += context + 1
             budget -= 1
             continue
+        _fill_decodes(step)
         n = num_tokens - context
         if n > budget:
             n = budget
@@ -161,7 +171,6 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         if n <= 0:
             continue
         if context + n > len(state.block_ids) * block_size:
-            step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
             while not rt.grow(state, n):
                 victim = rt.select_preemption(running, state)
                 running.remove(victim)
@@ -171,20 +180,16 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
                 budget += step._drop(victim)
                 if victim is state:
                     break
-            tokens, pairs, kv_tokens = step.num_batched_tokens, step.attention_pairs, step.kv_tokens
             if gone and id(state) in gone:
                 continue
             # The preemptions reset only their victims: context and num_tokens stand.
         add_state(state)
-        add_new(n)
+        num_new.append(n)
         add_context(context)
-        add_prefill(num_output == 0 or context < num_tokens - 1)
-        add_completes(context + n == num_tokens)
-        tokens += n
-        pairs += n * context + n * (n + 1) // 2
-        kv_tokens += context + n
+        prefills.append(num_output == 0 or context < num_tokens - 1)
+        completes.append(context + n == num_tokens)
         budget -= n
-    step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
+    _fill_decodes(step)
     step.running = running
     never_fits = None
     if preempted:
@@ -193,6 +198,7 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         step.waiting = preempted[::-1] + list(ir.waiting)
     else:
         never_fits, refused = _admit(rt, ir, step, budget)
+    step._sum()
     if not states and step.waiting and not step.rejected:
         # Nothing runs, and the request that stopped admission never will.
         if never_fits is None and step.deferred:
@@ -203,6 +209,15 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         rt.reject(stuck, reason)
         step.rejected.append(stuck)
     return step
+
+
+def _fill_decodes(step: PackedStep) -> None:
+    """The columns of the decodes added since the last chunk of another kind."""
+    k = len(step.states) - len(step.num_new)
+    if k:
+        step.num_new.extend([1] * k)
+        step.prefill.extend([False] * k)
+        step.completes.extend([True] * k)
 
 
 def _admit(
@@ -217,7 +232,6 @@ def _admit(
     refused, where admission stopped at one."""
     decide = rt.decide_admission if rt.decides_admission else None
     running, block_size, limits = step.running, rt.block_size, ir.chunk_limits
-    tokens, pairs, kv_tokens = step.num_batched_tokens, step.attention_pairs, step.kv_tokens
     admitted = 0
     never_fits = refused = None
     held = False
@@ -252,13 +266,9 @@ def _admit(
         step.context.append(context)
         step.prefill.append(True)
         step.completes.append(context + n == num_prompt + state.num_output_tokens)
-        tokens += n
-        pairs += n * context + n * (n + 1) // 2
-        kv_tokens += context + n
         budget -= n
         running.append(state)
         admitted += 1
-    step.num_batched_tokens, step.attention_pairs, step.kv_tokens = tokens, pairs, kv_tokens
     if held or step.deferred or step.rejected:  # the admitted are not the queue's head: keep the rest in order
         gone = {id(s) for s in step.rejected}.union(map(id, running[len(running) - admitted :]))
         step.waiting = [s for s in ir.waiting if id(s) not in gone]

@@ -91,11 +91,12 @@ def checked_replay(
     real_pack, real_drop = step_scheduler.pack, step_scheduler.PackedStep._drop
 
     def drop(step, state):
-        totals = (step.num_batched_tokens, step.attention_pairs, step.kv_tokens)
+        scheduled = [s is state for s in step.states]
+        chunk = step.num_new[scheduled.index(True)] if any(scheduled) else 0
         n = real_drop(step, state)
-        if n:
-            seen["chunks_taken_back"] += 1
-            assert totals[0] - n == step.num_batched_tokens == sum(step.num_new)
+        assert n == chunk and all(s is not state for s in step.states)
+        assert len(step.states) == len(step.num_new) == len(step.context) == len(step.prefill) == len(step.completes)
+        seen["chunks_taken_back"] += bool(n)
         return n
 
     cost = CostModel(HARDWARE["h100"], MODELS["llama-3.1-8b"])
@@ -141,6 +142,7 @@ def checked_replay(
             assert not admitted_now  # as vLLM: no admissions in a step that preempts
             assert set(map(id, step.waiting[: len(preempted)])) == set(map(id, preempted))  # at the front
         assert step.num_batched_tokens == sum(step.num_new) <= ir.token_budget
+        assert step.all_decode == (bool(step.states) and not any(step.prefill) and set(step.num_new) == {1})
         plan = step.plan()
         assert [c.request_id for c in plan.chunks] == [s.request_id for s in step.states]
         totals = (step.num_batched_tokens, step.attention_pairs, step.kv_tokens)

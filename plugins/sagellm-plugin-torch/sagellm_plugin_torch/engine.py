@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import count
 
 import attrs
 import torch
@@ -180,6 +181,12 @@ class EngineCore(StepEngine):
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self._seqs: dict[str, _Sequence] = {}
+        #: The last step's states, and their sequences, request ids and
+        #: whether every one samples plainly greedy (the runner's argmax).
+        self._step_states: list[SequenceState] = []
+        self._step_seqs: list[_Sequence] = []
+        self._step_ids: list[str] = []
+        self._step_greedy = True
         self.generated_tokens = 0
         start = time.perf_counter()
         self._clock = clock or (lambda: time.perf_counter() - start)
@@ -235,29 +242,38 @@ class EngineCore(StepEngine):
         start = time.perf_counter()
         runner = self.runner
         inputs = runner.begin_step()
-        row_of = runner.tables.row
-        seqs = [self._seqs[state.request_id] for state in step.states]
+        states = step.states
         # The step's lists, not chunk objects: at a batch of hundreds, a
         # Python object per sequence per step is a share of the step's time.
-        context = step.context
-        if all(n == 1 for n in step.num_new) and all(c == len(s.tokens) - 1 for c, s in zip(context, seqs)):
-            # Decodes only, as most steps are: the inputs written column by column.
-            rows = [row_of(s.state.request_id, s.state.block_ids) for s in seqs]
-            inputs.add_decodes([s.tokens[-1] for s in seqs], context, rows)
-            sampled = seqs
+        # A decode step mostly runs the sequences of the one before, in the
+        # same order: their sequences (and request ids) are the last step's.
+        if states != self._step_states:  # SequenceState compares by identity: a C loop
+            self._step_seqs = [self._seqs[state.request_id] for state in states]
+            self._step_ids = [seq.state.request.request_id for seq in self._step_seqs]
+            self._step_greedy = all(seq.plain_greedy for seq in self._step_seqs)
+        self._step_states = states  # (the same states, this step's list: what sampled() is given)
+        seqs = self._step_seqs
+        if step.all_decode:
+            # Decodes only, as most steps are: the inputs written column by
+            # column (each sequence's context is its tokens but the last).
+            rows = runner.tables.rows(self._step_ids, [state.block_ids for state in states])
+            inputs.add_decodes([seq.tokens[-1] for seq in seqs], step.context, rows)
+            sampled, greedy_only = seqs, self._step_greedy
         else:
             sampled = []
-            for seq, first, n, sample in zip(seqs, context, step.num_new, step.completes):
+            row_of = runner.tables.row
+            for seq, first, n, sample in zip(seqs, step.context, step.num_new, step.completes):
                 inputs.add(seq.tokens, first, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
                 if sample:
                     sampled.append(seq)
+            greedy_only = all(seq.plain_greedy for seq in sampled)
         logits, greedy = runner.execute()
-        if all(seq.plain_greedy for seq in sampled):
+        if greedy_only:
             self._step_logprobs = []
             next_tokens = greedy.tolist()  # the step's one synchronisation
         else:
             next_tokens, self._step_logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
-        if self.costs is not None and sampled is not seqs:  # a step with a prompt chunk: what recompute costs
+        if self.costs is not None and not step.all_decode:  # a step with a prompt chunk: what recompute costs
             self.costs.prefilled(sum(step.num_new), time.perf_counter() - start)
         return next_tokens
 
@@ -267,14 +283,16 @@ class EngineCore(StepEngine):
             outputs = [o if lp is None else attrs.evolve(o, logprobs=lp) for o, lp in zip(outputs, self._step_logprobs)]
         return outputs
 
-    def sampled(self, state: SequenceState, token_id: int) -> str | None:
-        seq = self._seqs[state.request_id]
-        seq.tokens.append(token_id)
-        seq.generated.append(token_id)
-        self.generated_tokens += 1
-        if seq.stops and token_id in seq.stops:
-            return "stop"
-        return None
+    def sampled(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> list[int]:
+        seqs = self._step_seqs if states is self._step_states else [self._seqs[s.request_id] for s in states]
+        stops = []
+        for k, seq, token in zip(count(), seqs, token_ids):
+            seq.tokens.append(token)
+            seq.generated.append(token)
+            if seq.stops and token in seq.stops:
+                stops.append(k)
+        self.generated_tokens += len(token_ids)
+        return stops
 
     # ---------------------------------------------------------- one-shot --
 
