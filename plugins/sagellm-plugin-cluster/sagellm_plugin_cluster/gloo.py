@@ -324,10 +324,10 @@ class DecodePuller(OfferReader):
             return (TransferStatus.EXPIRED if offered == "expired" else TransferStatus.FAILED), 0
         num_blocks, bytes_per_block = offer
         if bytes_per_block != self.kv.bytes_per_block:  # another model or layout: its bytes are not our KV
-            return (TransferStatus.FAILED if self._decline(key, offered) else TransferStatus.EXPIRED), 0
+            return (TransferStatus.FAILED if self.decline(key, offered) else TransferStatus.EXPIRED), 0
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
-            declined = self._decline(key, offered)
+            declined = self.decline(key, offered)
             if landing is None:
                 return (TransferStatus.FAILED if declined else TransferStatus.EXPIRED), 0
             self._landing = None  # this instance holds every block: the lease's outcome does not matter
@@ -339,7 +339,7 @@ class DecodePuller(OfferReader):
         count, epoch = len(landing.block_ids), self.epoch
         claim = f"pull {landing.start} {count} {epoch}"
         if self.store.compare_set(key, offered, claim).decode() != claim:
-            self._decline(key, offered)  # the value is "expired": read, deleted
+            self.decline(key, offered)  # the value is "expired": read, deleted
             return TransferStatus.EXPIRED, 0
         self._claimed = True
         if self.faults.get(rid) == "exit-after-claim":
@@ -360,11 +360,3 @@ class DecodePuller(OfferReader):
         self._landing = None
         landing.land()
         return TransferStatus.DONE, count
-
-    def _decline(self, key: str, offered: str) -> bool:
-        """Give the lease back unsent; False if its deadline ended it first
-        (``expired``, then deleted: this side read it last)."""
-        value = self.store.compare_set(key, offered, "declined").decode()
-        if value == "expired":
-            self.store.delete_key(key)
-        return value == "declined"

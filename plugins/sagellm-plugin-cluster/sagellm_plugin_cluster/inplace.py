@@ -393,10 +393,10 @@ class DecodePuller(OfferReader):
             or bytes_per_block != self.kv.bytes_per_block
             or peer.fingerprint != self.kv.fingerprint  # another model or layout: its bytes are not our KV
         ):
-            return (TransferStatus.FAILED if self._decline(key, offered) else TransferStatus.EXPIRED), 0
+            return (TransferStatus.FAILED if self.decline(key, offered) else TransferStatus.EXPIRED), 0
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
-            declined = self._decline(key, offered)
+            declined = self.decline(key, offered)
             if landing is None:
                 return (TransferStatus.FAILED if declined else TransferStatus.EXPIRED), 0
             self._landing = None  # this instance holds every block: the lease's outcome does not matter
@@ -409,7 +409,7 @@ class DecodePuller(OfferReader):
         count = len(landing.block_ids)
         claim = f"read {landing.start} {count} {self.epoch}"
         if self.store.compare_set(key, offered, claim).decode() != claim:
-            self._decline(key, offered)  # the value is "expired" (read, deleted) or a newer claim
+            self.decline(key, offered)  # the value is "expired" (read, deleted) or a newer claim
             return TransferStatus.EXPIRED, 0
         self._claim = claim
         if fault == "exit-after-claim":
@@ -427,20 +427,12 @@ class DecodePuller(OfferReader):
             # The deadline ended the lease first (or a later decode process took
             # the claim over): the blocks read may have been reused since.
             self._claim = None
-            self._decline(key, claim)  # deletes "expired", read
+            self.decline(key, claim)  # deletes "expired", read
             return TransferStatus.EXPIRED, 0
         self._claim = None
         self._landing = None
         landing.land()
         return TransferStatus.DONE, count
-
-    def _decline(self, key: str, offered: str) -> bool:
-        """Give the lease back unread; False if its deadline ended it first
-        (``expired``, then deleted: this side read it last)."""
-        value = self.store.compare_set(key, offered, "declined").decode()
-        if value == "expired":
-            self.store.delete_key(key)
-        return value == "declined"
 
     def _read(
         self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, fault: str | None

@@ -183,6 +183,15 @@ class OfferReader:
         offer = parse_offer(self.store.get(key).decode()) if self.store.check([key]) else None
         return offer[0] if offer is not None else 0
 
+    def decline(self, key: str, offered: str) -> bool:
+        """Give the lease at ``key`` back untaken (its value ``offered``, as
+        this side last read it); False if the lease's deadline ended it
+        first (``expired``, then deleted: this side read it last)."""
+        value = self.store.compare_set(key, offered, "declined").decode()
+        if value == "expired":
+            self.store.delete_key(key)
+        return bool(value == "declined")
+
     def wait_for_offer(self, request: Request, timeout_s: float) -> bool:
         """Wait until the prefill side has answered for ``request`` (an offer
         or none): the hand-over a front makes before the decode side's pull
