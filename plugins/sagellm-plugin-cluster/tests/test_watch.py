@@ -13,11 +13,15 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sagellm_plugin_cluster import clusterfile
-from sagellm_plugin_cluster.launcher import LiveRouter, RunningInstance, Watch
 
-from sagellm_core.drivers.placement import InstanceCommand, LocalProcesses
-from sagellm_core.types import InstanceLoad, Request
+# The launcher is the `serve` extra's (it checks an instance's health with httpx).
+pytest.importorskip("httpx")
+
+from sagellm_plugin_cluster import clusterfile  # noqa: E402
+from sagellm_plugin_cluster.launcher import LiveRouter, RunningInstance, Watch  # noqa: E402
+
+from sagellm_core.drivers.placement import InstanceCommand, LocalProcesses  # noqa: E402
+from sagellm_core.types import InstanceLoad, Request  # noqa: E402
 
 INSTANCE = """
 [engine]
