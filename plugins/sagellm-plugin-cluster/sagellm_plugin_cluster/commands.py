@@ -88,13 +88,20 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
         )
     # The front computes the prompts' block keys as the instances do: their tokenizer, their prefix cache.
     keys = PromptKeys.of_instance(spec.instances[0].settings)
+
     # uvicorn stops on SIGTERM, then raises it again with the handler it
     # found: the default one would end this process before the instances,
     # and so would a SIGTERM while they start (the launcher stops them on
     # the SystemExit).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    def on_sigterm(*_: object) -> None:
+        sys.exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     launcher = Launcher(spec, args.log_level, None if store is None else store.port)
     running = launcher.start()
+    # Again: a placement may have put its own in (Ray's driver exits with the
+    # signal's bare number), and the exit status says the signal ended it.
+    signal.signal(signal.SIGTERM, on_sigterm)
     watch = Watch(running)
     try:
         members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
