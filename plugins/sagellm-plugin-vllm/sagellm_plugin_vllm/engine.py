@@ -19,7 +19,9 @@ prefix-cache hits as ``block_hit_rate``, host-tier hits loaded back by
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,9 +53,17 @@ class VllmEngineSettings:
     host_blocks: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
 
 
+#: One model folder per ``max_model_len`` in a process, removed at exit:
+#: a scheduler is built per replay, and a folder each left one behind each time.
+_MODEL_DIRS: dict[int, str] = {}
+
+
 def model_dir(max_model_len: int) -> str:
     """A model folder vLLM can configure from without weights or a hub."""
+    if max_model_len in _MODEL_DIRS:
+        return _MODEL_DIRS[max_model_len]
     folder = Path(tempfile.mkdtemp(prefix="sagellm-vllm-model-"))
+    atexit.register(shutil.rmtree, folder, True)
     (folder / "config.json").write_text(
         json.dumps(
             {
@@ -69,6 +79,7 @@ def model_dir(max_model_len: int) -> str:
             }
         )
     )
+    _MODEL_DIRS[max_model_len] = str(folder)
     return str(folder)
 
 
