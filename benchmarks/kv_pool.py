@@ -389,6 +389,19 @@ def contiguity(args) -> None:
                 ("kv_pool", "min_steps_between"): 1,
             },
         ),
+        *(
+            (f"runs, reserve {blocks}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): blocks})
+            for blocks in (8, 24, 48)
+        ),
+        (
+            "runs, reserve 48 predicted",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "reserve"): 48,
+                ("kv_pool", "reserve_predicted"): True,
+                ("lifetime", "plugin"): "online",
+            },
+        ),
         (
             "runs, gather every step",
             {
