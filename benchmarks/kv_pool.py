@@ -353,6 +353,11 @@ def walled_in(starts, ends, movable, num_blocks: int) -> int:
     )
 
 
+#: A reserving row whose runtime does not keep the reserved blocks free: an
+#: allocation takes them when the other free blocks run short, before any eviction.
+NOT_KEPT = "taken before eviction"
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -366,9 +371,10 @@ def contiguity(args) -> None:
         " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
         " fragmentation of runs freed in the step (mean) |"
         " free blocks outside the longest free run, of the pool (mean) | 1 - longest free run / free blocks (mean) |"
-        " fragmentation of the walled-in free runs (mean) |"
+        " fragmentation of the walled-in free runs (mean) | reserved blocks, of the pool (mean) |"
+        " block hit rate | preemptions |"
     )
-    print("|---|" + "---:|" * 17)
+    print("|---|" + "---:|" * 20)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
@@ -393,6 +399,7 @@ def contiguity(args) -> None:
             (f"runs, reserve {blocks}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): blocks})
             for blocks in (8, 24, 48)
         ),
+        (f"runs, reserve 24, {NOT_KEPT}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24}),
         (
             "runs, reserve 48 predicted",
             {
@@ -420,6 +427,10 @@ def contiguity(args) -> None:
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
         engine, engine_settings = build_engine(settings)
         rt = session.build_runtime(settings, engine)
+        reserving = pool.get(("kv_pool", "reserve"), 0) > 0
+        check(label, rt.reserves == reserving, f"the runtime keeps reserved blocks free: {rt.reserves}")
+        if NOT_KEPT in label:  # the reservations only: others take them before any eviction
+            rt.reserves = False
         counts, own, sizes = [], [], []
         finish = rt.finish
 
@@ -443,17 +454,21 @@ def contiguity(args) -> None:
         # steps sampled, of which with at most one free block, the fresh runs' fragmentation,
         # the free blocks outside the longest free run over the pool, one less the longest run over the free blocks
         # and the walled-in runs' fragmentation (below)
-        tally = [0, 0, 0.0, 0.0, 0.0, 0.0]
+        tally = [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        kv_pool = rt.host.plugins["kv_pool"][0].instance
 
-        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label):
+        def sampling(
+            recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label, kv_pool=kv_pool
+        ):
             real_sample(recorder, rt, now_s, usage)
             tally[0] += 1
+            tally[6] += getattr(kv_pool, "_num_reserved", 0) / rt.num_blocks
             if usage.num_free_blocks <= 1:
                 tally[1] += 1
             else:  # runs made only of blocks the step freed: no compaction before the step reaches them
                 fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
                 tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
-                bits = free_bitmap(rt.host.plugins["kv_pool"][0].instance, rt.num_blocks)
+                bits = free_bitmap(kv_pool, rt.num_blocks)
                 starts, ends = free_runs(bits)
                 check(label, len(starts) == usage.num_free_runs, "the pool's bitmap disagrees with its usage")
                 longest = int((ends - starts).max())
@@ -481,13 +496,15 @@ def contiguity(args) -> None:
         check(
             label, tally[0] == recorder.used_block_samples, f"{tally[0]} samples seen of {recorder.used_block_samples}"
         )
+        check(label, (tally[6] > 0) == reserving, f"reserved blocks, of the pool (mean) {tally[6] / tally[0]:.5f}")
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
             f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
             f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} | {tally[3] / tally[0]:.5f} |"
-            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} |",
+            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} | {tally[6] / tally[0]:.5f} |"
+            f" {r['block_hit_rate']:.4f} | {r['preemptions']:,} |",
             flush=True,
         )
     print()

@@ -220,7 +220,7 @@ class RunsPool:
                     need -= len(final)
         while need:
             if not by_length:  # every free block is set aside: take from the end of the largest reservation
-                ids.extend(self._take_others(need))
+                ids.extend(self._take_others(need, ids[-1] if ids else tail))
                 break
             at = by_length.bisect_left((need, -1))
             length, start = by_length[at] if at < len(by_length) else by_length[-1]
@@ -250,15 +250,18 @@ class RunsPool:
     def _last_piece(self, request_id: str, need: int, room: int) -> range | None:
         """Of ``need`` blocks for ``request_id``, take the last piece from the
         smallest free run with more than ``room`` blocks that no other request
-        grows into, and set aside the ``room`` after it: as much of ``need`` as
-        leaves ``room``, and more where the other runs hold too few. ``None``
-        where no run is that long."""
+        grows into (else the longest free run, where no request grows into
+        it), and set aside the blocks after it, ``room`` at most: as much of
+        ``need`` as leaves ``room``, one block at least, and more where the
+        other runs hold too few. ``None`` where there is no such run."""
         start = self._room_for(1, room)
         if start is None:
-            return None
+            if not self._by_length or self._tails.is_tail(self._by_length[-1][1] - 1):
+                return None
+            start = self._by_length[-1][1]
         length = self._length[start]
         others = self._num_free - self._num_reserved - length
-        count = min(length, max(min(need, length - room), need - others))
+        count = min(length, max(min(need, length - room), need - others, 1))
         piece = self._take(start, count)
         if count < length:
             self._set_aside(request_id, start + count, room)
@@ -281,8 +284,9 @@ class RunsPool:
         self._num_reserved -= count
         return self._mark_taken(start, count, follows)
 
-    def _take_others(self, need: int) -> list[int]:
-        """``need`` blocks set aside for other requests, the last of the largest reservation first."""
+    def _take_others(self, need: int, last: int | None) -> list[int]:
+        """``need`` blocks set aside for other requests, the last of the
+        largest reservation first (``last``: the block they follow)."""
         ids: list[int] = []
         while need:
             owner, (start, length) = max(self._reserved.items(), key=lambda item: item[1][1])
@@ -292,8 +296,9 @@ class RunsPool:
             else:
                 self._reserved[owner] = (start, length - count)
             self._num_reserved -= count
-            ids.extend(self._mark_taken(start + length - count, count, False))
-            need -= count
+            first = start + length - count
+            ids.extend(self._mark_taken(first, count, last == first - 1))
+            last, need = ids[-1], need - count
         return ids
 
     def _drop_reservation(self, request_id: str) -> None:
