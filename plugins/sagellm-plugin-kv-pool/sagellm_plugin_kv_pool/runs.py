@@ -16,6 +16,15 @@ length, last block -> start, and the runs sorted by length):
   grows into (a run not right after another request's last block), so that
   it grows in place from there, and what it frees when it finishes is one
   run (best fit when there is none);
+* with ``reserve = k`` (above 0), an allocation for a request that needs
+  more than it has set aside puts its last piece where free blocks are left
+  after it (the smallest free run longer than ``k``, else the longest) and
+  sets up to ``k`` of them aside for the request: it grows into them in
+  place, and others take them only when no other block is free. The pool
+  tells the runtime how many it keeps (``sagellm_reserved_blocks``), which
+  evicts cached blocks to keep them free. A reservation goes back when its
+  request ends (``sagellm_request_finished``), lets its blocks go
+  (``sagellm_blocks_released``) or frees its last block;
 * a free merges each run of freed ids with the free runs on either side;
 * with ``compact = true``, once a step (``sagellm_plan_compaction``) while
   the free blocks are more fragmented than ``max_fragmentation``
