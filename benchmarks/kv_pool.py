@@ -24,13 +24,16 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   ``--alone-blocks``): the memory floor of their TTFT.
 * ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
   with compaction (islands; gathering; whole pieces), ``runs`` with room
-  to grow, and ``buddy``: the pieces
+  to grow, ``runs`` with reservations (fixed, or sized by the ``online``
+  prediction; and one row whose runtime does not keep them free), and
+  ``buddy``: the pieces
   (runs of adjacent ids) of each request's blocks when it finishes, the
   free blocks' fragmentation, the blocks compaction moved, allocation
   latency; what of the fragmentation no compaction before a step
   reaches (the runs made only of the step's own frees); the free blocks
-  outside the longest free run; and the fragmentation of the free runs
-  walled in by blocks that requests hold.
+  outside the longest free run; the fragmentation of the free runs
+  walled in by blocks that requests hold; the reserved blocks' share of
+  the pool, the block hit rate and the preemptions.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
