@@ -400,7 +400,7 @@ def contiguity(args) -> None:
         ),
         *(
             (f"runs, reserve {blocks}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): blocks})
-            for blocks in (8, 24, 48)
+            for blocks in (24, 48)
         ),
         (f"runs, reserve 24, {NOT_KEPT}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24}),
         (
