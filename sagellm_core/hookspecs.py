@@ -163,12 +163,10 @@ def sagellm_pool_usage() -> PoolUsage | None:
 
 @hookspec(firstresult=True)
 def sagellm_reserved_blocks(num_blocks: int, request: Request | None) -> int | None:
-    """Optional: how many free blocks the pool sets aside for requests to
-    grow into (reservations) once it has taken ``num_blocks`` for
-    ``request``. Asked before each allocation; the runtime evicts cached
-    blocks to keep these free as well, and where eviction cannot, allocates
-    all the same (a reservation never refuses an allocation: the pool then
-    takes reserved blocks)."""
+    """Optional: the free blocks the pool sets aside for requests to grow into
+    once it has taken ``num_blocks`` for ``request``. Asked before each
+    allocation; the runtime evicts cached blocks to keep them free too, and
+    where it cannot, allocates all the same (the pool takes reserved blocks)."""
 
 
 @hookspec(firstresult=True)
