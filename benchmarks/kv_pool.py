@@ -24,13 +24,16 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   ``--alone-blocks``): the memory floor of their TTFT.
 * ``contiguity``: a timed replay with ``paged`` against ``runs``, ``runs``
   with compaction (islands; gathering; whole pieces), ``runs`` with room
-  to grow, and ``buddy``: the pieces
+  to grow, ``runs`` with reservations (fixed, or sized by the ``online``
+  prediction; and one row whose runtime does not keep them free), and
+  ``buddy``: the pieces
   (runs of adjacent ids) of each request's blocks when it finishes, the
   free blocks' fragmentation, the blocks compaction moved, allocation
   latency; what of the fragmentation no compaction before a step
   reaches (the runs made only of the step's own frees); the free blocks
-  outside the longest free run; and the fragmentation of the free runs
-  walled in by blocks that requests hold.
+  outside the longest free run; the fragmentation of the free runs
+  walled in by blocks that requests hold; the reserved blocks' share of
+  the pool, the block hit rate and the preemptions.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
@@ -353,6 +356,11 @@ def walled_in(starts, ends, movable, num_blocks: int) -> int:
     )
 
 
+#: A reserving row whose runtime does not keep the reserved blocks free: an
+#: allocation takes them when the other free blocks run short, before any eviction.
+NOT_KEPT = "taken before eviction"
+
+
 def contiguity(args) -> None:
     from sagellm_core.drivers.engines import build_engine
 
@@ -366,9 +374,10 @@ def contiguity(args) -> None:
         " compaction plan p50 (µs) | wall (s) | steps with at most one free block |"
         " fragmentation of runs freed in the step (mean) |"
         " free blocks outside the longest free run, of the pool (mean) | 1 - longest free run / free blocks (mean) |"
-        " fragmentation of the walled-in free runs (mean) |"
+        " fragmentation of the walled-in free runs (mean) | reserved blocks, of the pool (mean) |"
+        " block hit rate | preemptions |"
     )
-    print("|---|" + "---:|" * 17)
+    print("|---|" + "---:|" * 20)
     pools = [
         ("paged", {("kv_pool", "plugin"): "paged"}),
         ("runs", {("kv_pool", "plugin"): "runs"}),
@@ -389,6 +398,20 @@ def contiguity(args) -> None:
                 ("kv_pool", "min_steps_between"): 1,
             },
         ),
+        *(
+            (f"runs, reserve {blocks}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): blocks})
+            for blocks in (24, 48)
+        ),
+        (f"runs, reserve 24, {NOT_KEPT}", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24}),
+        (
+            "runs, reserve 48 predicted",
+            {
+                ("kv_pool", "plugin"): "runs",
+                ("kv_pool", "reserve"): 48,
+                ("kv_pool", "reserve_predicted"): True,
+                ("lifetime", "plugin"): "online",
+            },
+        ),
         (
             "runs, gather every step",
             {
@@ -407,6 +430,10 @@ def contiguity(args) -> None:
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
         engine, engine_settings = build_engine(settings)
         rt = session.build_runtime(settings, engine)
+        reserving = pool.get(("kv_pool", "reserve"), 0) > 0
+        check(label, rt.reserves == reserving, f"the runtime keeps reserved blocks free: {rt.reserves}")
+        if NOT_KEPT in label:  # the reservations only: others take them before any eviction
+            rt.reserves = False
         counts, own, sizes = [], [], []
         finish = rt.finish
 
@@ -430,17 +457,21 @@ def contiguity(args) -> None:
         # steps sampled, of which with at most one free block, the fresh runs' fragmentation,
         # the free blocks outside the longest free run over the pool, one less the longest run over the free blocks
         # and the walled-in runs' fragmentation (below)
-        tally = [0, 0, 0.0, 0.0, 0.0, 0.0]
+        tally = [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        kv_pool = rt.host.plugins["kv_pool"][0].instance
 
-        def sampling(recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label):
+        def sampling(
+            recorder, rt, now_s, usage, freed=freed, tally=tally, real_sample=real_sample, label=label, kv_pool=kv_pool
+        ):
             real_sample(recorder, rt, now_s, usage)
             tally[0] += 1
+            tally[6] += getattr(kv_pool, "_num_reserved", 0) / rt.num_blocks
             if usage.num_free_blocks <= 1:
                 tally[1] += 1
             else:  # runs made only of blocks the step freed: no compaction before the step reaches them
                 fresh = fresh_runs(freed, rt.ledger.in_use, rt.num_blocks)
                 tally[2] += min(usage.num_free_runs - 1, fresh) / (usage.num_free_blocks - 1)
-                bits = free_bitmap(rt.host.plugins["kv_pool"][0].instance, rt.num_blocks)
+                bits = free_bitmap(kv_pool, rt.num_blocks)
                 starts, ends = free_runs(bits)
                 check(label, len(starts) == usage.num_free_runs, "the pool's bitmap disagrees with its usage")
                 longest = int((ends - starts).max())
@@ -468,13 +499,15 @@ def contiguity(args) -> None:
         check(
             label, tally[0] == recorder.used_block_samples, f"{tally[0]} samples seen of {recorder.used_block_samples}"
         )
+        check(label, (tally[6] > 0) == reserving, f"reserved blocks, of the pool (mean) {tally[6] / tally[0]:.5f}")
         print(
             f"| {label} | {statistics.mean(counts):.2f} | {p99(counts)} | {statistics.mean(own):.2f} | {p99(own)} |"
             f" {statistics.mean(sizes):.1f} | {r['pool_fragmentation_mean']:.4f} | {r['pool_utilisation_mean']:.4f} |"
             f" {r['compaction']['moved_blocks']:,} | {hook_p50(r, 'sagellm_allocate_blocks')} |"
             f" {hook_p50(r, 'sagellm_free_blocks')} | {hook_p50(r, 'sagellm_plan_compaction')} | {wall:.2f} |"
             f" {tally[1] / tally[0]:.3f} | {tally[2] / tally[0]:.4f} | {tally[3] / tally[0]:.5f} |"
-            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} |",
+            f" {tally[4] / tally[0]:.4f} | {tally[5] / tally[0]:.4f} | {tally[6] / tally[0]:.5f} |"
+            f" {r['block_hit_rate']:.4f} | {r['preemptions']:,} |",
             flush=True,
         )
     print()

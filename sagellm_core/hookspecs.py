@@ -162,6 +162,14 @@ def sagellm_pool_usage() -> PoolUsage | None:
 
 
 @hookspec(firstresult=True)
+def sagellm_reserved_blocks(num_blocks: int, request: Request | None) -> int | None:
+    """Optional: the free blocks the pool sets aside for requests to grow into
+    once it has taken ``num_blocks`` for ``request``. Asked before each
+    allocation; the runtime evicts cached blocks to keep them free too, and
+    where it cannot, allocates all the same (the pool takes reserved blocks)."""
+
+
+@hookspec(firstresult=True)
 def sagellm_plan_compaction(movable: EvictionCandidates) -> tuple[tuple[int, int], ...] | None:
     """Optional: moves ``(src, dst)`` that rejoin runs of free blocks: the
     cached block ``src``, one of ``movable`` (no request holds them), to the

@@ -336,6 +336,16 @@ class PluginHost:
             return usage  # the common case, checked in line: this is called every step
         return self._checked("kv_pool", "sagellm_pool_usage", usage, checks.usage(usage, self.num_blocks))  # type: ignore[no-any-return]
 
+    def reserved_blocks(self, num_blocks: int, request: Request | None) -> int:
+        """The free blocks the pool sets aside once it has taken ``num_blocks`` for ``request`` (checked)."""
+        hook = "sagellm_reserved_blocks"
+        kept = self._call("kv_pool", hook, num_blocks=num_blocks, request=request)
+        if kept is None:
+            return 0
+        if type(kept) is not int or not 0 <= kept <= self.num_blocks:
+            raise self._bad("kv_pool", hook, f"returned {kept!r}, not a block count in 0..{self.num_blocks}")
+        return kept
+
     def allocate_blocks(self, num_blocks: int, request: Request | None) -> tuple[int, ...]:
         """Take ``num_blocks`` blocks from the pool (the caller made room),
         checked: exactly as many, distinct, in range, not in use."""

@@ -109,8 +109,9 @@ class Runtime:
         self.host = PluginHost(settings, self.ledger, self.counters, **kwargs)
         self.engine_owns = self.host.engine_owns
         self.stores = StoreTiers(self.host)
-        #: Whether the pool compacts (``compact``, once a step).
+        #: Whether the pool compacts (``compact``, once a step), and sets blocks aside (``sagellm_reserved_blocks``).
         self.compacts = compaction.compacts(self.host)
+        self.reserves = "kv_pool" not in self.engine_owns and self.host.observes("sagellm_reserved_blocks")
         self._now_s = 0.0
         if "kv_pool" in self.engine_owns:
             if self.stores:
@@ -368,7 +369,7 @@ class Runtime:
         # Before any eviction, so the policy never picks a locked block.
         self.blocks_touched(match.blocks)
         try:
-            fits = need <= plan.num_free_blocks or self._make_room(need, plan.candidates)
+            fits = need <= plan.num_free_blocks and not self.reserves or self._make_room(need, plan.candidates, request)
             ids = self.host.allocate_blocks(need, request) if fits else None
         except PluginError:
             self._unlock_after_touch(request)
@@ -414,7 +415,7 @@ class Runtime:
         need = blocks_for(state.num_computed_tokens + num_new_tokens, self.block_size) - len(state.block_ids)
         if need <= 0:
             return True
-        if not self._make_room(need):
+        if not self._make_room(need, request=state.request):
             return False
         ids = self.host.allocate_blocks(need, state.request)
         state.block_ids.extend(ids)
@@ -513,10 +514,13 @@ class Runtime:
         owned = "kv_pool" in self.engine_owns
         return self.pool_usage().num_free_blocks if owned else self.num_blocks - len(self.ledger.in_use)
 
-    def _make_room(self, num_blocks: int, candidates: EvictionCandidates | None = None) -> bool:
-        """Evict until ``num_blocks`` blocks are free; False if it cannot."""
-        short = num_blocks - self._num_free()
-        return short <= 0 or self._evict_upto(short, candidates) >= short
+    def _make_room(
+        self, need: int, candidates: EvictionCandidates | None = None, request: Request | None = None
+    ) -> bool:
+        """Evict until ``need`` blocks are free, and those the pool sets aside as far as it can; False if it cannot."""
+        short = need - self._num_free()
+        kept = self.host.reserved_blocks(need, request) if self.reserves else 0
+        return short + kept <= 0 or self._evict_upto(short + kept, candidates) >= short
 
     def _evict_upto(self, num_blocks: int | None, candidates: EvictionCandidates | None = None) -> int:
         """Evict up to ``num_blocks`` blocks (``None``: every evictable one) as the

@@ -34,6 +34,16 @@ class GenerousPool(PagedPool):
         return alloc if alloc.block_ids else super().sagellm_allocate_blocks(num_blocks, request)
 
 
+class MiscountingPool(PagedPool):
+    """Answers ``sagellm_reserved_blocks`` with :attr:`answer` (set by the test)."""
+
+    answer: object = -1
+
+    @hookimpl
+    def sagellm_reserved_blocks(self, num_blocks, request):
+        return MiscountingPool.answer
+
+
 class ReusingPool(PagedPool):
     """Hands out the same blocks again: blocks that are in use."""
 

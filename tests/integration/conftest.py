@@ -22,7 +22,11 @@ def bad_plugins(tmp_path, monkeypatch):
                 "not-a-decision": "bad_plugins:NotADecision",
                 "unfiltered": "bad_plugins:UnfilteredVictims",
             },
-            "sagellm.kv_pool": {"generous": "bad_plugins:GenerousPool", "reusing": "bad_plugins:ReusingPool"},
+            "sagellm.kv_pool": {
+                "generous": "bad_plugins:GenerousPool",
+                "reusing": "bad_plugins:ReusingPool",
+                "miscounting": "bad_plugins:MiscountingPool",
+            },
             "sagellm.prefix_cache": {
                 "over-matching": "bad_plugins:OverMatching",
                 "adopting-strangers": "bad_plugins:AdoptingStrangers",

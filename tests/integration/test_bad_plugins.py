@@ -1,7 +1,11 @@
 """A plugin that returns nonsense gets a one-line error naming it, and the
 runtime's own state is unchanged."""
 
+import importlib
+
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from sagellm_core.errors import PluginError
 from sagellm_core.kit.testing import settings_from_toml
@@ -88,6 +92,33 @@ def test_more_blocks_than_asked(bad_plugins):
     ):
         rt.admit(state, 64)
     assert snapshot(rt)[:3] == before[:3]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=7),
+        st.floats(allow_nan=True),
+        st.booleans(),
+        st.text(max_size=4),
+        st.lists(st.integers(0, 6), max_size=2),
+    )
+)
+def test_a_bad_reserved_block_count_is_named_and_nothing_is_taken(bad_plugins, answer):
+    importlib.import_module("bad_plugins").MiscountingPool.answer = answer
+    rt = runtime(pool="miscounting")
+    state = rt.arrive(request("a", list(range(9))))
+    before = snapshot(rt)
+    with pytest.raises(PluginError) as err:
+        rt.admit(state, 64)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "kv_pool plugin 'miscounting' (sagellm-bad-plugins 0.0.1) sagellm_reserved_blocks returned"
+    ), message
+    assert message.endswith("not a block count in 0..6")
+    assert snapshot(rt)[:3] == before[:3] and state.block_ids == []
 
 
 def test_allocation_from_blocks_in_use(bad_plugins):

@@ -225,6 +225,41 @@ def test_compaction_preserves_every_cached_block_s_bytes_and_keys(
     assert outcomes[0] == outcomes[1]
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    blocks=st.integers(30, 120),
+    budget=st.integers(16, 256),
+    sizes=requests,
+    reserve=st.integers(1, 6),
+    compact=st.booleans(),
+)
+def test_reservations_end_every_request_as_without_and_stay_free_blocks(seed, blocks, budget, sizes, reserve, compact):
+    """With blocks set aside for requests to grow into, every request ends
+    as without them, the runtime's and the pool's accounts agree after every
+    step, and every reservation is free blocks right after its request's
+    last block, that request running."""
+    ended = []
+    for kept in (0, reserve):
+        text = runs_config(compact, "radix", "lru", budget, blocks, "pieces")
+        if kept:
+            text = text.replace('plugin = "runs"\n', f'plugin = "runs"\nreserve = {kept}\n')
+        e = engine(text)
+        pool = e.rt.host.plugins["kv_pool"][0].instance
+        assert e.rt.reserves == bool(kept)
+
+        def check(pool=pool, rt=e.rt):
+            running = rt.ledger.active
+            for owner, (start, length) in pool._reserved.items():
+                assert all(pool._is_free[start : start + length])
+                assert owner in running and running[owner].block_ids[-1] == start - 1
+            assert pool._num_reserved == sum(length for _, length in pool._reserved.values())
+
+        add(e, sizes, seed)
+        ended.append(drain(e, check))
+    assert ended[0] == ended[1]
+
+
 def test_compaction_rejoins_the_holes_finished_requests_leave_and_their_prefixes_still_hit():
     moved = []
     for compact in (False, True):

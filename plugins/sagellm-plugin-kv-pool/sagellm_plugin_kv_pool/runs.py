@@ -16,6 +16,15 @@ length, last block -> start, and the runs sorted by length):
   grows into (a run not right after another request's last block), so that
   it grows in place from there, and what it frees when it finishes is one
   run (best fit when there is none);
+* with ``reserve = k`` (above 0), an allocation for a request that needs
+  more than it has set aside puts its last piece where free blocks are left
+  after it (the smallest free run longer than ``k``, else the longest) and
+  sets up to ``k`` of them aside for the request: it grows into them in
+  place, and others take them only when no other block is free. The pool
+  tells the runtime how many it keeps (``sagellm_reserved_blocks``), which
+  evicts cached blocks to keep them free. A reservation goes back when its
+  request ends (``sagellm_request_finished``), lets its blocks go
+  (``sagellm_blocks_released``) or frees its last block;
 * a free merges each run of freed ids with the free runs on either side;
 * with ``compact = true``, once a step (``sagellm_plan_compaction``) while
   the free blocks are more fragmented than ``max_fragmentation``
@@ -42,7 +51,15 @@ from attrs import field, frozen, validators
 from sortedcontainers import SortedList
 
 from sagellm_core import PluginContext, hookimpl
-from sagellm_core.types import BlockAllocation, EvictionCandidates, KVCaches, PoolUsage, Request
+from sagellm_core.types import (
+    BlockAllocation,
+    EvictionCandidates,
+    KVCaches,
+    LifetimePrediction,
+    PoolUsage,
+    Request,
+    RequestOutcome,
+)
 
 from .tails import RequestTails
 
@@ -72,6 +89,13 @@ class RunsSettings:
     #: Free blocks to leave after a request's new piece for it to grow into
     #: (0: best fit, the new piece in the smallest run that holds it).
     grow_room: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Free blocks to set aside for a request right after the blocks an
+    #: allocation gives it, when it needs more than it had set aside (0: none).
+    reserve: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
+    #: Size each reservation as the request's predicted output (the lifetime
+    #: prediction at arrival, its median, in blocks), at most ``reserve``;
+    #: ``reserve`` where it has no prediction.
+    reserve_predicted: bool = field(default=False, validator=validators.instance_of(bool))
 
 
 class RunsPool:
@@ -86,6 +110,7 @@ class RunsPool:
         self._start: dict[int, int] = {n - 1: 0} if n else {}  # free run's last block -> start
         self._by_length = SortedList([(n, 0)] if n else [])  # (length, start)
         self._num_free = n
+        self._free_runs = 1 if n else 0  # runs of free blocks, reserved or not
         self._tails = RequestTails()
         self._usage: PoolUsage | None = None
         self.max_fragmentation = settings.max_fragmentation
@@ -101,6 +126,17 @@ class RunsPool:
         self._joined = bytearray(n)
         self._steps = self._next_round = 0
         self._kv: KVCaches | None = None
+        self.block_size = context.block_size
+        self.reserve = settings.reserve
+        self._reserved: dict[str, tuple[int, int]] = {}  # request id -> (start, length) set aside for it
+        self._num_reserved = 0
+        self._want: dict[str, int] = {}  # request id -> the blocks its reservations are, where predicted
+        if not settings.reserve:  # nothing set aside: no hook for the runtime to ask, nothing to observe
+            self.sagellm_reserved_blocks = None  # type: ignore[method-assign,assignment]
+            self.sagellm_request_finished = None  # type: ignore[method-assign,assignment]
+            self.sagellm_blocks_released = None  # type: ignore[method-assign,assignment]
+        if not (settings.reserve and settings.reserve_predicted):
+            self.sagellm_request_arrived = None  # type: ignore[method-assign,assignment]
         if not settings.compact:
             # Not a compacting pool: without the hook, the runtime neither asks
             # for moves nor needs every plugin to follow them.
@@ -125,18 +161,29 @@ class RunsPool:
         length = self._drop_run(start)
         if length > count:
             self._add_run(start + count, length - count)
-        self._is_free[start : start + count] = bytes(count)
-        self._joined[start : start + count] = b"\x01" * count
+        return self._mark_taken(start, count, follows)
+
+    def _mark_taken(self, start: int, count: int, follows: bool) -> range:
+        is_free, end = self._is_free, start + count
+        is_free[start:end] = bytes(count)
+        self._free_runs += (start > 0 and is_free[start - 1]) + (end < self.num_blocks and is_free[end]) - 1
+        self._joined[start:end] = b"\x01" * count
         self._joined[start] = follows
         self._num_free -= count
-        return range(start, start + count)
+        return range(start, end)
 
     def _give_back(self, start: int, count: int) -> None:
         """Free ``start .. start + count - 1`` (in use), joining the runs on either side."""
-        self._is_free[start : start + count] = b"\x01" * count
+        is_free, end = self._is_free, start + count
+        is_free[start:end] = b"\x01" * count
+        self._free_runs += 1 - (start > 0 and is_free[start - 1]) - (end < self.num_blocks and is_free[end])
         self._num_free += count
-        end = start + count
         self._joined[start : end + 1] = bytes(count + (end < self.num_blocks))  # (the block after follows none)
+        self._join(start, count)
+
+    def _join(self, start: int, count: int) -> None:
+        """Make free ``start .. start + count - 1`` a run, joined with the runs on either side."""
+        end = start + count
         if end in self._length:
             count += self._drop_run(end)
         before = self._start.get(start - 1)
@@ -153,34 +200,150 @@ class RunsPool:
             return _NO_BLOCKS
         ids: list[int] = []
         need = num_blocks
-        tail = None if request is None else self._tails.of(request.request_id)
-        if tail is not None and tail + 1 in self._length:  # grow in place
-            ids.extend(self._take(tail + 1, min(need, self._length[tail + 1]), True))
+        rid = None if request is None else request.request_id
+        tail = None if rid is None else self._tails.of(rid)
+        mine = self._reserved.get(rid) if self._reserved and rid is not None else None  # type: ignore[arg-type]
+        if mine is not None:  # what was set aside for it first
+            ids.extend(self._take_reserved(rid, min(need, mine[1]), tail == mine[0] - 1))  # type: ignore[arg-type]
+            need = num_blocks - len(ids)
+            if not need:
+                self._tails.set(rid, ids[-1])  # type: ignore[arg-type]
+                self._usage = None
+                return BlockAllocation(tuple(ids))
+        room = self._want.get(rid, self.reserve) if self.reserve and rid is not None else 0  # type: ignore[arg-type]
+        last = ids[-1] if ids else tail
+        if last is not None and last + 1 in self._length:  # grow in place
+            ids.extend(self._take(last + 1, min(need, self._length[last + 1]), True))
             need = num_blocks - len(ids)
         by_length = self._by_length
-        if need and tail is not None and self.grow_room:  # a new piece, with room to grow after it
-            start = self._room_for(need)
+        spare = room or (self.grow_room if tail is not None else 0)
+        final: range | None = None
+        if need and spare:  # a new piece, with room to grow after it
+            start = self._room_for(need, spare)
             if start is not None:
                 ids.extend(self._take(start, need, bool(ids) and ids[-1] == start - 1))
                 need = 0
+            elif room:  # the last piece where room is left after it, set aside; the rest before it
+                final = self._last_piece(rid, need, room)  # type: ignore[arg-type]
+                if final is not None:
+                    need -= len(final)
         while need:
+            if not by_length:  # every free block is set aside: take from the end of the largest reservation
+                ids.extend(self._take_others(need, ids[-1] if ids else tail))
+                break
             at = by_length.bisect_left((need, -1))
             length, start = by_length[at] if at < len(by_length) else by_length[-1]
             ids.extend(self._take(start, min(need, length), bool(ids) and ids[-1] == start - 1))
-            need = num_blocks - len(ids)
-        if request is not None and ids:
-            self._tails.set(request.request_id, ids[-1])
+            need = num_blocks - len(ids) - (len(final) if final else 0)
+        if final is not None:
+            self._joined[final[0]] = bool(ids) and ids[-1] == final[0] - 1
+            ids.extend(final)
+        if rid is not None and ids:
+            self._tails.set(rid, ids[-1])
+            if room and rid not in self._reserved and ids[-1] + 1 in self._length:
+                self._set_aside(rid, ids[-1] + 1, room)
         self._usage = None
         return BlockAllocation(tuple(ids))
 
-    def _room_for(self, need: int) -> int | None:
-        """The start of the smallest free run of at least ``need + grow_room``
+    def _room_for(self, need: int, spare: int) -> int | None:
+        """The start of the smallest free run of at least ``need + spare``
         blocks that is not right after a request's last block, or ``None``."""
         by_length, is_tail = self._by_length, self._tails.is_tail
-        for _, start in by_length.islice(by_length.bisect_left((need + self.grow_room, -1))):
+        for _, start in by_length.islice(by_length.bisect_left((need + spare, -1))):
             if not is_tail(start - 1):
                 return start
         return None
+
+    # --------------------------------------------------------- reservations --
+
+    def _last_piece(self, request_id: str, need: int, room: int) -> range | None:
+        """Of ``need`` blocks for ``request_id``, take the last piece from the
+        smallest free run with more than ``room`` blocks that no other request
+        grows into (else the longest free run, where no request grows into
+        it), and set aside the blocks after it, ``room`` at most: as much of
+        ``need`` as leaves ``room``, one block at least, and more where the
+        other runs hold too few. ``None`` where there is no such run."""
+        start = self._room_for(1, room)
+        if start is None:
+            if not self._by_length or self._tails.is_tail(self._by_length[-1][1] - 1):
+                return None
+            start = self._by_length[-1][1]
+        length = self._length[start]
+        others = self._num_free - self._num_reserved - length
+        count = min(length, max(min(need, length - room), need - others, 1))
+        piece = self._take(start, count)
+        if count < length:
+            self._set_aside(request_id, start + count, room)
+        return piece
+
+    def _set_aside(self, request_id: str, start: int, count: int) -> None:
+        """Set aside the first ``count`` blocks (at most) of the free run at ``start`` for ``request_id``."""
+        length = self._drop_run(start)
+        count = min(count, length)
+        if length > count:
+            self._add_run(start + count, length - count)
+        self._reserved[request_id] = (start, count)
+        self._num_reserved += count
+
+    def _take_reserved(self, request_id: str, count: int, follows: bool) -> range:
+        """Take the first ``count`` blocks set aside for ``request_id``."""
+        start, length = self._reserved.pop(request_id)
+        if length > count:
+            self._reserved[request_id] = (start + count, length - count)
+        self._num_reserved -= count
+        return self._mark_taken(start, count, follows)
+
+    def _take_others(self, need: int, last: int | None) -> list[int]:
+        """``need`` blocks set aside for other requests, the last of the
+        largest reservation first (``last``: the block they follow)."""
+        ids: list[int] = []
+        while need:
+            owner, (start, length) = max(self._reserved.items(), key=lambda item: item[1][1])
+            count = min(need, length)
+            if count == length:
+                del self._reserved[owner]
+            else:
+                self._reserved[owner] = (start, length - count)
+            self._num_reserved -= count
+            first = start + length - count
+            ids.extend(self._mark_taken(first, count, last == first - 1))
+            last, need = ids[-1], need - count
+        return ids
+
+    def _drop_reservation(self, request_id: str) -> None:
+        """The blocks set aside for ``request_id`` go back to the free runs."""
+        mine = self._reserved.pop(request_id, None)
+        if mine is not None:
+            self._num_reserved -= mine[1]
+            self._join(*mine)
+            self._usage = None
+
+    @hookimpl
+    def sagellm_reserved_blocks(self, num_blocks: int, request: Request | None) -> int:
+        """The free blocks set aside once ``num_blocks`` are taken for ``request``."""
+        if request is None:
+            return self._num_reserved
+        mine = self._reserved.get(request.request_id)
+        have = 0 if mine is None else mine[1]
+        if num_blocks <= have:
+            return self._num_reserved - num_blocks
+        return self._num_reserved - have + self._want.get(request.request_id, self.reserve)
+
+    @hookimpl
+    def sagellm_request_arrived(self, request: Request, prediction: LifetimePrediction | None) -> None:
+        if prediction is not None:
+            blocks = -(-int(prediction.output_tokens) // self.block_size)
+            self._want[request.request_id] = max(1, min(self.reserve, blocks))
+
+    @hookimpl
+    def sagellm_request_finished(self, outcome: RequestOutcome) -> None:
+        self._drop_reservation(outcome.request.request_id)
+        self._want.pop(outcome.request.request_id, None)
+
+    @hookimpl
+    def sagellm_blocks_released(self, request: Request | None) -> None:
+        if request is not None:  # preempted, finished, or its blocks handed on
+            self._drop_reservation(request.request_id)
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
@@ -193,7 +356,8 @@ class RunsPool:
         ordered = sorted(block_ids)
         if any(a == b for a, b in zip(ordered, ordered[1:])):
             raise ValueError(f"blocks {list(block_ids)} contain duplicates")
-        self._tails.forget(ordered)
+        for request_id in self._tails.forget(ordered):
+            self._drop_reservation(request_id)
         self._free_sorted(ordered)
         self._usage = None
         return True
@@ -211,7 +375,7 @@ class RunsPool:
     def sagellm_pool_usage(self) -> PoolUsage:
         usage = self._usage
         if usage is None:
-            usage = self._usage = PoolUsage(self.num_blocks, self._num_free, len(self._length))
+            usage = self._usage = PoolUsage(self.num_blocks, self._num_free, self._free_runs)
         return usage
 
     # ----------------------------------------------------------- compaction --
@@ -223,7 +387,7 @@ class RunsPool:
     @hookimpl
     def sagellm_plan_compaction(self, movable: EvictionCandidates) -> tuple[tuple[int, int], ...] | None:
         self._steps += 1
-        free, runs = self._num_free, len(self._length)
+        free, runs = self._num_free, self._free_runs
         if self._steps < self._next_round or free <= 1 or (runs - 1) / (free - 1) <= self.max_fragmentation:
             return None  # (PoolUsage.external_fragmentation, without building one)
         self._next_round = self._steps + self.min_steps_between
@@ -295,7 +459,7 @@ class RunsPool:
         most ``max_moves`` blocks a round; a free run a move fills or joins
         takes part in no other move of the round; nor is a run right after a
         request's last block filled."""
-        length, starts, is_free, joined = self._length, self._start, self._is_free, self._joined
+        length, starts, joined = self._length, self._start, self._joined
         n, limit, is_tail = self.num_blocks, self.max_moves, self._tails.is_tail
         pieces = []  # (size, first block, free run beside it, free run on its other side or -1)
         for start, run in length.items():
@@ -304,12 +468,12 @@ class RunsPool:
             while b < n and b - end < limit and b in movable and (b == end or joined[b]):
                 b += 1
             if b > end and (b == n or not joined[b]):  # a whole piece: the block after it does not follow it
-                pieces.append((b - end, end, start, b if b < n and is_free[b] else -1))
+                pieces.append((b - end, end, start, b if b in length else -1))
             b = start - 1  # the piece before the run: back to where a request's run begins
             while b >= 0 and start - b <= limit and b in movable and joined[b]:
                 b -= 1
             if b >= 0 and start - b <= limit and b in movable:  # b begins the piece
-                other = starts[b - 1] if b > 0 and is_free[b - 1] else -1
+                other = starts.get(b - 1, -1) if b > 0 else -1
                 if other < 0:  # (a piece between two runs is the first run's piece after it)
                     pieces.append((start - b, b, start, other))
         pieces.sort()
@@ -340,20 +504,20 @@ class RunsPool:
         """The movable blocks after the free run at ``start``, nearest first,
         then those before it, ``max_moves`` at most; and the free runs they
         reach."""
-        is_free, limit = self._is_free, self.max_moves
+        limit = self.max_moves
         donors: list[int] = []
         joined: set[int] = set()
         after = start + length
         while after < self.num_blocks and len(donors) < limit and after in movable:
             donors.append(after)
             after += 1
-        if after < self.num_blocks and is_free[after]:
+        if after in self._length:
             joined.add(after)
         before = start - 1
         while before >= 0 and len(donors) < limit and before in movable:
             donors.append(before)
             before -= 1
-        if before >= 0 and is_free[before]:
+        if before in self._start:
             joined.add(self._start[before])
         return donors, joined
 

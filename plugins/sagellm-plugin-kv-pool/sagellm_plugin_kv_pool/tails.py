@@ -30,9 +30,13 @@ class RequestTails:
         self._tail[request_id] = block_id
         self._owner[block_id] = request_id
 
-    def forget(self, block_ids: Iterable[int]) -> None:
-        """``block_ids`` were freed: a request whose last block is among them has none."""
+    def forget(self, block_ids: Iterable[int]) -> list[str]:
+        """``block_ids`` were freed: a request whose last block is among them
+        has none. Returns those requests."""
+        gone = []
         for block_id in block_ids:
             request_id = self._owner.pop(block_id, None)
             if request_id is not None:
                 del self._tail[request_id]
+                gone.append(request_id)
+        return gone

@@ -1,10 +1,11 @@
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 from sagellm_plugin_kv_pool.runs import RunsPool, RunsSettings
 
 from sagellm_core import PluginContext
-from sagellm_core.types import KVCaches, Request
+from sagellm_core.types import KVCaches, LifetimePrediction, Request, RequestOutcome
 
 
 def pool(n=16, **kw):
@@ -32,10 +33,24 @@ def free_runs(p) -> list[tuple[int, int]]:
 
 
 def consistent(p) -> None:
+    """The pool's runs and reservations against its bitmap: the free blocks
+    set aside for no request, as runs, are its free runs; each reservation
+    is free blocks right after its request's last block."""
     runs = free_runs(p)
-    assert sorted(p._length.items()) == runs
-    assert sorted(p._by_length) == sorted((n, s) for s, n in runs)
-    assert {s + n - 1: s for s, n in runs} == p._start
+    reserved = {b for s, n in p._reserved.values() for b in range(s, s + n)}
+    assert sum(n for _, n in p._reserved.values()) == len(reserved) == p._num_reserved
+    for owner, (s, n) in p._reserved.items():
+        assert n > 0 and all(p._is_free[s : s + n]) and p._tails.of(owner) == s - 1
+    available, start = [], None
+    for b in range(p.num_blocks + 1):
+        if b < p.num_blocks and p._is_free[b] and b not in reserved:
+            start = b if start is None else start
+        elif start is not None:
+            available.append((start, b - start))
+            start = None
+    assert sorted(p._length.items()) == available
+    assert sorted(p._by_length) == sorted((n, s) for s, n in available)
+    assert {s + n - 1: s for s, n in available} == p._start
     usage = p.sagellm_pool_usage()
     assert usage.num_free_blocks == sum(n for _, n in runs) and usage.num_free_runs == len(runs)
 
@@ -329,3 +344,120 @@ def test_gathering_leaves_the_run_a_request_grows_into():
     assert free_runs(p) == [(2, 1), (7, 5)]
     assert take(p, 1, request("a")) == (2,)
     consistent(p)
+
+
+# ------------------------------------------------------------ reservations --
+
+
+def outcome(name: str) -> RequestOutcome:
+    return RequestOutcome(request(name), 1, 0, 0.0, 0.0, 0.0, 0, None)
+
+
+def test_a_reservation_sets_aside_the_blocks_after_a_request_and_it_grows_into_them():
+    p = pool(32, reserve=4)
+    a, b = request("a"), request("b")
+    assert not callable(pool().sagellm_reserved_blocks)  # without reservations the runtime asks nothing
+    assert p.sagellm_reserved_blocks(num_blocks=3, request=a) == 4  # what taking 3 for a sets aside
+    assert take(p, 3, a) == (0, 1, 2)  # 3-6 set aside for a
+    assert take(p, 2, b) == (7, 8)  # not a's blocks; 9-12 set aside for b
+    assert p._reserved == {"a": (3, 4), "b": (9, 4)}
+    assert p.sagellm_reserved_blocks(num_blocks=1, request=a) == 7
+    assert [take(p, 1, a) for _ in range(4)] == [(3,), (4,), (5,), (6,)]  # in place, one run
+    assert p.sagellm_pool_usage().num_free_blocks == 32 - 9  # set aside is free
+    assert p.sagellm_reserved_blocks(num_blocks=1, request=a) == 8  # beyond its reservation: 4 more
+    assert take(p, 1, a) == (13,)  # 7 is b's: a new piece, with 4 set aside after it
+    assert p._reserved == {"a": (14, 4), "b": (9, 4)}
+    consistent(p)
+
+
+def test_the_last_piece_of_an_allocation_goes_where_room_is_left_after_it():
+    p = pool(24, reserve=3)
+    held = take(p, 24)
+    p.sagellm_free_blocks(block_ids=(0, 1, 4, 5, 6, 7, 8, 9, 15, 16))  # runs 0-1, 4-9, 15-16
+    # the last piece from the run of 6, as much as leaves 3 after it; the rest before it, best fit
+    assert take(p, 5, request("a")) == (0, 1, 4, 5, 6)
+    assert p._reserved == {"a": (7, 3)}
+    assert len(held) == 24
+    consistent(p)
+
+
+def test_reserved_blocks_go_to_others_only_when_no_other_block_is_free():
+    p = pool(12, reserve=4)
+    a, b = request("a"), request("b")
+    assert take(p, 4, a) == (0, 1, 2, 3)  # 4-7 set aside for a
+    assert take(p, 4, b) == (8, 9, 10, 11)  # no room left for b
+    assert take(p, 3, request("c")) == (5, 6, 7)  # a's, from the end: what stays is right after a
+    assert p._reserved == {"a": (4, 1)}
+    assert take(p, 2, b) == ()  # all or nothing: one block is free
+    consistent(p)
+
+
+def test_a_reservation_goes_back_when_its_request_ends():
+    p = pool(16, reserve=4)
+    a, b, c = request("a"), request("b"), request("c")
+    for r in (a, b, c):
+        take(p, 1, r)  # a 0, b 5, c 10, each with the 4 after it set aside
+    assert p._num_reserved == 12
+    p.sagellm_free_blocks(block_ids=(0,))  # a's last block freed (preempted, or finished)
+    p.sagellm_request_finished(outcome=outcome("b"))
+    p.sagellm_blocks_released(request=c)
+    assert p._reserved == {} and p._num_reserved == 0
+    assert free_runs(p) == [(0, 5), (6, 4), (11, 5)]
+    consistent(p)
+
+
+def test_with_predictions_a_reservation_is_the_predicted_output_at_most_reserve():
+    p = pool(64, reserve=8, reserve_predicted=True)
+    guess = LifetimePrediction(output_tokens=40.0, low_tokens=10.0, high_tokens=90.0, confidence=0.5)
+    p.sagellm_request_arrived(request=request("a"), prediction=guess)  # 40 tokens: 3 blocks of 16
+    p.sagellm_request_arrived(request=request("b"), prediction=None)
+    p.sagellm_request_arrived(request=request("c"), prediction=attrs.evolve(guess, output_tokens=1000.0))
+    for name in "abc":
+        take(p, 1, request(name))
+    assert p._reserved == {"a": (1, 3), "b": (5, 8), "c": (14, 8)}
+    p.sagellm_request_finished(outcome=outcome("a"))
+    assert "a" not in p._want and "a" not in p._reserved
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "free", "end"]), st.integers(1, 9), st.integers(0, 3), st.randoms()),
+        max_size=60,
+    ),
+    st.sampled_from([1, 3, 6]),
+    st.booleans(),
+)
+def test_reservations_never_hand_a_block_twice_nor_refuse_an_allocation(ops, reserve, compact):
+    """Whatever requests take, free and end, no block is handed twice, an
+    allocation that the free blocks hold is served, the runtime is told no
+    more set aside than the pool then keeps, and a compaction plan moves
+    nothing onto a reserved block."""
+    p = pool(48, reserve=reserve, compact=compact, moves="pieces", min_steps_between=1)
+    held: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    for op, n, who, rnd in ops:
+        name = f"r{who}"
+        free = p.sagellm_pool_usage().num_free_blocks
+        if op == "take":
+            kept = p.sagellm_reserved_blocks(num_blocks=n, request=request(name))
+            ids = take(p, n, request(name))
+            in_use = {b for blocks in held.values() for b in blocks}
+            assert len(set(ids)) == len(ids) and in_use.isdisjoint(ids)
+            assert len(ids) == (n if n <= free else 0)
+            assert p._num_reserved <= kept or not ids
+            held[name] += ids
+        elif op == "free" and held[name]:
+            rnd.shuffle(held[name])
+            freed, held[name] = held[name][:n], held[name][n:]
+            p.sagellm_free_blocks(block_ids=tuple(freed))
+        elif op == "end":
+            p.sagellm_free_blocks(block_ids=tuple(held[name]))
+            held[name] = []
+            p.sagellm_request_finished(outcome=outcome(name))
+            assert name not in p._reserved
+        if compact:
+            reserved = {b for s, k in p._reserved.values() for b in range(s, s + k)}
+            moves = p.plan(set(rnd.sample(held[name], len(held[name]) // 2)))
+            assert reserved.isdisjoint(d for _, d in moves)
+        consistent(p)
+        assert p.sagellm_pool_usage().num_free_blocks + sum(map(len, held.values())) == 48
