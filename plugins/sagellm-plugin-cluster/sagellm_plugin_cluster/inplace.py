@@ -57,7 +57,7 @@ import attrs
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
-from .kv_tensors import BlockLayout, KVTensors, segments
+from .kv_tensors import BlockLayout, KVTensors, TransportError, segments
 from .transfer import Landing, Leases, TransferCounts, TransferStatus
 from .transports import Faults, OfferReader, parse_offer, span, store_key
 
@@ -119,6 +119,8 @@ class Local:
     handshake: bytes
     #: Kept alive here: the library serves reads of its memory for as long as the process runs.
     tensor: Any
+    #: The address peers reach it at.
+    host: str = "127.0.0.1"
 
     def describe(self) -> str:
         layout = self.layout
@@ -167,26 +169,30 @@ class Memory:
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def register(self, kv: KVTensors) -> Local:
-        """This process's registration of ``kv``'s tensor, made once per tensor."""
+    def register(self, kv: KVTensors, host: str) -> Local:
+        """This process's registration of ``kv``'s tensor, made once per
+        tensor, reachable at ``host`` (an address of this machine)."""
         tensor = kv.tensor
         key = (tensor.data_ptr(), tensor.nbytes)
         with self._lock:
             found = self._registered.get(key)
             if found is None:
                 layout = kv.layout()
-                session, handshake, handle = self._register(tensor)
-                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, handshake, tensor)
+                session, handshake, handle = self._register(tensor, host)
+                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, handshake, tensor, host)
                 self._registered[key] = found
                 self._handles[session] = handle
+            elif found.host != host:
+                raise TransportError(f"{self.kind}: KV registered at {found.host}, asked again at {host}")
         return found
 
     def handle(self, local: Local) -> Any:
         return self._handles[local.session]
 
-    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
-        """Register ``tensor`` with the library: the session a peer reaches it
-        by, the handshake bytes a peer needs, and the library's object."""
+    def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
+        """Register ``tensor`` with the library, reachable at ``host``: the
+        session a peer reaches it by, the handshake bytes a peer needs, and
+        the library's object."""
         raise NotImplementedError
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> Read:
@@ -228,10 +234,11 @@ class PrefillServer:
         lease_s: float,
         send_timeout_s: float,
         faults: Faults | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         del send_timeout_s  # nothing is sent: the decode side reads
         self.leases = Leases(rt, lease_s)
-        self.kv, self.store, self.link = kv, store, link
+        self.kv, self.store, self.link, self.host = kv, store, link, host
         self.faults = dict(faults or {})
         self._offers: dict[str, str] = {}
         self._published = False
@@ -250,7 +257,7 @@ class PrefillServer:
         value = "none"
         if lease is not None:
             if not self._published:
-                self.store.set(store_key(self.link, "peer"), self.memory.register(self.kv).describe())
+                self.store.set(store_key(self.link, "peer"), self.memory.register(self.kv, self.host).describe())
                 self._published = True
             self.store.set(store_key(self.link, f"blocks/{rid}"), ",".join(map(str, lease.block_ids)))
             value = f"offer {len(lease.block_ids)} {self.kv.bytes_per_block}"
@@ -312,8 +319,9 @@ class DecodePuller(OfferReader):
         *,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.rt, self.kv, self.store, self.link = rt, kv, store, link
+        self.rt, self.kv, self.store, self.link, self.host = rt, kv, store, link, host
         self.faults = dict(faults or {})
         self.clock = clock
         self.counts = TransferCounts()
@@ -441,7 +449,7 @@ class DecodePuller(OfferReader):
         as one batch: whether it completed (``None``: still reading at the
         pull's deadline or the read's own, :attr:`Memory.read_timeout_s`),
         and whether the read's own deadline was the one that passed."""
-        local = self.memory.register(self.kv)
+        local = self.memory.register(self.kv, self.host)
         found = segments(peer.layout, src_ids, local.layout, landing.block_ids)
         if fault == "error":
             found = [(src + peer.nbytes, dst, length) for src, dst, length in found]

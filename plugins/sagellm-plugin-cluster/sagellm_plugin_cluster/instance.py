@@ -86,6 +86,8 @@ class Transfers:
     transport: str = transports.DEFAULT
     #: Where the front's store is (its machine's address as the placement sees it).
     store_host: str = "127.0.0.1"
+    #: The address this instance's transport binds and advertises to its peers.
+    host: str = "127.0.0.1"
 
 
 def build_instance(settings, transfers: Transfers | None = None):  # type: ignore[no-untyped-def]
@@ -136,7 +138,9 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
     rt = thread.core.rt
     prefill_side, _ = transports.load(transfers.transport)
     servers = {
-        link: prefill_side(rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s)
+        link: prefill_side(
+            rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s, host=transfers.host
+        )
         for link in transfers.links
     }
     polling: list[asyncio.Task[None]] = []
@@ -194,7 +198,7 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
 def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
     rt = thread.core.rt
     _, decode_side = transports.load(transfers.transport)
-    pullers = {link: decode_side(rt, kv, store, link) for link in transfers.links}
+    pullers = {link: decode_side(rt, kv, store, link, host=transfers.host) for link in transfers.links}
 
     @app.post("/kv/pull")
     async def pull(body: TransferRequest) -> Any:
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--send-timeout-s", type=float, default=10.0)
     parser.add_argument("--transport", default=transports.DEFAULT, help="a sagellm.cluster_transport plugin")
+    parser.add_argument(
+        "--transport-host", help="the address the transport binds and advertises to its peers (default: --host)"
+    )
     args = parser.parse_args(argv)
     import uvicorn
 
@@ -234,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.role != "colocated":
         links = tuple(link for link in args.links.split(",") if link)
         transfers = Transfers(
-            args.role, args.store_port, links, args.lease_s, args.send_timeout_s, args.transport, args.store_host
+            args.role,
+            args.store_port,
+            links,
+            args.lease_s,
+            args.send_timeout_s,
+            args.transport,
+            args.store_host,
+            args.transport_host or args.host,
         )
     try:
         app, thread = build_instance(config_mod.load(args.config), transfers)

@@ -26,8 +26,8 @@ from . import inplace
 from .inplace import Local, Peer
 from .kv_tensors import TransportError
 
-#: Where this process's engine listens, and how it moves bytes.
-HOSTNAME = "127.0.0.1"
+#: How this process's engine moves bytes (it listens on the instance's
+#: transport address, which its session names to the peers).
 PROTOCOL = "tcp"
 #: A read's deadline of its own, in seconds from its start.
 READ_TIMEOUT_S = 5.0
@@ -50,16 +50,16 @@ class MooncakeMemory(inplace.Memory):
     kind = "mooncake"
     read_timeout_s = READ_TIMEOUT_S
 
-    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+    def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(math.ceil(READ_TIMEOUT_S)))
         from mooncake.engine import TransferEngine
 
         engine = TransferEngine()
-        if engine.initialize(HOSTNAME, "P2PHANDSHAKE", PROTOCOL, "") != 0:
-            raise TransportError(f"Mooncake Transfer Engine: initialize({HOSTNAME!r}, {PROTOCOL!r}) failed")
+        if engine.initialize(host, "P2PHANDSHAKE", PROTOCOL, "") != 0:
+            raise TransportError(f"Mooncake Transfer Engine: initialize({host!r}, {PROTOCOL!r}) failed")
         if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
             raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
-        return f"{HOSTNAME}:{engine.get_rpc_port()}", b"", engine
+        return f"{host}:{engine.get_rpc_port()}", b"", engine
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> ThreadRead:
         engine = self.handle(local)

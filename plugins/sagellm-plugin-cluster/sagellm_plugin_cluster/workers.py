@@ -91,14 +91,18 @@ def run_prefill(
     send_timeout_s: float,
     faults: Faults | None = None,
     transport: str = transports.DEFAULT,
+    host: str = "127.0.0.1",
 ) -> None:
     """Prefill each request (one output token, discarded), lease and offer
-    its blocks, and serve pulls until every lease has ended."""
+    its blocks, and serve pulls until every lease has ended; its transport
+    bound to ``host``."""
     store = connect(port, 30)
     try:
         prefill_side, _ = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        server = prefill_side(rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults)
+        server = prefill_side(
+            rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults, host=host
+        )
         for request in requests:
             generate(engine, attrs.evolve(request, output_tokens=1))
             server.offer(request, time.monotonic())
@@ -123,6 +127,7 @@ def run_decode(
     handoff_timeout_s: float = 120.0,
     faults: Faults | None = None,
     transport: str = transports.DEFAULT,
+    host: str = "127.0.0.1",
 ) -> None:
     """Once the prefill side has answered for a request (within
     ``handoff_timeout_s``, the front's wait), pull its prompt blocks (within ``pull_timeout_s``), then
@@ -132,7 +137,7 @@ def run_decode(
     try:
         _, decode_side = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        puller = decode_side(rt, kv, store, link, faults=faults)
+        puller = decode_side(rt, kv, store, link, faults=faults, host=host)
         for request in requests:
             puller.wait_for_offer(request, handoff_timeout_s)
             start = time.monotonic()
