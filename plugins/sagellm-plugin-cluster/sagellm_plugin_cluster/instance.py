@@ -60,6 +60,8 @@ from .kv_tensors import KVTensors
 
 #: Seconds between two polls of a prefill instance's open leases.
 LEASE_POLL_S = 0.005
+#: Seconds between two reaps of a decode instance's parked landings.
+REAP_POLL_S = 0.05
 
 
 class KeysRequest(BaseModel):
@@ -199,6 +201,14 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
     rt = thread.core.rt
     _, decode_side = transports.load(transfers.transport)
     pullers = {link: decode_side(rt, kv, store, link, host=transfers.host) for link in transfers.links}
+    # Landings held for reads that outlived their pull (in-place transports):
+    # freed on the engine's thread as soon as their reads end, not at the next pull.
+    reapers = [p for p in pullers.values() if hasattr(p, "reap")]
+    reaping: list[asyncio.Task[None]] = []
+
+    async def reap_parked() -> None:
+        while await thread.call(lambda: sum(p.reap() for p in reapers)):
+            await asyncio.sleep(REAP_POLL_S)
 
     @app.post("/kv/pull")
     async def pull(body: TransferRequest) -> Any:
@@ -207,13 +217,20 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
             return error(400, f"link {body.link!r}: this instance serves {', '.join(pullers)}", param="link")
         request = Request(body.request_id, body.token_ids, 1)
         status = await thread.call(lambda: puller.pull(request, body.timeout_s))
+        if getattr(puller, "parked", 0) and (not reaping or reaping[-1].done()):
+            reaping.append(asyncio.create_task(reap_parked()))
+            del reaping[:-1]
         return {"status": status.value}
 
     @app.get("/kv/transfers")
     async def pulls() -> dict[str, Any]:
         def read() -> dict[str, Any]:
             counts = [attrs.asdict(p.counts) for p in pullers.values()]
-            return {key: sum(c[key] for c in counts) for key in counts[0]} if counts else {}
+            summed = {key: sum(c[key] for c in counts) for key in counts[0]} if counts else {}
+            if reapers:  # landings held for reads still running, and those past their bound
+                summed["parked"] = sum(p.parked for p in reapers)
+                summed["reads_past_bound"] = sum(p.reads_past_bound for p in reapers)
+            return summed
 
         return await thread.call(read)  # type: ignore[no-any-return]
 

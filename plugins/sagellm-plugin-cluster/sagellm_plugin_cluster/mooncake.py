@@ -10,10 +10,12 @@ set), so it runs on a thread, with a deadline of its own
 (:data:`READ_TIMEOUT_S`, from its start): a read still running then, or at
 the pull's deadline if that comes first, ends the pull (``failed``, or
 ``expired``) and the prompt is computed; its landing's blocks stay held
-until the thread returns (:meth:`.inplace.DecodePuller.reap`). The engine's
-progress timeout is set to the read's deadline where the environment does
-not set it, so that a read of a peer that stopped answering returns, and
-its landing is let go, soon after."""
+until the thread returns (:meth:`.inplace.DecodePuller.reap`, on the
+instance's engine thread while any is parked). The engine's progress
+timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``) is set to the read's deadline
+where the environment does not set it, so that a read of a peer that
+stopped answering returns, and its landing is let go, soon after
+(``tests/test_inplace_transfer.py`` stops a real peer to show it)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ class ThreadRead:
     def wait(self, timeout_s: float) -> bool | None:
         self._thread.join(timeout_s)
         return None if self._thread.is_alive() else self._result == [0]
+
+    def cancel(self) -> bool:
+        """A blocking read cannot be stopped from outside: True once it has
+        returned (the engine's progress timeout bounds it)."""
+        return not self._thread.is_alive()
 
 
 class MooncakeMemory(inplace.Memory):
