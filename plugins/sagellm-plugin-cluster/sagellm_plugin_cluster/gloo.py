@@ -223,7 +223,8 @@ class PrefillServer:
         their deadline."""
         for rid, offered in list(self._offers.items()):
             key = store_key(self.link, f"lease/{rid}")
-            value = self.store.get(key).decode()
+            # A key gone is one the front swept (its transfer long over): nobody claims it now.
+            value = self.store.get(key).decode() if self.store.check([key]) else "failed"
             if value == offered and now_s > self.leases.open[rid].deadline_s:
                 value = self.store.compare_set(key, offered, "expired").decode()
                 if value == "expired":

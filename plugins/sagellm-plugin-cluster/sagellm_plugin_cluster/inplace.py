@@ -313,7 +313,8 @@ class PrefillServer:
         past their deadline, claimed or not."""
         for rid, offered in list(self._offers.items()):
             key = store_key(self.link, f"lease/{rid}")
-            value = self.store.get(key).decode()
+            # A key gone is one the front swept (its transfer long over): nobody claims it now.
+            value = self.store.get(key).decode() if self.store.check([key]) else "failed"
             if value == offered or parse_read(value) is not None:
                 claimed_now = value != offered and self.faults.get(rid) == "expire-claimed"
                 if now_s <= self.leases.open[rid].deadline_s and not claimed_now:
