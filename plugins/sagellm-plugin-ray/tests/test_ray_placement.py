@@ -164,8 +164,9 @@ def test_an_actor_no_node_can_hold_is_one_line_and_nothing_is_left(two_nodes, cl
 
 def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_nodes):
     """The placement alone, on commands that need no model: those
-    ``with_front`` (prefill and decode instances) land on the caller's
-    node, the others where Ray puts them; an exit is reported with its
+    ``with_front`` (prefill and decode instances of a cluster file with
+    ``pd_on_front_node``) land on the caller's node, serving on its
+    address, the others where Ray puts them; an exit is reported with its
     status; ``stop`` leaves no actor and no process."""
     from sagellm_plugin_ray.placement import RayActors
 
@@ -182,7 +183,8 @@ def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_no
             time.sleep(0.2)
         assert exits.failure() == "exited with 4 in its Ray actor"
         assert [p.failure() for p in near] == [None] * 3
-        assert all(p.url == f"http://127.0.0.1:{p.url.rsplit(':', 1)[1]}" for p in near)  # the front's node: loopback
+        node = ray.util.get_node_ip_address()
+        assert all(p.url == f"http://{node}:{p.url.rsplit(':', 1)[1]}" for p in near)  # the front's node's address
         near_ids = {p.actor._actor_id.hex() for p in near}
         assert {a["Address"]["NodeID"] for a in instance_actors() if a["ActorID"] in near_ids} == {here}
         pids = [p.pid for p in (*near, exits)]
@@ -194,3 +196,94 @@ def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_no
         time.sleep(0.5)
     assert instance_actors() == []
     assert ray.is_initialized()  # joined, not started: left running
+
+
+# Prefill and decode instances on two Ray nodes with different addresses.
+
+#: The second raylet's address. All of 127.0.0.0/8 is loopback on Linux: this
+#: is one machine with two addresses, not two machines. (Ray replaces
+#: 127.0.0.1 by the machine's own address wherever it is given, so the head
+#: keeps that one, as Ray picks it.)
+SECOND_NODE_IP = "127.0.0.2"
+PD_PROMPTS = [f"alpha beta gamma delta epsilon zeta eta theta tail {i} " + "word " * i for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def two_addresses():
+    """A head raylet on the machine's address and a second one on
+    ``SECOND_NODE_IP``, one CPU each."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address=SECOND_NODE_IP)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    from sagellm_plugin_torch import testing
+
+    folder = tmp_path_factory.mktemp("pd-nodes")
+    model = testing.save_tiny_llama(folder / "model")
+    return server_config(folder, model, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def one_instance(model_config):
+    """Each prompt's greedy output from one instance: ``sagellm serve`` alone."""
+    server = Server(model_config)
+    try:
+        return [complete(server.url, p).json()["choices"][0]["text"] for p in PD_PROMPTS]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "mooncake", "nixl"])
+def test_prefill_and_decode_on_two_nodes_exchange_kv(transport, two_addresses, model_config, one_instance, monkeypatch):
+    """1P1D with ``placement = "ray"``: Ray puts the prefill and the decode
+    instance on different nodes (one CPU each), each serving, and binding
+    its transport, on its node's address; every transfer is done over the
+    file's transport, the greedy outputs equal one instance's, and both
+    instances' accounting is whole afterwards (``check_invariants``)."""
+    from sagellm_plugin_cluster import transports
+
+    from sagellm_core.errors import SagellmError
+
+    try:
+        transports.load(transport)
+    except SagellmError as exc:  # its package is not installed here
+        pytest.skip(str(exc))
+    monkeypatch.setenv("RAY_ADDRESS", two_addresses.address)
+    cluster_file = model_config.parent / f"pd-{transport}.toml"
+    instances = "".join(
+        f'[[instance]]\nconfig = "{model_config.name}"\nrole = "{role}"\nnum_cpus = 1\n'
+        for role in ("prefill", "decode")
+    )
+    cluster_file.write_text(
+        f'start_timeout_s = {START_S}\nplacement = "ray"\ntransport = "{transport}"\npull_timeout_s = 20\n'
+        f'[router]\nplugin = "kv-aware"\n{instances}'
+    )
+    front = Server(args=["--cluster", str(cluster_file)], start_timeout_s=START_S)
+    try:
+        actors = instance_actors()
+        answers = [complete(front.url, p) for p in PD_PROMPTS]
+        after = httpx.get(f"{front.url}/kv/stats", params={"check_invariants": True}, timeout=60).json()
+    finally:
+        front.process.terminate()
+        try:
+            front.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            front.process.kill()
+            raise
+    nodes = {a["Address"]["IPAddress"] for a in actors}
+    assert len(actors) == 2 and len(nodes) == 2 and SECOND_NODE_IP in nodes, actors  # one on each address
+    assert [a.status_code for a in answers] == [200] * len(PD_PROMPTS)
+    assert [a.json()["choices"][0]["text"] for a in answers] == one_instance
+    assert after["transfers"] == {"done": len(PD_PROMPTS), "failed": 0, "expired": 0}
+    by_role = {i["role"]: i for i in after["instances"].values()}
+    assert {i["invariants"] for i in by_role.values()} == {"ok"}
+    assert by_role["decode"]["transfers"]["done"] == len(PD_PROMPTS) and by_role["decode"]["transfers"]["blocks"] > 0
