@@ -343,7 +343,7 @@ def test_a_decode_restarting_takes_over_the_claim_its_predecessor_left(
 
 @pytest.mark.engine
 def test_a_stopped_peer_ends_the_read_within_its_bound_and_frees_the_landing(
-    transport, processes, config, requests, reference, monkeypatch
+    transport, processes, config, requests, reference
 ):
     """The prefill process offers r3 and stops (SIGSTOP: its connections
     stay open, nothing answers), its transport on a second loopback address.
@@ -353,14 +353,15 @@ def test_a_stopped_peer_ends_the_read_within_its_bound_and_frees_the_landing(
     cancels the read; Mooncake's read returns once its progress timeout
     (``MC_TCP_PROGRESS_TIMEOUT_SEC``, set to the read's deadline) passes,
     within the read's deadline plus ``REAP_SLACK_S`` (``reads_past_bound``
-    counts one that does not). NIXL runs UCX over TCP here (``UCX_TLS``):
-    its shared-memory transports on one machine, like RDMA, read a stopped
-    process's memory without it, and the read would not stall."""
+    counts one that does not). Mooncake's only: NIXL's shared-memory
+    transports on one machine, like RDMA, read a stopped process's memory
+    without it (its read of r3 ended done), and over UCX's TCP alone the
+    case is not established (docs/benchmarks/disaggregation.md)."""
     import os
     import signal
 
-    if transport == "nixl":
-        monkeypatch.setenv("UCX_TLS", "tcp")  # the workers inherit it
+    if transport != "mooncake":
+        pytest.skip("a stopped peer stalls a read over Mooncake's TCP; see the docstring for NIXL")
 
     served = requests[:4]
     front, started = processes.Front(), time.monotonic()
