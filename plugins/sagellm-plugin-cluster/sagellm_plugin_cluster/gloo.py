@@ -173,11 +173,15 @@ class _Pair:
 
 
 def forget_epoch(store: dist.Store, link: str, epoch: int) -> None:
-    """Delete the rendezvous keys of ``epoch``'s group on ``link`` (left behind)."""
+    """Delete the rendezvous keys of ``epoch``'s group on ``link`` (left
+    behind); a store that fails now leaves them to the front's sweep."""
     prefix = group_prefix(link, epoch)
-    for key in store.list_keys() if hasattr(store, "list_keys") else ():
-        if key.startswith(prefix):
-            store.delete_key(key)
+    try:
+        for key in store.list_keys() if hasattr(store, "list_keys") else ():
+            if key.startswith(prefix):
+                store.delete_key(key)
+    except Exception:  # the store's errors are RuntimeErrors of its own
+        pass
 
 
 class PrefillServer:
@@ -334,10 +338,7 @@ class DecodePuller(OfferReader):
                 self._pair.drop()
                 self.kv.drop_buffers()
                 left, self.epoch = self.epoch, self._next_epoch()
-                try:
-                    forget_epoch(self.store, self.link, left)
-                except Exception:  # the store is gone: nothing to leave behind there
-                    pass
+                forget_epoch(self.store, self.link, left)
         self._landing = None
         recomputed = 0 if status is TransferStatus.DONE else request.num_prompt_tokens
         self.counts.count(status, num_blocks, recomputed)
