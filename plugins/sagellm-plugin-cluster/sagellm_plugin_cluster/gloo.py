@@ -174,7 +174,7 @@ class _Pair:
 
 def forget_epoch(store: dist.Store, link: str, epoch: int) -> None:
     """Delete the rendezvous keys of ``epoch``'s group on ``link`` (left
-    behind); a store that fails now leaves them to the front's sweep."""
+    behind); a store that fails now keeps them."""
     prefix = group_prefix(link, epoch)
     try:
         for key in store.list_keys() if hasattr(store, "list_keys") else ():
