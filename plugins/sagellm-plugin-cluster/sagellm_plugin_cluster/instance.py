@@ -16,7 +16,8 @@ observations arrive, so that a batch is never cut mid-event.
 A prefill or decode instance also joins the front's store (``--store-port``)
 for its links (``--links``, one per prefill-decode pair, as
 :mod:`.clusterfile` names them), over the cluster file's transport
-(``--transport``, :mod:`.transports`), and answers:
+(``--transport``, :mod:`.transports`), bound on ``--transport-host`` (the
+address it serves on unless the cluster file names another), and answers:
 
 * prefill: ``POST /kv/prefill`` ``{"request_id", "token_ids", "link"}``:
   computes the prompt (one output token, discarded), leases its blocks and
@@ -28,7 +29,9 @@ for its links (``--links``, one per prefill-decode pair, as
   the deadline; the request itself then comes as any other, and computes
   what the pull did not bring;
 * both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
-  by outcome (decode).
+  by outcome (decode; with an in-place transport, also the landings still
+  held for reads that outlived their pull, ``parked``, which a task frees
+  on the engine thread as their reads end, and ``reads_past_bound``).
 
 The lease and the pull run on the engine's thread (they allocate and free
 blocks): a transfer holds that instance's steps for its length, bounded by
