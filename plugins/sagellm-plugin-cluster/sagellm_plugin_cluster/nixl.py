@@ -6,9 +6,9 @@ machine has them): the protocol of :mod:`.inplace`, the reads one NIXL
 Each process runs one NIXL agent with its KV tensor registered (``DRAM``);
 the agent's metadata travels in the link's ``peer`` description, and the
 decode side adds the prefill side's agent from it once. A transfer is
-polled (``check_xfer_state``) until it ends, or the pull's deadline or its
-own (:data:`READ_TIMEOUT_S`) passes: then it is cancelled (its handle
-released, which NIXL cancels), and its landing freed with the pull.
+polled (``check_xfer_state``) until it ends or the pull's deadline passes:
+then it is cancelled (its handle released, which NIXL cancels), and its
+landing freed with the pull; a read NIXL cannot cancel is parked.
 
 UCX reaches a peer by network device, not by address: an instance whose
 transport address is not loopback has its agent's UCX use the device that
@@ -37,9 +37,6 @@ from .kv_tensors import TransportError
 
 #: Seconds between two looks at a running transfer.
 POLL_S = 0.0002
-#: A read's deadline of its own, in seconds from its start: a transfer
-#: still running then is cancelled, and its pull ends failed.
-READ_TIMEOUT_S = 5.0
 
 
 class NixlRead:
@@ -78,7 +75,6 @@ class NixlRead:
 
 class NixlMemory(inplace.Memory):
     kind = "nixl"
-    read_timeout_s = READ_TIMEOUT_S
 
     def __init__(self) -> None:
         super().__init__()
