@@ -108,7 +108,7 @@ def inplace_rows(name: str, rank: int, kv, store, expected: torch.Tensor, repeat
     from sagellm_plugin_cluster.kv_tensors import segments
 
     memory = importlib.import_module(f"sagellm_plugin_cluster.{name}").MEMORY
-    local = memory.register(kv)
+    local = memory.register(kv, "127.0.0.1")
     if rank == 0:
         store.set(f"bench/{name}/peer", local.describe())
         store.wait([f"bench/{name}/finished"], TIMEOUT)

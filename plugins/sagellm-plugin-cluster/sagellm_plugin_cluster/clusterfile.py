@@ -18,6 +18,9 @@ router that picks one for each request.
     # default: processes on this machine) or "ray" (Ray actors on the
     # machines of a Ray cluster; pip install sagellm-plugin-ray).
     placement = "local"
+    # Prefill and decode instances only on the front's machine (a placement
+    # that places across machines, ray, puts them anywhere otherwise).
+    pd_on_front_node = false
 
     [router]                  # as a sagellm config's [router]: a sagellm.router plugin and its keys
     plugin = "kv-aware"
@@ -28,6 +31,12 @@ router that picks one for each request.
     count = 2                 # instances started from this config; 1 by default
     num_cpus = 1              # what each reserves where the placement places by resources
     num_gpus = 0              # (ray: the actor's num_cpus and num_gpus); 1 and 0 by default
+    host = "10.0.0.5"         # local placement, prefill/decode: the address its transport binds and
+                              # advertises (an address of this machine); the one it serves on by default
+
+A prefill or decode instance's transport binds on an address its peers reach
+it at, and publishes it on its link: the placement's (the node's address
+under ray, loopback under local) unless ``host`` names another.
 
 A colocated instance serves whole requests. A prefill instance computes a
 prompt and lends its blocks; a decode instance pulls them over the file's
@@ -42,6 +51,7 @@ Each error names the file and the key, in one line.
 
 from __future__ import annotations
 
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -57,8 +67,17 @@ from sagellm_core.errors import ConfigError, SagellmError
 from . import transports
 
 ROLES = ("colocated", "prefill", "decode")
-TOP_KEYS = ("start_timeout_s", "lease_s", "pull_timeout_s", "transport", "placement", "router", "instance")
-INSTANCE_KEYS = ("config", "role", "count", "num_cpus", "num_gpus")
+TOP_KEYS = (
+    "start_timeout_s",
+    "lease_s",
+    "pull_timeout_s",
+    "transport",
+    "placement",
+    "pd_on_front_node",
+    "router",
+    "instance",
+)
+INSTANCE_KEYS = ("config", "role", "count", "num_cpus", "num_gpus", "host")
 
 
 @frozen
@@ -71,6 +90,8 @@ class InstanceSpec:
     #: What the instance reserves where its placement places by resources.
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    #: The address its transport binds and advertises (``None``: the one it serves on).
+    host: str | None = None
 
 
 @frozen
@@ -88,6 +109,8 @@ class ClusterSpec:
     transport: str = transports.DEFAULT
     #: A ``sagellm.placements`` plugin's name, checked to be installed.
     placement: str = "local"
+    #: Prefill and decode instances placed on the front's machine only.
+    pd_on_front_node: bool = False
 
     def links(self, instance: InstanceSpec) -> tuple[str, ...]:
         """The links of a prefill or decode instance: one per peer of the other role."""
@@ -128,6 +151,9 @@ def load(path: str | Path) -> ClusterSpec:
     transports.find(transport, f"{path}: transport")
     placement = table.get("placement", "local")
     placement_mod.find(placement, f"{path}: placement")
+    pd_on_front_node = table.get("pd_on_front_node", False)
+    if not isinstance(pd_on_front_node, bool):
+        raise ConfigError(f"{path}: pd_on_front_node = {pd_on_front_node!r}: true or false")
     router = table.get("router")
     if not isinstance(router, dict) or not isinstance(router.get("plugin"), str):
         raise ConfigError(f'{path}: [router] plugin: missing; name a sagellm.router plugin (e.g. "kv-aware")')
@@ -147,6 +173,7 @@ def load(path: str | Path) -> ClusterSpec:
         resources = {
             key: _resource(where, spec, key, default) for key, default in (("num_cpus", 1.0), ("num_gpus", 0.0))
         }
+        host = _host(where, spec, role, placement)
         given = spec.get("config")
         if not isinstance(given, str):
             raise ConfigError(f"{where}.config: missing; name a sagellm config whose [engine] is torch")
@@ -173,7 +200,8 @@ def load(path: str | Path) -> ClusterSpec:
         stem = config_path.stem
         taken = sum(1 for i in instances if i.config_path.stem == stem)
         instances += [
-            InstanceSpec(f"{stem}-{taken + k}", role, config_path, settings, **resources) for k in range(count)
+            InstanceSpec(f"{stem}-{taken + k}", role, config_path, settings, **resources, host=host)
+            for k in range(count)
         ]
     roles = {i.role for i in instances}
     if ("prefill" in roles) != ("decode" in roles):
@@ -187,7 +215,15 @@ def load(path: str | Path) -> ClusterSpec:
         built = Router(config_mod.load(instances[0].config_path, {("router",): router}))
     except SagellmError as exc:
         raise ConfigError(f"{path}: [router]: {exc}") from None
-    return ClusterSpec(path, tuple(instances), built, transport=transport, placement=placement, **seconds)
+    return ClusterSpec(
+        path,
+        tuple(instances),
+        built,
+        transport=transport,
+        placement=placement,
+        pd_on_front_node=pd_on_front_node,
+        **seconds,
+    )
 
 
 #: The file's durations and their defaults, in seconds.
@@ -206,3 +242,28 @@ def _resource(where: str, table: dict[str, Any], key: str, default: float) -> fl
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1024:
         raise ConfigError(f"{where}.{key} = {value!r}: a number in [0, 1024]")
     return float(value)
+
+
+def _host(where: str, table: dict[str, Any], role: str, placement: str) -> str | None:
+    """An instance's ``host``: an address of this machine that a socket
+    binds (the local placement's instances run here); ``None`` if not given."""
+    if "host" not in table:
+        return None
+    host = table["host"]
+    if role == "colocated":
+        raise ConfigError(f"{where}.host = {host!r}: only a prefill or decode instance's transport binds one")
+    if placement != "local":
+        raise ConfigError(
+            f"{where}.host = {host!r}: placement = {placement!r} serves each instance on its node's address;"
+            " host is for the local placement"
+        )
+    if not isinstance(host, str) or not host or any(c.isspace() for c in host) or len(host) > 255:
+        raise ConfigError(f"{where}.host = {host!r}: an address of this machine (IPv4, IPv6 or a host name)")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.bind((host, 0))
+    except (OSError, UnicodeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise ConfigError(f"{where}.host = {host!r}: not an address of this machine ({reason})") from None
+    return host

@@ -106,7 +106,9 @@ def cmd_serve_cluster(args: argparse.Namespace) -> int:
     try:
         members = [Member(r.spec.instance_id, r.spec.role, r.url, r.placed.pid) for r in running]
         live = LiveRouter(router, watch)
-        app = build_front(members, live, keys, spec.pull_timeout_s)  # type: ignore[arg-type]
+        app = build_front(  # type: ignore[arg-type]
+            members, live, keys, spec.pull_timeout_s, store=store, lease_s=spec.lease_s
+        )
         names = ", ".join(f"{m.instance_id} at {m.url}" for m in members)
         watch.start()
         print(

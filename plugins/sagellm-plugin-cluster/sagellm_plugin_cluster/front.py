@@ -27,6 +27,12 @@ computing: the way to measure what that costs. A body the front cannot tokenize 
 messages, a prompt that is neither text nor token ids) is routed by load
 alone, and the instance answers it, its error included.
 
+Each hand-over's keys on the transfers' store (which the front hosts) are
+deleted by the sides that read them last; what a side that died, or a
+pull that never came, leaves there is swept by the front once the lease's
+deadline has passed (``lease_s`` after the hand-over ended, plus
+:data:`SWEEP_GRACE_S`): no key outlives its transfer by more than that.
+
 A non-streaming request counts as prefill work until it ends: the front
 sees its first token only in a stream. Every request ends forwarded
 (with the instance's own answer, an error included) or failed at the
@@ -62,6 +68,7 @@ from sagellm_core.types import InstanceLoad, KVHints, Request
 
 from .clusterfile import link_name
 from .index import KVIndex
+from .transports import store_key
 
 #: Seconds between the background polls of every instance's KV events.
 POLL_INTERVAL_S = 0.05
@@ -77,6 +84,28 @@ ERRORS_KEPT = 20
 ROUTE_TIMES_KEPT = 10_000
 #: The header an instance reads a request's tenant from (the server's).
 TENANT_HEADER = "x-sagellm-tenant"
+#: Seconds past a lease's deadline before the front sweeps what its
+#: transfer left on the store: the prefill side's poll of a lease it ends.
+SWEEP_GRACE_S = 2.0
+
+
+def transfer_keys(link: str, request_id: str) -> tuple[str, str, str]:
+    """The store keys of one transfer (:mod:`.transports`): its lease's,
+    its leased block ids' (in-place), and its answers' prefix (gloo)."""
+    return (
+        store_key(link, f"lease/{request_id}"),
+        store_key(link, f"blocks/{request_id}"),
+        store_key(link, f"answer/{request_id}/"),
+    )
+
+
+def sweep(store: Any, link: str, request_id: str) -> int:
+    """Delete what one transfer left on ``store``; how many keys."""
+    lease, blocks, answers = transfer_keys(link, request_id)
+    left = [k for k in store.list_keys() if k in (lease, blocks) or k.startswith(answers)]
+    for key in left:
+        store.delete_key(key)
+    return len(left)
 
 
 class PromptKeys:
@@ -176,10 +205,14 @@ class Front:
         pull_timeout_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
         ask_instances: bool = False,
+        store: Any = None,
+        lease_s: float = 30.0,
     ):
         """``keys``: the prompts' token ids and block keys, computed here
         (asked of an instance with ``ask_instances``); ``transport``: how
-        the front reaches the instances (httpx's own by default)."""
+        the front reaches the instances (httpx's own by default);
+        ``store``: the transfers' store (a ``TCPStore``), swept of what
+        each transfer left ``lease_s`` + :data:`SWEEP_GRACE_S` after it."""
         self.members = list(members)
         self.router = router
         self.keys = keys
@@ -203,6 +236,12 @@ class Front:
         #: Requests answered by an instance (its error included), and failed at the front.
         self.counts = {"forwarded": 0, "failed": 0}
         self._background: set[asyncio.Task[None]] = set()
+        self.store = store
+        self.lease_s = lease_s
+        #: Transfers to sweep: (when, link, request id), in order of when.
+        self.sweeps: deque[tuple[float, str, str]] = deque()
+        #: Keys the sweeps deleted (left by a side that died, or a pull that never came).
+        self.swept = 0
 
     async def poll(self, member: Member) -> None:
         """Apply ``member``'s KV event batches published since the last poll."""
@@ -233,6 +272,9 @@ class Front:
         while True:
             # Every instance at once: one busy with a long step delays only its own events.
             await asyncio.gather(*(self.quiet_poll(member) for member in self.members))
+            if self.sweeps:
+                with contextlib.suppress(Exception):  # a store that fails now: the next poll sweeps
+                    await self.sweep_due(time.monotonic())
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def route(
@@ -318,8 +360,17 @@ class Front:
             status = "failed"
         finally:
             prefill.prefill_tokens -= len(ids)
+            if self.store is not None:
+                due = time.monotonic() + self.lease_s + SWEEP_GRACE_S
+                self.sweeps.append((due, asked["link"], request.request_id))
         self.transfers[status] = self.transfers.get(status, 0) + 1
         return status
+
+    async def sweep_due(self, now: float) -> None:
+        """Sweep the transfers whose leases' deadlines have passed."""
+        while self.sweeps and self.sweeps[0][0] <= now:
+            _, link, rid = self.sweeps.popleft()
+            self.swept += await asyncio.to_thread(sweep, self.store, link, rid)
 
     async def forward(self, http: HTTPRequest, path: str, chat: bool) -> Response:
         """Route the request and relay the chosen instance's answer."""
@@ -443,10 +494,19 @@ class Front:
             "transfers": dict(self.transfers),
             "index": {"exact": index.exact, "applied": index.applied, "gaps": index.gaps, "resets": index.resets},
             "route_ms": self.route_times(),
+            "store": await asyncio.to_thread(self.store_figures),
             "keys_asked": self.keys_asked,
             "errors": list(self.errors),
             "instances": instances,
         }
+
+    def store_figures(self) -> dict[str, int]:
+        """The transfers' store: its keys of transfers (leases, block ids,
+        answers), those waiting for a sweep, and the keys swept so far."""
+        if self.store is None:
+            return {}
+        held = sum(1 for k in self.store.list_keys() if any(f"/{w}/" in k for w in ("lease", "blocks", "answer")))
+        return {"transfer_keys": held, "to_sweep": len(self.sweeps), "swept": self.swept}
 
     def route_times(self) -> dict[str, float | int]:
         """The latest requests' routing times, in milliseconds: how many, median, 99th percentile, longest."""
@@ -469,11 +529,13 @@ def build_front(
     pull_timeout_s: float = 10.0,
     transport: httpx.AsyncBaseTransport | None = None,
     ask_instances: bool = False,
+    store: Any = None,
+    lease_s: float = 30.0,
 ) -> FastAPI:
     """The front's app over ``members`` (instances that answer ``/health``),
     computing the prompts' keys with ``keys``; ``app.state.front`` is its
     :class:`Front`."""
-    front = Front(members, router, keys, pull_timeout_s, transport, ask_instances)
+    front = Front(members, router, keys, pull_timeout_s, transport, ask_instances, store, lease_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

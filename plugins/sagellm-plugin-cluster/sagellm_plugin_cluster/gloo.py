@@ -24,6 +24,12 @@ The exchange, per request (``kv/<link>/`` keys):
 4. decode: receives into its landing's blocks and caches them, or on any
    error or its deadline abandons the landing and computes the prompt.
 
+Each side's gloo device binds the address its instance advertises
+(``host``: loopback by default, the node's address across machines), and
+gloo's own rendezvous publishes it under ``group/<epoch>/`` on the store,
+where the other side finds it; the decode side deletes an epoch's
+rendezvous keys once it leaves that epoch.
+
 Each key is deleted by the side that reads it last: a lease's key that
 holds ``declined`` by the prefill side as it reads it, one that holds a
 claim once the send has returned (a failed one leaves ``failed`` there, for
@@ -132,11 +138,16 @@ def parse_claim(value: str) -> tuple[int, int, int] | None:
     return None
 
 
-class _Pair:
-    """The two ranks' gloo group of one epoch."""
+def group_prefix(link: str, epoch: int) -> str:
+    """Where the group of ``epoch`` on ``link`` meets: gloo's rendezvous keys."""
+    return store_key(link, f"group/{epoch}/")
 
-    def __init__(self, store: dist.Store, link: str, rank: int) -> None:
-        self.store, self.link, self.rank = store, link, rank
+
+class _Pair:
+    """The two ranks' gloo group of one epoch, its device bound to ``host``."""
+
+    def __init__(self, store: dist.Store, link: str, rank: int, host: str) -> None:
+        self.store, self.link, self.rank, self.host = store, link, rank, host
         self.epoch: int | None = None
         self.group: dist.ProcessGroupGloo | None = None
 
@@ -145,16 +156,32 @@ class _Pair:
         if self.group is None or self.epoch != epoch:
             self.group = None
             self.epoch = epoch
-            prefix = dist.PrefixStore(store_key(self.link, f"group/{epoch}/"), self.store)
+            prefix = dist.PrefixStore(group_prefix(self.link, epoch), self.store)
             try:
-                self.group = dist.ProcessGroupGloo(prefix, self.rank, 2, span(timeout_s))
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = span(timeout_s)
+                # Bound to this instance's address; gloo's rendezvous publishes it.
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+                self.group = dist.ProcessGroupGloo(prefix, self.rank, 2, options)
             except Exception as exc:  # gloo raises RuntimeError and DistStoreError
-                raise TransportError(f"gloo group of epoch {epoch}: {exc}") from exc
+                raise TransportError(f"gloo group of epoch {epoch} on {self.host}: {exc}") from exc
         return self.group
 
     def drop(self) -> None:
         """A failed operation closed the pair: the epoch is not used again."""
         self.group = None
+
+
+def forget_epoch(store: dist.Store, link: str, epoch: int) -> None:
+    """Delete the rendezvous keys of ``epoch``'s group on ``link`` (left
+    behind); a store that fails now keeps them."""
+    prefix = group_prefix(link, epoch)
+    try:
+        for key in store.list_keys() if hasattr(store, "list_keys") else ():
+            if key.startswith(prefix):
+                store.delete_key(key)
+    except Exception:  # the store's errors are RuntimeErrors of its own
+        pass
 
 
 class PrefillServer:
@@ -170,12 +197,13 @@ class PrefillServer:
         lease_s: float,
         send_timeout_s: float,
         faults: Faults | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.leases = Leases(rt, lease_s)
         self.kv, self.store, self.link = kv, store, link
         self.send_timeout_s = send_timeout_s
         self.faults = dict(faults or {})
-        self._pair = _Pair(store, link, 0)
+        self._pair = _Pair(store, link, 0, host)
         self._offers: dict[str, str] = {}
         self._broken: set[int] = set()
         self.sends = 0
@@ -199,7 +227,8 @@ class PrefillServer:
         their deadline."""
         for rid, offered in list(self._offers.items()):
             key = store_key(self.link, f"lease/{rid}")
-            value = self.store.get(key).decode()
+            # A key gone is one the front swept (its transfer long over): nobody claims it now.
+            value = self.store.get(key).decode() if self.store.check([key]) else "failed"
             if value == offered and now_s > self.leases.open[rid].deadline_s:
                 value = self.store.compare_set(key, offered, "expired").decode()
                 if value == "expired":
@@ -245,10 +274,13 @@ class PrefillServer:
         except Exception:  # the pair is closed (a timeout, a dead peer): gloo's errors are RuntimeErrors
             self.send_failures += 1
             self.store.delete_key(answer)  # the decode side is gone, or gave up: nobody reads it
-            self.store.set(key, "failed")  # for a decode process that restarted: read, then deleted
+            # For a decode process that restarted (read, then deleted); where the
+            # decode side has read the answer it has deleted the claim: nothing is left.
+            self.store.compare_set(key, f"pull {start} {count} {epoch}", "failed")
             self.kv.drop_buffers()
             self._broken.add(epoch)
             self._pair.drop()
+            forget_epoch(self.store, self.link, epoch)
             self.leases.end(rid, TransferStatus.FAILED)
             return
         # Sent: the blocks (or their copy) are no longer read, nor is the claim.
@@ -276,6 +308,7 @@ class DecodePuller(OfferReader):
         *,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
     ) -> None:
         self.rt, self.kv, self.store, self.link = rt, kv, store, link
         self.faults = dict(faults or {})
@@ -283,7 +316,7 @@ class DecodePuller(OfferReader):
         self.counts = TransferCounts()
         self._landing: Landing | None = None
         self._claimed = False
-        self._pair = _Pair(store, link, 1)
+        self._pair = _Pair(store, link, 1, host)
         self.epoch = self._next_epoch()
 
     def _next_epoch(self) -> int:
@@ -304,7 +337,8 @@ class DecodePuller(OfferReader):
             if self._claimed:  # the pair may be mid-message: it is never used again, nor its buffer
                 self._pair.drop()
                 self.kv.drop_buffers()
-                self.epoch = self._next_epoch()
+                left, self.epoch = self.epoch, self._next_epoch()
+                forget_epoch(self.store, self.link, left)
         self._landing = None
         recomputed = 0 if status is TransferStatus.DONE else request.num_prompt_tokens
         self.counts.count(status, num_blocks, recomputed)

@@ -38,15 +38,25 @@ claims its predecessor left (a lease claimed and never confirmed) and takes
 them over by compare-and-set, reading the blocks the lease still holds;
 the predecessor's confirmation, should it still come, loses.
 
-A read still running at the decode side's deadline (a peer that stopped
-without closing its connection) is not waited for: the pull ends
-``EXPIRED`` at the deadline, and its landing's blocks stay held until the
-read has ended, so that bytes arriving late never land in blocks given to
-another request (:meth:`DecodePuller.reap`)."""
+A read still running at the decode side's deadline, or at the read's own
+(a peer that stopped without closing its connection), is not waited for:
+the pull ends ``EXPIRED`` or ``FAILED`` there, and the read is cancelled
+where its library can (NIXL); one that cannot be cancelled (Mooncake's
+blocking read) is *parked*: its landing's blocks stay held until the read
+has ended, so that bytes arriving late never land in blocks given to
+another request. A parked landing is freed as soon as its read ends, by
+:meth:`DecodePuller.reap`, which the instance calls on its engine thread
+every :data:`REAP_POLL_S` while any is parked (not only at the next
+pull); its read is bounded by the library's own timeout (Mooncake's
+progress timeout, set to the read's deadline), so the landing is freed by
+the read's deadline plus :data:`REAP_SLACK_S`. A read that breaks that
+bound keeps its landing (never freed under a running write) and is
+counted (``reads_past_bound``)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -57,14 +67,16 @@ import attrs
 from sagellm_core.runtime import Runtime
 from sagellm_core.types import Request
 
-from .kv_tensors import BlockLayout, KVTensors, segments
+from .kv_tensors import BlockLayout, KVTensors, TransportError, segments
 from .transfer import Landing, Leases, TransferCounts, TransferStatus
 from .transports import Faults, OfferReader, parse_offer, span, store_key
 
 # Faults (tests), per request id. Prefill side: ``expire`` (the lease's
 # deadline is its grant), ``expire-claimed`` (the deadline passes once the
 # decode side has claimed the lease), ``exit-after-offer`` (once every earlier lease
-# has ended, the process offers this one and exits). Decode side: ``error``
+# has ended, the process offers this one and exits), ``stop-after-offer`` (the
+# same, but the process stops itself, SIGSTOP: a peer that no longer answers
+# and keeps its connections open). Decode side: ``error``
 # (the read asks for addresses past the peer's registered memory, which the
 # peer's engine refuses), ``late`` (claims only once the offer is gone, or
 # at its deadline), ``confirm-late`` (after the read, confirms only once
@@ -74,6 +86,12 @@ from .transports import Faults, OfferReader, parse_offer, span, store_key
 
 #: How long a ``stall`` fault holds a read.
 STALL_S = 1.0
+#: How long past its read's own deadline a parked landing may still be
+#: held: the library's timeout granularity (Mooncake counts its progress
+#: timeout in whole seconds) and the reaper's period.
+REAP_SLACK_S = 2.0
+#: Seconds between two reaps of parked landings, on the engine's thread.
+REAP_POLL_S = 0.05
 
 
 class _Stalled:
@@ -89,6 +107,20 @@ class _Stalled:
             return None
         time.sleep(max(0.0, left))
         return self.read.wait(max(0.0, timeout_s - max(0.0, left)))
+
+    def cancel(self) -> bool:
+        return time.monotonic() >= self.until and self.read.cancel()
+
+
+@attrs.define(eq=False)
+class Parked:
+    """A read that outlived its pull, and the landing it may still write."""
+
+    read: Read
+    landing: Landing
+    #: When its landing must be free: the read's deadline plus :data:`REAP_SLACK_S`.
+    free_by: float
+    past_bound: bool = False
 
 
 @attrs.frozen
@@ -119,6 +151,8 @@ class Local:
     handshake: bytes
     #: Kept alive here: the library serves reads of its memory for as long as the process runs.
     tensor: Any
+    #: The address peers reach it at.
+    host: str = "127.0.0.1"
 
     def describe(self) -> str:
         layout = self.layout
@@ -151,6 +185,11 @@ class Read(Protocol):
         resources are released."""
         ...
 
+    def cancel(self) -> bool:
+        """Stop the read if it still runs: True once no byte of it can
+        land any more (it ended, or its library cancelled it)."""
+        ...
+
 
 class Memory:
     """A library that registers a process's KV tensor and reads a peer's: a
@@ -167,26 +206,30 @@ class Memory:
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def register(self, kv: KVTensors) -> Local:
-        """This process's registration of ``kv``'s tensor, made once per tensor."""
+    def register(self, kv: KVTensors, host: str) -> Local:
+        """This process's registration of ``kv``'s tensor, made once per
+        tensor, reachable at ``host`` (an address of this machine)."""
         tensor = kv.tensor
         key = (tensor.data_ptr(), tensor.nbytes)
         with self._lock:
             found = self._registered.get(key)
             if found is None:
                 layout = kv.layout()
-                session, handshake, handle = self._register(tensor)
-                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, handshake, tensor)
+                session, handshake, handle = self._register(tensor, host)
+                found = Local(self.kind, session, tensor.data_ptr(), layout, kv.fingerprint, handshake, tensor, host)
                 self._registered[key] = found
                 self._handles[session] = handle
+            elif found.host != host:
+                raise TransportError(f"{self.kind}: KV registered at {found.host}, asked again at {host}")
         return found
 
     def handle(self, local: Local) -> Any:
         return self._handles[local.session]
 
-    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
-        """Register ``tensor`` with the library: the session a peer reaches it
-        by, the handshake bytes a peer needs, and the library's object."""
+    def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
+        """Register ``tensor`` with the library, reachable at ``host``: the
+        session a peer reaches it by, the handshake bytes a peer needs, and
+        the library's object."""
         raise NotImplementedError
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> Read:
@@ -228,10 +271,11 @@ class PrefillServer:
         lease_s: float,
         send_timeout_s: float,
         faults: Faults | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         del send_timeout_s  # nothing is sent: the decode side reads
         self.leases = Leases(rt, lease_s)
-        self.kv, self.store, self.link = kv, store, link
+        self.kv, self.store, self.link, self.host = kv, store, link, host
         self.faults = dict(faults or {})
         self._offers: dict[str, str] = {}
         self._published = False
@@ -242,7 +286,7 @@ class PrefillServer:
         """Lease ``request``'s cached prompt blocks and offer them; the
         blocks offered (0: nothing to offer, the decode side computes)."""
         rid = request.request_id
-        exit_after = self.faults.get(rid) == "exit-after-offer"
+        exit_after = self.faults.get(rid) in ("exit-after-offer", "stop-after-offer")
         while exit_after and self.busy:
             self.poll(time.monotonic())
             time.sleep(0.002)
@@ -250,7 +294,7 @@ class PrefillServer:
         value = "none"
         if lease is not None:
             if not self._published:
-                self.store.set(store_key(self.link, "peer"), self.memory.register(self.kv).describe())
+                self.store.set(store_key(self.link, "peer"), self.memory.register(self.kv, self.host).describe())
                 self._published = True
             self.store.set(store_key(self.link, f"blocks/{rid}"), ",".join(map(str, lease.block_ids)))
             value = f"offer {len(lease.block_ids)} {self.kv.bytes_per_block}"
@@ -258,7 +302,9 @@ class PrefillServer:
             if self.faults.get(rid) == "expire":
                 lease.deadline_s = now_s
         self.store.set(store_key(self.link, f"lease/{rid}"), value)
-        if exit_after:
+        if exit_after and self.faults.get(rid) == "stop-after-offer":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif exit_after:
             os._exit(17)
         return 0 if lease is None else len(lease.block_ids)
 
@@ -267,7 +313,8 @@ class PrefillServer:
         past their deadline, claimed or not."""
         for rid, offered in list(self._offers.items()):
             key = store_key(self.link, f"lease/{rid}")
-            value = self.store.get(key).decode()
+            # A key gone is one the front swept (its transfer long over): nobody claims it now.
+            value = self.store.get(key).decode() if self.store.check([key]) else "failed"
             if value == offered or parse_read(value) is not None:
                 claimed_now = value != offered and self.faults.get(rid) == "expire-claimed"
                 if now_s <= self.leases.open[rid].deadline_s and not claimed_now:
@@ -312,26 +359,42 @@ class DecodePuller(OfferReader):
         *,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.rt, self.kv, self.store, self.link = rt, kv, store, link
+        self.rt, self.kv, self.store, self.link, self.host = rt, kv, store, link, host
         self.faults = dict(faults or {})
         self.clock = clock
         self.counts = TransferCounts()
         self._landing: Landing | None = None
         self._claim: str | None = None
-        #: Reads that outlived their pull's deadline, and their landings.
-        self._parked: list[tuple[Read, Landing]] = []
+        #: Reads that outlived their pull, and their landings (:meth:`reap`).
+        self._parked: list[Parked] = []
+        #: Parked reads still running past their bound (their landings kept).
+        self.reads_past_bound = 0
         #: This process's turn on the link: a decode process that restarts
         #: takes a higher one, and takes over the claims of lower ones.
         self.epoch = int(self.store.add(store_key(self.link, "epoch"), 1))
 
     def reap(self) -> int:
-        """Free the landings of parked reads that have returned; how many
-        are still reading."""
-        for read, landing in list(self._parked):
-            if read.wait(0.0) is not None:
-                self._parked.remove((read, landing))
-                landing.abandon()
+        """Free the landings of parked reads that have ended, or that are
+        past their bound and can be cancelled; how many are still held.
+        Called on the engine's thread (it frees blocks)."""
+        now = time.monotonic()
+        for parked in list(self._parked):
+            ended = parked.read.wait(0.0) is not None
+            if not ended and now >= parked.free_by:
+                ended = parked.read.cancel()
+                if not ended and not parked.past_bound:
+                    parked.past_bound = True
+                    self.reads_past_bound += 1
+            if ended:
+                self._parked.remove(parked)
+                parked.landing.abandon()
+        return len(self._parked)
+
+    @property
+    def parked(self) -> int:
+        """Landings held for reads that outlived their pull."""
         return len(self._parked)
 
     def pull(self, request: Request, timeout_s: float) -> TransferStatus:
@@ -415,8 +478,9 @@ class DecodePuller(OfferReader):
         if fault == "exit-after-claim":
             os._exit(17)
         read, overdue = self._read(peer, ids[landing.start : landing.start + count], landing, deadline, fault)
-        if read is None:  # still reading at a deadline: its landing waits for it (reap)
-            self._landing = None
+        if read is None:  # still reading at a deadline: cancelled (abandoned), or parked (reap)
+            if self._parked and self._parked[-1].landing is landing:
+                self._landing = None
             return (TransferStatus.FAILED if overdue else TransferStatus.EXPIRED), 0
         if not read:
             return TransferStatus.FAILED, 0
@@ -439,19 +503,23 @@ class DecodePuller(OfferReader):
     ) -> tuple[bool | None, bool]:
         """Read ``src_ids`` of the peer's tensor into the landing's blocks,
         as one batch: whether it completed (``None``: still reading at the
-        pull's deadline or the read's own, :attr:`Memory.read_timeout_s`),
-        and whether the read's own deadline was the one that passed."""
-        local = self.memory.register(self.kv)
+        pull's deadline or the read's own, :attr:`Memory.read_timeout_s`,
+        then cancelled, or parked with its landing where it cannot be), and
+        whether the read's own deadline was the one that passed."""
+        local = self.memory.register(self.kv, self.host)
         found = segments(peer.layout, src_ids, local.layout, landing.block_ids)
         if fault == "error":
             found = [(src + peer.nbytes, dst, length) for src, dst, length in found]
+        started = time.monotonic()
         read = self.memory.start_read(local, peer, found)
         if fault == "stall":
-            read = _Stalled(read, time.monotonic() + STALL_S)
+            read = _Stalled(read, started + STALL_S)
         limit, overdue = deadline - self.clock(), False
         if self.memory.read_timeout_s is not None and self.memory.read_timeout_s < limit:
             limit, overdue = self.memory.read_timeout_s, True
         done = read.wait(max(0.0, limit))
         if done is None:
-            self._parked.append((read, landing))
+            bound = self.memory.read_timeout_s if self.memory.read_timeout_s is not None else limit
+            if not read.cancel():  # still running: its landing waits for it; else abandoned with the pull
+                self._parked.append(Parked(read, landing, started + bound + REAP_SLACK_S))
         return done, overdue

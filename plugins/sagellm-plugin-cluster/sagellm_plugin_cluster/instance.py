@@ -16,7 +16,8 @@ observations arrive, so that a batch is never cut mid-event.
 A prefill or decode instance also joins the front's store (``--store-port``)
 for its links (``--links``, one per prefill-decode pair, as
 :mod:`.clusterfile` names them), over the cluster file's transport
-(``--transport``, :mod:`.transports`), and answers:
+(``--transport``, :mod:`.transports`), bound on ``--transport-host`` (the
+address it serves on unless the cluster file names another), and answers:
 
 * prefill: ``POST /kv/prefill`` ``{"request_id", "token_ids", "link"}``:
   computes the prompt (one output token, discarded), leases its blocks and
@@ -28,7 +29,9 @@ for its links (``--links``, one per prefill-decode pair, as
   the deadline; the request itself then comes as any other, and computes
   what the pull did not bring;
 * both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
-  by outcome (decode).
+  by outcome (decode; with an in-place transport, also the landings still
+  held for reads that outlived their pull, ``parked``, which a task frees
+  on the engine thread as their reads end, and ``reads_past_bound``).
 
 The lease and the pull run on the engine's thread (they allocate and free
 blocks): a transfer holds that instance's steps for its length, bounded by
@@ -60,6 +63,8 @@ from .kv_tensors import KVTensors
 
 #: Seconds between two polls of a prefill instance's open leases.
 LEASE_POLL_S = 0.005
+#: Seconds between two reaps of a decode instance's parked landings.
+REAP_POLL_S = 0.05
 
 
 class KeysRequest(BaseModel):
@@ -86,6 +91,8 @@ class Transfers:
     transport: str = transports.DEFAULT
     #: Where the front's store is (its machine's address as the placement sees it).
     store_host: str = "127.0.0.1"
+    #: The address this instance's transport binds and advertises to its peers.
+    host: str = "127.0.0.1"
 
 
 def build_instance(settings, transfers: Transfers | None = None):  # type: ignore[no-untyped-def]
@@ -136,7 +143,9 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
     rt = thread.core.rt
     prefill_side, _ = transports.load(transfers.transport)
     servers = {
-        link: prefill_side(rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s)
+        link: prefill_side(
+            rt, kv, store, link, lease_s=transfers.lease_s, send_timeout_s=transfers.send_timeout_s, host=transfers.host
+        )
         for link in transfers.links
     }
     polling: list[asyncio.Task[None]] = []
@@ -194,7 +203,15 @@ def _add_prefill_routes(app, thread, kv: KVTensors, store, transfers: Transfers)
 def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) -> None:  # type: ignore[no-untyped-def]
     rt = thread.core.rt
     _, decode_side = transports.load(transfers.transport)
-    pullers = {link: decode_side(rt, kv, store, link) for link in transfers.links}
+    pullers = {link: decode_side(rt, kv, store, link, host=transfers.host) for link in transfers.links}
+    # Landings held for reads that outlived their pull (in-place transports):
+    # freed on the engine's thread as soon as their reads end, not at the next pull.
+    reapers = [p for p in pullers.values() if hasattr(p, "reap")]
+    reaping: list[asyncio.Task[None]] = []
+
+    async def reap_parked() -> None:
+        while await thread.call(lambda: sum(p.reap() for p in reapers)):
+            await asyncio.sleep(REAP_POLL_S)
 
     @app.post("/kv/pull")
     async def pull(body: TransferRequest) -> Any:
@@ -203,13 +220,20 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
             return error(400, f"link {body.link!r}: this instance serves {', '.join(pullers)}", param="link")
         request = Request(body.request_id, body.token_ids, 1)
         status = await thread.call(lambda: puller.pull(request, body.timeout_s))
+        if getattr(puller, "parked", 0) and (not reaping or reaping[-1].done()):
+            reaping.append(asyncio.create_task(reap_parked()))
+            del reaping[:-1]
         return {"status": status.value}
 
     @app.get("/kv/transfers")
     async def pulls() -> dict[str, Any]:
         def read() -> dict[str, Any]:
             counts = [attrs.asdict(p.counts) for p in pullers.values()]
-            return {key: sum(c[key] for c in counts) for key in counts[0]} if counts else {}
+            summed = {key: sum(c[key] for c in counts) for key in counts[0]} if counts else {}
+            if reapers:  # landings held for reads still running, and those past their bound
+                summed["parked"] = sum(p.parked for p in reapers)
+                summed["reads_past_bound"] = sum(p.reads_past_bound for p in reapers)
+            return summed
 
         return await thread.call(read)  # type: ignore[no-any-return]
 
@@ -227,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--send-timeout-s", type=float, default=10.0)
     parser.add_argument("--transport", default=transports.DEFAULT, help="a sagellm.cluster_transport plugin")
+    parser.add_argument(
+        "--transport-host", help="the address the transport binds and advertises to its peers (default: --host)"
+    )
     args = parser.parse_args(argv)
     import uvicorn
 
@@ -234,7 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.role != "colocated":
         links = tuple(link for link in args.links.split(",") if link)
         transfers = Transfers(
-            args.role, args.store_port, links, args.lease_s, args.send_timeout_s, args.transport, args.store_host
+            args.role,
+            args.store_port,
+            links,
+            args.lease_s,
+            args.send_timeout_s,
+            args.transport,
+            args.store_host,
+            args.transport_host or args.host,
         )
     try:
         app, thread = build_instance(config_mod.load(args.config), transfers)

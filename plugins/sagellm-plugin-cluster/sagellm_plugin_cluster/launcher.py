@@ -65,13 +65,15 @@ def instance_command(
         argv += ["--store-host", store[0], "--store-port", str(store[1]), "--links", ",".join(cluster.links(spec))]
         argv += ["--lease-s", str(cluster.lease_s), "--send-timeout-s", str(cluster.pull_timeout_s)]
         argv += ["--transport", cluster.transport]
-    # Prefill and decode instances reach their peers and the store on loopback.
+        # Its transport binds and advertises the address it serves on (the
+        # placement's: its node's), unless the file names another.
+        argv += ["--transport-host", spec.host or placement_mod.HOST]
     return InstanceCommand(
         spec.instance_id,
         tuple(argv),
         num_cpus=spec.num_cpus,
         num_gpus=spec.num_gpus,
-        with_front=spec.role != "colocated",
+        with_front=spec.role != "colocated" and cluster.pd_on_front_node,
     )
 
 
@@ -111,15 +113,17 @@ class Launcher:
         return self.running
 
     def _check_nodes(self) -> None:
-        """Prefill and decode instances on the front's machine: their
-        transports reach their peers on loopback."""
+        """With ``pd_on_front_node``, prefill and decode instances on the
+        front's machine: a placement that put one elsewhere is an error."""
+        if not self.spec.pd_on_front_node:
+            return
         here = self.placement.front_host()
         for instance in self.running:
             if instance.spec.role != "colocated" and instance.placed.node != here:
                 raise SagellmError(
-                    f"{self.spec.path}: placement = {self.spec.placement!r} put {instance.spec.role} instance"
-                    f" {instance.spec.instance_id} on node {instance.placed.node}, not on the front's ({here}):"
-                    " prefill and decode instances reach their peers on loopback; serve them on one machine"
+                    f"{self.spec.path}: pd_on_front_node = true, but placement = {self.spec.placement!r} put"
+                    f" {instance.spec.role} instance {instance.spec.instance_id} on node {instance.placed.node},"
+                    f" not on the front's ({here})"
                 )
 
     def _wait_healthy(self, deadline: float) -> None:

@@ -10,10 +10,12 @@ set), so it runs on a thread, with a deadline of its own
 (:data:`READ_TIMEOUT_S`, from its start): a read still running then, or at
 the pull's deadline if that comes first, ends the pull (``failed``, or
 ``expired``) and the prompt is computed; its landing's blocks stay held
-until the thread returns (:meth:`.inplace.DecodePuller.reap`). The engine's
-progress timeout is set to the read's deadline where the environment does
-not set it, so that a read of a peer that stopped answering returns, and
-its landing is let go, soon after."""
+until the thread returns (:meth:`.inplace.DecodePuller.reap`, on the
+instance's engine thread while any is parked). The engine's progress
+timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``) is set to the read's deadline
+where the environment does not set it, so that a read of a peer that
+stopped answering returns, and its landing is let go, soon after
+(``tests/test_inplace_transfer.py`` stops a real peer to show it)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from . import inplace
 from .inplace import Local, Peer
 from .kv_tensors import TransportError
 
-#: Where this process's engine listens, and how it moves bytes.
-HOSTNAME = "127.0.0.1"
+#: How this process's engine moves bytes (it listens on the instance's
+#: transport address, which its session names to the peers).
 PROTOCOL = "tcp"
 #: A read's deadline of its own, in seconds from its start.
 READ_TIMEOUT_S = 5.0
@@ -45,21 +47,26 @@ class ThreadRead:
         self._thread.join(timeout_s)
         return None if self._thread.is_alive() else self._result == [0]
 
+    def cancel(self) -> bool:
+        """A blocking read cannot be stopped from outside: True once it has
+        returned (the engine's progress timeout bounds it)."""
+        return not self._thread.is_alive()
+
 
 class MooncakeMemory(inplace.Memory):
     kind = "mooncake"
     read_timeout_s = READ_TIMEOUT_S
 
-    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+    def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(math.ceil(READ_TIMEOUT_S)))
         from mooncake.engine import TransferEngine
 
         engine = TransferEngine()
-        if engine.initialize(HOSTNAME, "P2PHANDSHAKE", PROTOCOL, "") != 0:
-            raise TransportError(f"Mooncake Transfer Engine: initialize({HOSTNAME!r}, {PROTOCOL!r}) failed")
+        if engine.initialize(host, "P2PHANDSHAKE", PROTOCOL, "") != 0:
+            raise TransportError(f"Mooncake Transfer Engine: initialize({host!r}, {PROTOCOL!r}) failed")
         if engine.register_memory(tensor.data_ptr(), tensor.nbytes) != 0:
             raise TransportError(f"Mooncake Transfer Engine: registering {tensor.nbytes} B of KV failed")
-        return f"{HOSTNAME}:{engine.get_rpc_port()}", b"", engine
+        return f"{host}:{engine.get_rpc_port()}", b"", engine
 
     def start_read(self, local: Local, peer: Peer, segments: list[tuple[int, int, int]]) -> ThreadRead:
         engine = self.handle(local)

@@ -6,7 +6,15 @@ machine has them): the protocol of :mod:`.inplace`, the reads one NIXL
 Each process runs one NIXL agent with its KV tensor registered (``DRAM``);
 the agent's metadata travels in the link's ``peer`` description, and the
 decode side adds the prefill side's agent from it once. A transfer is
-polled (``check_xfer_state``) until it ends or the pull's deadline passes.
+polled (``check_xfer_state``) until it ends or the pull's deadline passes:
+then it is cancelled (its handle released, which NIXL cancels), and its
+landing freed with the pull; a read NIXL cannot cancel is parked.
+
+UCX reaches a peer by network device, not by address: an instance whose
+transport address is not loopback has its agent's UCX use the device that
+holds that address (``UCX_NET_DEVICES``, where the environment does not set
+it; :func:`interface_of`), so its agent's metadata names that device's
+address. Loopback leaves UCX's choice alone (on one machine, shared memory).
 
 ``nixl-cu12`` is the wheel imported, not the ``nixl`` meta-package (which
 requires both ``nixl-cu12`` and ``nixl-cu13`` and picks one by torch's CUDA
@@ -15,7 +23,11 @@ wheel is half the download."""
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
+import socket
+import struct
 import time
 from typing import Any
 
@@ -49,6 +61,17 @@ class NixlRead:
             time.sleep(POLL_S)
         return self._ended
 
+    def cancel(self) -> bool:
+        """Release the transfer's handle, which NIXL cancels if it still
+        runs; False if NIXL cannot (the handle is kept, and asked again)."""
+        if self._ended is None:
+            try:
+                self.agent.release_xfer_handle(self.handle)
+            except Exception:  # NIXL raises its own nixl*Error types: not cancelled
+                return False
+            self._ended = False
+        return True
+
 
 class NixlMemory(inplace.Memory):
     kind = "nixl"
@@ -58,8 +81,14 @@ class NixlMemory(inplace.Memory):
         #: The peers' agents added, by their metadata: a restarted peer is a new agent.
         self._peers: dict[bytes, str] = {}
 
-    def _register(self, tensor: Any) -> tuple[str, bytes, Any]:
+    def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        if host != "127.0.0.1" and "UCX_NET_DEVICES" not in os.environ:
+            device = interface_of(host)
+            if device is None:
+                raise TransportError(f"NIXL: no network device of this machine holds {host}")
+            os.environ["UCX_NET_DEVICES"] = device  # read by UCX as the agent starts
 
         name = f"sagellm-{os.getpid()}-{len(self._handles)}"
         config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
@@ -81,6 +110,29 @@ class NixlMemory(inplace.Memory):
         targets = agent.get_xfer_descs([(local.address + dst, length, 0) for _, dst, length in segments], "DRAM")
         sources = agent.get_xfer_descs([(peer.address + src, length, 0) for src, _, length in segments], "DRAM")
         return NixlRead(agent, agent.initialize_xfer("READ", targets, sources, remote))
+
+
+_SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
+
+
+def interface_of(host: str) -> str | None:
+    """The network device of this machine whose IPv4 network holds ``host``
+    (a name is resolved first); ``None`` if none does."""
+    try:
+        address = ipaddress.IPv4Address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            packed = struct.pack("256s", name.encode()[:15])
+            try:
+                own = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, packed)[20:24])
+                mask = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFNETMASK, packed)[20:24])
+            except OSError:  # no IPv4 address on it
+                continue
+            if address in ipaddress.IPv4Network(f"{own}/{mask}", strict=False):
+                return name
+    return None
 
 
 #: One per process: the KV tensor is registered once, whatever the links.

@@ -9,11 +9,16 @@ failed or expired within its deadline) with control messages on the front's
 :class:`Transport`: the third-party module it needs, the ``pip install`` that
 provides it, and the module that implements it, which holds two classes:
 
-* ``PrefillServer(rt, kv, store, link, *, lease_s, send_timeout_s, faults)``
+* ``PrefillServer(rt, kv, store, link, *, lease_s, send_timeout_s, faults, host)``
   (:class:`PrefillSide`): leases and offers a prompt's blocks, serves
   pulls, ends every lease;
-* ``DecodePuller(rt, kv, store, link, *, faults, clock)``
+* ``DecodePuller(rt, kv, store, link, *, faults, clock, host)``
   (:class:`DecodeSide`): pulls a prompt's blocks into a landing.
+
+``host`` is the address of this machine the side's library binds (loopback
+by default; the node's address across machines); each side publishes it
+through what its peer already reads (gloo's rendezvous keys on the store,
+the in-place transports' ``peer`` description).
 
 A descriptor imports nothing heavy, so that a cluster file is checked
 (:func:`find`) without the transport's package, and a missing package is

@@ -17,7 +17,7 @@ import datetime
 import json
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -35,6 +35,10 @@ from .kv_tensors import KVTensors
 from .transports import Faults
 
 POLL_S = 0.002
+#: The longest a decode worker waits, after its last request, for the
+#: landings of reads still running: past every read's bound, so that one
+#: still held then is a read its library did not end.
+PARKED_WAIT_S = 30.0
 
 
 def start_engine(config_path: str) -> tuple[Runtime, KVTensors, Engine]:
@@ -50,11 +54,13 @@ def start_engine(config_path: str) -> tuple[Runtime, KVTensors, Engine]:
     return rt, kv, plugin.start(rt)
 
 
-def generate(engine: Engine, request: Request) -> list[int]:
-    """Serve ``request`` alone; its generated token ids."""
+def generate(engine: Engine, request: Request, between: Callable[[], object] = lambda: None) -> list[int]:
+    """Serve ``request`` alone; its generated token ids. ``between`` is
+    called after each step (a decode side's reaping of parked landings)."""
     engine.add_request(request)
     tokens: list[int] = []
     while engine.has_work():
+        between()
         for out in engine.step():
             if out.finish_reason == "rejected":
                 raise RequestError(f"request {out.request_id}: rejected")
@@ -91,14 +97,18 @@ def run_prefill(
     send_timeout_s: float,
     faults: Faults | None = None,
     transport: str = transports.DEFAULT,
+    host: str = "127.0.0.1",
 ) -> None:
     """Prefill each request (one output token, discarded), lease and offer
-    its blocks, and serve pulls until every lease has ended."""
+    its blocks, and serve pulls until every lease has ended; its transport
+    bound to ``host``."""
     store = connect(port, 30)
     try:
         prefill_side, _ = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        server = prefill_side(rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults)
+        server = prefill_side(
+            rt, kv, store, link, lease_s=lease_s, send_timeout_s=send_timeout_s, faults=faults, host=host
+        )
         for request in requests:
             generate(engine, attrs.evolve(request, output_tokens=1))
             server.offer(request, time.monotonic())
@@ -123,6 +133,7 @@ def run_decode(
     handoff_timeout_s: float = 120.0,
     faults: Faults | None = None,
     transport: str = transports.DEFAULT,
+    host: str = "127.0.0.1",
 ) -> None:
     """Once the prefill side has answered for a request (within
     ``handoff_timeout_s``, the front's wait), pull its prompt blocks (within ``pull_timeout_s``), then
@@ -132,19 +143,26 @@ def run_decode(
     try:
         _, decode_side = transports.load(transport)
         rt, kv, engine = start_engine(config_path)
-        puller = decode_side(rt, kv, store, link, faults=faults)
+        puller = decode_side(rt, kv, store, link, faults=faults, host=host)
+        reap = getattr(puller, "reap", lambda: 0)  # in-place transports: landings of reads still running
         for request in requests:
             puller.wait_for_offer(request, handoff_timeout_s)
             start = time.monotonic()
             status = puller.pull(request, pull_timeout_s)
             pull_s = time.monotonic() - start
-            tokens = generate(engine, request)
+            tokens = generate(engine, request, reap)
             _put(
                 store,
                 f"result/{link}/{request.request_id}",
                 {"status": status.value, "pull_s": pull_s, "tokens": tokens},
             )
-        _report(store, link, "decode", rt, counts=attrs.asdict(puller.counts))
+        # No pull follows: a parked landing is freed once its read ends, which
+        # its library bounds (inplace.REAP_SLACK_S past the read's deadline).
+        until = time.monotonic() + PARKED_WAIT_S
+        while reap() and time.monotonic() < until:
+            time.sleep(POLL_S)
+        parked = {"parked": getattr(puller, "parked", 0), "reads_past_bound": getattr(puller, "reads_past_bound", 0)}
+        _report(store, link, "decode", rt, counts=attrs.asdict(puller.counts), **parked)
     except BaseException:
         _put(store, f"report/{link}/decode", {"error": traceback.format_exc()})
         raise

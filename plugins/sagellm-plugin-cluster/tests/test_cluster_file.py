@@ -110,6 +110,24 @@ def test_instances_named_by_config_and_count(folder: Path) -> None:
             '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nnum_gpus = "one"\n',
             "instance[0].num_gpus = 'one'",
         ),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nhost = "127.0.0.2"\n',
+            "instance[0].host = '127.0.0.2': only a prefill or decode instance's transport binds one",
+        ),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nrole = "prefill"\nhost = "192.0.2.250"\n'
+            '[[instance]]\nconfig = "b.toml"\nrole = "decode"\n',
+            "instance[0].host = '192.0.2.250': not an address of this machine",
+        ),
+        (
+            '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nrole = "decode"\nhost = 7\n'
+            '[[instance]]\nconfig = "b.toml"\nrole = "prefill"\n',
+            "instance[0].host = 7: an address of this machine",
+        ),
+        (
+            'pd_on_front_node = "yes"\n[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\n',
+            "pd_on_front_node = 'yes': true or false",
+        ),
     ],
 )
 def test_bad_file_names_the_key(folder: Path, text: str, named: str) -> None:
@@ -258,3 +276,27 @@ def test_fuzz_any_bytes_load_or_are_one_line_error(folder: Path, data: bytes) ->
         clusterfile.load(path)
     except ConfigError as exc:
         assert "\n" not in str(exc)
+
+
+def test_prefill_and_decode_bind_their_transport_where_the_file_says(folder: Path) -> None:
+    """An instance's ``host`` is the address its transport binds and
+    advertises (the placement's, where it serves, by default); prefill and
+    decode instances go where the placement puts them unless
+    ``pd_on_front_node`` pins them to the front's machine."""
+    pytest.importorskip("httpx")  # the launcher's (the serve extra's)
+    from sagellm_plugin_cluster.launcher import instance_command
+
+    from sagellm_core.drivers.placement import HOST
+
+    text = (
+        '[router]\nplugin = "kv-aware"\n[[instance]]\nconfig = "a.toml"\nrole = "prefill"\nhost = "127.0.0.2"\n'
+        '[[instance]]\nconfig = "b.toml"\nrole = "decode"\n'
+    )
+    spec = clusterfile.load(write(folder, text))
+    assert [i.host for i in spec.instances] == ["127.0.0.2", None] and not spec.pd_on_front_node
+    commands = [instance_command(spec, i, "warning", ("127.0.0.1", 1234)) for i in spec.instances]
+    hosts = [c.argv[c.argv.index("--transport-host") + 1] for c in commands]
+    assert hosts == ["127.0.0.2", HOST]  # the decode instance's: the address it serves on, filled in by the placement
+    assert [c.with_front for c in commands] == [False, False]
+    pinned = clusterfile.load(write(folder, "pd_on_front_node = true\n" + text))
+    assert [instance_command(pinned, i, "warning", ("h", 1)).with_front for i in pinned.instances] == [True, True]

@@ -27,7 +27,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("sagellm_plugin_server")
 
 from sagellm_plugin_cluster.events import BlockStored, KVEventBatch, encode  # noqa: E402
-from sagellm_plugin_cluster.front import Member, PromptKeys, build_front  # noqa: E402
+from sagellm_plugin_cluster.front import SWEEP_GRACE_S, Member, PromptKeys, build_front, transfer_keys  # noqa: E402
+from sagellm_plugin_cluster.transports import store_key  # noqa: E402
 from sagellm_plugin_server.protocol import ChatMessage  # noqa: E402
 
 from sagellm_core.drivers.router import Router  # noqa: E402
@@ -126,12 +127,12 @@ class Instances:
         return httpx.Response(200, json={"choices": [{"text": host}]})
 
 
-def front_of(instances: Instances, roles: dict[str, str], router: str, ask_instances: bool = False):
+def front_of(instances: Instances, roles: dict[str, str], router: str, ask_instances: bool = False, **kwargs):
     members = [Member(name, role, f"http://{name}", pid=0) for name, role in roles.items()]
     routed_by = Router(settings_from_toml(CONFIG.format(blocks=64) + f'[router]\nplugin = "{router}"\n'))
     keys = PromptKeys(TOKENIZER, SETTINGS)
     transport = httpx.MockTransport(instances.handle)
-    return build_front(members, routed_by, keys, transport=transport, ask_instances=ask_instances)
+    return build_front(members, routed_by, keys, transport=transport, ask_instances=ask_instances, **kwargs)
 
 
 async def send(app, bodies: list[Any]) -> list[httpx.Response]:
@@ -318,3 +319,84 @@ def test_fuzz_every_body_ends_forwarded_or_failed_and_no_load_is_left(sent: list
             assert "\n" not in answer.json()["error"]["message"]
     assert front.counts["forwarded"] == sum(m.routed for m in front.members) - sum(m.failed for m in front.members)
     assert loads(app) == [(0, 0, 0)] * 2
+
+
+class TransferSides(Instances):
+    """A prefill and a decode stand-in that write a transfer's keys on a
+    real store as the transports do, each request ending as ``outcomes``
+    says: ``done`` (every key deleted by the side that read it last),
+    ``declined``, or a side that died mid-transfer, leaving what it wrote
+    (``dead-decode``: the offer and the leased block ids; ``dead-prefill``:
+    the claim, the block ids and an answer), or ``no-pull`` (the decode
+    instance does not answer: the lease's key ends ``expired``)."""
+
+    def __init__(self, store, outcomes: list[str]):
+        super().__init__(["p", "d"])
+        self.store, self.outcomes = store, list(outcomes)
+        self.ended: list[str] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path not in ("/kv/prefill", "/kv/pull"):
+            return super().handle(request)
+        self.calls.append((request.url.host, path))
+        body = json.loads(request.content)
+        rid, link = body["request_id"], body["link"]
+        lease, blocks, answers = transfer_keys(link, rid)
+        outcome = self.outcomes[len(self.ended)]
+        if path == "/kv/prefill":
+            self.store.set(store_key(link, "peer"), "a standing key: the prefill side's description")
+            self.store.set(blocks, "3,4")
+            self.store.set(lease, "offer 2 64")
+            return httpx.Response(200, json={"offered_blocks": 2})
+        self.ended.append(rid)
+        if outcome == "no-pull":
+            self.store.delete_key(blocks)
+            self.store.set(lease, "expired")  # the lease's deadline: kept for a decode side that never reads it
+            raise httpx.ConnectError("refused", request=request)
+        if outcome == "dead-prefill":
+            self.store.set(lease, "read 0 2 1")
+            self.store.set(answers + "1", "sending 1")
+            return httpx.Response(200, json={"status": "failed"})
+        if outcome == "dead-decode":
+            return httpx.Response(200, json={"status": "failed"})
+        for key in (lease, blocks):  # done or declined: each side deleted what it read last
+            self.store.delete_key(key)
+        return httpx.Response(200, json={"status": "done"})
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.sampled_from(["done", "declined", "dead-decode", "dead-prefill", "no-pull"]), min_size=1, max_size=8)
+)
+def test_the_store_holds_no_key_of_a_finished_transfer_once_its_lease_is_over(outcomes: list[str]):
+    """Whatever each transfer's end, once every lease's deadline has passed
+    the front has swept what dead sides or missing pulls left: no key of a
+    finished transfer is on the store; a standing key (a link's ``peer``)
+    stays; before a lease's deadline nothing of its transfer is swept."""
+    import datetime
+    import time
+
+    dist = pytest.importorskip("torch.distributed")  # the store is torch's TCPStore
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    sides = TransferSides(store, outcomes)
+    lease_s = 60.0
+    app = front_of(sides, {"p": "prefill", "d": "decode"}, "round-robin", store=store, lease_s=lease_s)
+    front = app.state.front
+    answers = asyncio.run(send(app, [{"prompt": f"prompt {i} " + words(*range(12))} for i in range(len(outcomes))]))
+    assert [a.status_code for a in answers] == [200] * len(outcomes)
+    left = [o for o in outcomes if o != "done" and o != "declined"]
+    asyncio.run(front.sweep_due(time.monotonic()))  # every lease still within its deadline: nothing swept
+    before = front.store_figures()
+    assert before["swept"] == 0 and before["to_sweep"] == len(outcomes)
+    assert before["transfer_keys"] == 2 * left.count("dead-decode") + 3 * left.count("dead-prefill") + left.count(
+        "no-pull"
+    )
+    asyncio.run(front.sweep_due(time.monotonic() + lease_s + SWEEP_GRACE_S))
+    after = front.store_figures()
+    assert after == {"transfer_keys": 0, "to_sweep": 0, "swept": before["transfer_keys"]}
+    for rid in sides.ended:
+        lease, blocks, answers_prefix = transfer_keys("p>d", rid)
+        assert not [k for k in store.list_keys() if k in (lease, blocks) or k.startswith(answers_prefix)]
+    assert store.list_keys() == [store_key("p>d", "peer")]

@@ -261,7 +261,7 @@ def start(front, transport, role, config, requests, faults=None, **kwargs):
         kwargs.update(send_timeout_s=2.0)
     else:
         target = workers.run_decode
-        kwargs.update(pull_timeout_s=8.0)
+        kwargs.setdefault("pull_timeout_s", 8.0)
     return front.start(target, config, requests, faults=faults, transport=transport, **kwargs)
 
 
@@ -339,3 +339,43 @@ def test_a_decode_restarting_takes_over_the_claim_its_predecessor_left(
     assert decoded["counts"]["done"] == 4 and decoded["counts"]["recomputed_tokens"] == 0
     assert not [k for r in requests for k in (f"kv/p0-d0/lease/{r.request_id}", f"kv/p0-d0/blocks/{r.request_id}")
                 if front.store.check([k])]  # fmt: skip
+
+
+@pytest.mark.engine
+def test_a_stopped_peer_ends_the_read_within_its_bound_and_frees_the_landing(
+    transport, processes, config, requests, reference
+):
+    """The prefill process offers r3 and stops (SIGSTOP: its connections
+    stay open, nothing answers), its transport on a second loopback address.
+    The decode side's read of r3 is still running at the read's own
+    deadline: the pull ends failed (well before the pull's own deadline)
+    and r3 is computed. No pull follows, yet the landing is freed: NIXL
+    cancels the read; Mooncake's read returns once its progress timeout
+    (``MC_TCP_PROGRESS_TIMEOUT_SEC``, set to the read's deadline) passes,
+    within the read's deadline plus ``REAP_SLACK_S`` (``reads_past_bound``
+    counts one that does not). Mooncake's only: NIXL's shared-memory
+    transports on one machine, like RDMA, read a stopped process's memory
+    without it (its read of r3 ended done), and over UCX's TCP alone the
+    case is not established (docs/benchmarks/disaggregation.md)."""
+    import os
+    import signal
+
+    if transport != "mooncake":
+        pytest.skip("a stopped peer stalls a read over Mooncake's TCP; see the docstring for NIXL")
+
+    served = requests[:4]
+    front, started = processes.Front(), time.monotonic()
+    prefill = start(front, transport, "prefill", config, served, {"r3": "stop-after-offer"}, host="127.0.0.2")
+    decode = start(front, transport, "decode", config, served, host="127.0.0.3", pull_timeout_s=60.0)
+    try:
+        processes.join([decode], started)
+    finally:
+        os.kill(prefill.pid, signal.SIGKILL)
+        prefill.join(30)
+    results = processes.outcomes(front, served)
+    assert {rid: r["tokens"] for rid, r in results.items()} == {r.request_id: reference[r.request_id] for r in served}
+    assert [r["status"] for r in results.values()] == ["done", "done", "done", "failed"]
+    decoded = front.read("report/p0-d0/decode")
+    processes.whole(decoded)  # every landing freed: nothing in flight, the accounting whole
+    assert decoded["parked"] == 0 and decoded["reads_past_bound"] == 0
+    assert decoded["counts"]["failed"] == 1 and decoded["counts"]["expired"] == 0

@@ -43,6 +43,9 @@ PREFIXES = ["alpha beta gamma delta epsilon zeta eta theta", "one two three four
 PROMPTS = [f"{PREFIXES[i % 2]} tail {i} " + "word " * i for i in range(6)]
 CHATS = [[{"role": "user", "content": f"{PREFIXES[0]} question {i}"}] for i in range(2)]
 START_S = 300.0
+#: A prefill instance's lease in the 1P1D cluster: the front sweeps what a
+#: transfer left on its store this long (plus its grace) after it.
+LEASE_S = 10.0
 
 
 def alive(pid: int) -> bool:
@@ -80,6 +83,19 @@ def settled_stats(url: str, n: int) -> dict:
         if sum(stats["requests"].values()) >= n or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
+
+
+def swept_stats(url: str) -> dict:
+    """``/kv/stats`` once the front has no transfer left to sweep (each is
+    swept ``LEASE_S`` + its grace after it ended)."""
+    from sagellm_plugin_cluster.front import SWEEP_GRACE_S
+
+    deadline = time.monotonic() + LEASE_S + SWEEP_GRACE_S + 30
+    while True:
+        stats = httpx.get(f"{url}/kv/stats", timeout=60).json()
+        if stats["store"]["to_sweep"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
 
 
 def complete(url: str, prompt: str) -> str:
@@ -123,9 +139,13 @@ def disaggregated(configs, request):
         pytest.skip(str(exc))
     folder, config, _ = configs
     cluster = folder / f"pd-{transport}.toml"
-    instances = "".join(f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\n' for role in ("prefill", "decode"))
+    # Each side's transport on an address of its own (127.0.0.0/8 is loopback: one machine, two addresses).
+    instances = "".join(
+        f'[[instance]]\nconfig = "{config.name}"\nrole = "{role}"\nhost = "{host}"\n'
+        for role, host in (("prefill", "127.0.0.2"), ("decode", "127.0.0.3"))
+    )
     cluster.write_text(
-        f'start_timeout_s = {START_S}\npull_timeout_s = 20\ntransport = "{transport}"\n'
+        f'start_timeout_s = {START_S}\npull_timeout_s = 20\nlease_s = {LEASE_S}\ntransport = "{transport}"\n'
         f'[router]\nplugin = "kv-aware"\n{instances}'
     )
     return cluster
@@ -176,6 +196,7 @@ def test_disaggregated_answers_as_one_instance_and_falls_back_to_recompute(disag
         os.kill(by_role["prefill"]["pid"], signal.SIGKILL)
         after_kill = [complete(front.url, p) for p in PROMPTS[:2]]
         after = settled_stats(front.url, len(PROMPTS) + len(CHATS) + 2)
+        swept = swept_stats(front.url)
     finally:
         stop(front)
     assert (completions, chats) == reference
@@ -192,6 +213,8 @@ def test_disaggregated_answers_as_one_instance_and_falls_back_to_recompute(disag
     assert after["requests"] == {"forwarded": served + 2, "failed": 0}
     decode = next(i for i in after["instances"].values() if i["role"] == "decode")
     assert decode["invariants"] == "ok"
+    # Every transfer is over and its lease's deadline past: no key of one is left on the store.
+    assert swept["store"]["transfer_keys"] == 0 and swept["store"]["to_sweep"] == 0, swept["store"]
     assert not [pid for pid in (i["pid"] for i in by_role.values()) if alive(pid)]
 
 

@@ -1,16 +1,18 @@
 """The ``ray`` placement: each instance of a served cluster a Ray actor,
 placed by Ray on a machine of a Ray cluster with the CPUs and GPUs its
 command asks for; the actor runs the instance's command as a child
-process there, serving on its node's address (on loopback when that node
-is the front's), and reports whether it still runs.
+process there, serving on its node's address (Ray's node IP, which the
+peers of a prefill or decode instance on other nodes reach too), and
+reports whether it still runs.
 
 It joins the cluster that ``RAY_ADDRESS`` names, or, without it, starts
 Ray on this machine for the placement's life. Health comes from Ray: an
 actor that died (its node lost, its process killed) is reported gone with
 Ray's reason; a child that exited, with its exit status. The child is
 bound to its actor's life (Linux's parent-death signal): an actor that
-dies takes its instance with it. A command ``with_front`` (a prefill or
-decode instance) is placed on the front's own node. :meth:`RayActors.stop`
+dies takes its instance with it. A command ``with_front`` (a cluster
+file's ``pd_on_front_node``) is placed on the front's own node; any other
+on the node Ray picks. :meth:`RayActors.stop`
 stops each child, then kills each actor, so nothing started is left on
 any node."""
 
@@ -50,10 +52,10 @@ def _die_with_parent() -> None:
 class InstanceActor:
     """Runs one instance's command on the node Ray placed it on."""
 
-    def __init__(self, argv: tuple[str, ...], env: dict[str, str], name: str, front_host: str):
+    def __init__(self, argv: tuple[str, ...], env: dict[str, str], name: str):
         self.node = ray.util.get_node_ip_address()
-        # On the front's machine, loopback: nothing else needs to reach it.
-        self.host = "127.0.0.1" if self.node == front_host else self.node
+        # The node's address: the front and the instance's peers on other nodes reach it there.
+        self.host = self.node
         self.port = free_port(self.host)
         self.log = Path(tempfile.mkdtemp(prefix="sagellm-instance-")) / f"{name}.log"
         with self.log.open("w") as out:
@@ -149,7 +151,7 @@ class RayActors:
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=here,
-        ).remote(command.argv, dict(command.env), command.name, self.front_host())
+        ).remote(command.argv, dict(command.env), command.name)
         try:
             node, host, port, pid = ray.get(actor.address.remote(), timeout=PLACE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:

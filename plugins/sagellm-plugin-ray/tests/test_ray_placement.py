@@ -164,8 +164,9 @@ def test_an_actor_no_node_can_hold_is_one_line_and_nothing_is_left(two_nodes, cl
 
 def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_nodes):
     """The placement alone, on commands that need no model: those
-    ``with_front`` (prefill and decode instances) land on the caller's
-    node, the others where Ray puts them; an exit is reported with its
+    ``with_front`` (prefill and decode instances of a cluster file with
+    ``pd_on_front_node``) land on the caller's node, serving on its
+    address, the others where Ray puts them; an exit is reported with its
     status; ``stop`` leaves no actor and no process."""
     from sagellm_plugin_ray.placement import RayActors
 
@@ -182,7 +183,8 @@ def test_commands_with_the_front_stay_on_its_node_and_stop_leaves_nothing(two_no
             time.sleep(0.2)
         assert exits.failure() == "exited with 4 in its Ray actor"
         assert [p.failure() for p in near] == [None] * 3
-        assert all(p.url == f"http://127.0.0.1:{p.url.rsplit(':', 1)[1]}" for p in near)  # the front's node: loopback
+        node = ray.util.get_node_ip_address()
+        assert all(p.url == f"http://{node}:{p.url.rsplit(':', 1)[1]}" for p in near)  # the front's node's address
         near_ids = {p.actor._actor_id.hex() for p in near}
         assert {a["Address"]["NodeID"] for a in instance_actors() if a["ActorID"] in near_ids} == {here}
         pids = [p.pid for p in (*near, exits)]

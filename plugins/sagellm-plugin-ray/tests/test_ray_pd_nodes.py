@@ -1,0 +1,126 @@
+"""``sagellm serve --cluster`` with ``placement = "ray"``, a prefill and a
+decode instance on two Ray nodes with different addresses: a head raylet
+on the machine's address (as Ray picks it) and a second one on
+``127.0.0.2``, one CPU each. All of 127.0.0.0/8 is loopback on Linux: this
+is one machine with two addresses, not two machines. Each instance serves,
+and binds its transport, on its node's address; KV goes over gloo, the
+Mooncake Transfer Engine and NIXL (each where it is installed), and the
+greedy outputs equal one instance's. Marked ``engine``: ``tox -e ray``."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("torch")
+pytest.importorskip("sagellm_plugin_torch")
+pytest.importorskip("sagellm_plugin_server")
+pytest.importorskip("sagellm_plugin_cluster")
+
+import httpx  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+START_S = 240.0
+
+
+def complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def instance_actors() -> list[dict]:
+    """The instance actors alive, from Ray's actor table."""
+    table = ray._private.state.actors().values()
+    return [a for a in table if a["ActorClassName"].endswith("InstanceActor") and a["State"] == "ALIVE"]
+
+
+#: The second raylet's address. (Ray replaces 127.0.0.1 by the machine's own
+#: address wherever it is given, so the head keeps that one, as Ray picks it.)
+SECOND_NODE_IP = "127.0.0.2"
+PD_PROMPTS = [f"alpha beta gamma delta epsilon zeta eta theta tail {i} " + "word " * i for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def two_addresses():
+    """A head raylet on the machine's address and a second one on
+    ``SECOND_NODE_IP``, one CPU each."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address=SECOND_NODE_IP)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    from sagellm_plugin_torch import testing
+
+    folder = tmp_path_factory.mktemp("pd-nodes")
+    model = testing.save_tiny_llama(folder / "model")
+    return server_config(folder, model, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def one_instance(model_config):
+    """Each prompt's greedy output from one instance: ``sagellm serve`` alone."""
+    server = Server(model_config)
+    try:
+        return [complete(server.url, p).json()["choices"][0]["text"] for p in PD_PROMPTS]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("transport", ["gloo", "mooncake", "nixl"])
+def test_prefill_and_decode_on_two_nodes_exchange_kv(transport, two_addresses, model_config, one_instance, monkeypatch):
+    """1P1D with ``placement = "ray"``: Ray puts the prefill and the decode
+    instance on different nodes (one CPU each), each serving, and binding
+    its transport, on its node's address; every transfer is done over the
+    file's transport, the greedy outputs equal one instance's, and both
+    instances' accounting is whole afterwards (``check_invariants``)."""
+    from sagellm_plugin_cluster import transports
+
+    from sagellm_core.errors import SagellmError
+
+    try:
+        transports.load(transport)
+    except SagellmError as exc:  # its package is not installed here
+        pytest.skip(str(exc))
+    monkeypatch.setenv("RAY_ADDRESS", two_addresses.address)
+    cluster_file = model_config.parent / f"pd-{transport}.toml"
+    instances = "".join(
+        f'[[instance]]\nconfig = "{model_config.name}"\nrole = "{role}"\nnum_cpus = 1\n'
+        for role in ("prefill", "decode")
+    )
+    cluster_file.write_text(
+        f'start_timeout_s = {START_S}\nplacement = "ray"\ntransport = "{transport}"\npull_timeout_s = 20\n'
+        f'[router]\nplugin = "kv-aware"\n{instances}'
+    )
+    front = Server(args=["--cluster", str(cluster_file)], start_timeout_s=START_S)
+    try:
+        actors = instance_actors()
+        answers = [complete(front.url, p) for p in PD_PROMPTS]
+        after = httpx.get(f"{front.url}/kv/stats", params={"check_invariants": True}, timeout=60).json()
+    finally:
+        front.process.terminate()
+        try:
+            front.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            front.process.kill()
+            raise
+    nodes = {a["Address"]["IPAddress"] for a in actors}
+    assert len(actors) == 2 and len(nodes) == 2 and SECOND_NODE_IP in nodes, actors  # one on each address
+    assert [a.status_code for a in answers] == [200] * len(PD_PROMPTS)
+    assert [a.json()["choices"][0]["text"] for a in answers] == one_instance
+    assert after["transfers"] == {"done": len(PD_PROMPTS), "failed": 0, "expired": 0}
+    by_role = {i["role"]: i for i in after["instances"].values()}
+    assert {i["invariants"] for i in by_role.values()} == {"ok"}
+    assert by_role["decode"]["transfers"]["done"] == len(PD_PROMPTS) and by_role["decode"]["transfers"]["blocks"] > 0
