@@ -86,9 +86,10 @@ def _known_fallback(instance: object, attribute: object, value: str) -> None:
 @frozen
 class HintSettings:
     #: The policy for the blocks no hint speaks of, ``NAME`` or
-    #: ``NAME:KEY=VALUE,...``: ``lru``, ``revisit``, ``adaptive`` or another
-    #: expert (``revisit`` measured against ``lru``: docs/benchmarks/hints.md).
-    fallback: str = field(default="lru", validator=[validators.instance_of(str), _known_fallback])
+    #: ``NAME:KEY=VALUE,...``: ``revisit``, ``lru``, ``adaptive`` or another
+    #: expert (``revisit`` chosen over ``lru`` on the policy suite's tune
+    #: part: docs/benchmarks/hints.md).
+    fallback: str = field(default="revisit", validator=[validators.instance_of(str), _known_fallback])
     #: The share of the pool each tenant may hold pinned (at most 0.5).
     pin_share: float = field(
         default=0.25, converter=float, validator=[validators.ge(0), validators.le(MAX_PINNED_SHARE)]

@@ -155,7 +155,8 @@ def test_a_pin_of_blocks_already_evictable_takes_them_out_of_the_order():
 
 
 def test_without_hints_it_chooses_as_lru():
-    policy, lru = _Expert("hints", HintEviction(None, CTX)), _Expert("lru", LRUEviction(None, CTX))
+    policy = _Expert("hints", HintEviction(HintSettings(fallback="lru"), CTX))
+    lru = _Expert("lru", LRUEviction(None, CTX))
     for t, first in enumerate((0, 10, 20)):
         blocks = chain(first, 3)
         for p in (policy, lru):
