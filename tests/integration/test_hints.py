@@ -280,21 +280,25 @@ def test_without_hints_a_suite_workload_replays_as_its_fallback(source):
     assert reports[0]["evicted_blocks"] > 0
 
 
-def hinted_report(source: str, spoiled: str, window: float, num_blocks: int = 150) -> tuple:
-    eviction = f'plugin = "hints"\nrelease_window = {window}'
+def hinted_report(source: str, spoiled: str, window: float, num_blocks: int = 150, fallback: str = "") -> tuple:
+    eviction = f'plugin = "hints"\nrelease_window = {window}' + (f'\nfallback = "{fallback}"' if fallback else "")
     r = replay_report(source, 10, num_blocks, eviction, hints=f"hints = true\n{spoiled}")
     return r["block_hit_rate"], r["evicted_blocks"], r["hit_blocks"]
 
 
+@pytest.mark.parametrize("fallback", ["lru", "revisit"])
 @pytest.mark.parametrize("source", ["generator", "rag"])
-def test_releases_that_prove_right_are_always_followed(source):
-    """Truthful releases (and those left when some are missing) never cost a
-    hit: the generator's name blocks no later request uses, RAG's a document
-    another question may use, but before following the release would have
-    evicted it. So the release judge (``release_window``) never turns them
-    off: the policy chooses as with every release followed, block for block."""
+def test_releases_that_prove_right_are_always_followed(source, fallback):
+    """Truthful releases (and those left when some are missing) cost few
+    hits: the generator's name blocks no later request uses, RAG's a
+    document another question may use, mostly before following the release
+    would have evicted it. So the release judge (``release_window``) never
+    turns them off, on LRU or on ``revisit`` (whose victims come back as
+    often): the policy chooses as with every release followed, block for
+    block."""
     for spoiled in ("", "hints_missing = 0.3"):
-        assert hinted_report(source, spoiled, 1.0) == hinted_report(source, spoiled, 0.0), spoiled
+        judged = hinted_report(source, spoiled, 1.0, fallback=fallback)
+        assert judged == hinted_report(source, spoiled, 0.0, fallback=fallback), spoiled
 
 
 def test_releases_that_prove_wrong_are_turned_off():

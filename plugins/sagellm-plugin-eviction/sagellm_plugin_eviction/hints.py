@@ -86,9 +86,10 @@ def _known_fallback(instance: object, attribute: object, value: str) -> None:
 @frozen
 class HintSettings:
     #: The policy for the blocks no hint speaks of, ``NAME`` or
-    #: ``NAME:KEY=VALUE,...``: ``lru``, ``revisit``, ``adaptive`` or another
-    #: expert (``revisit`` measured against ``lru``: docs/benchmarks/hints.md).
-    fallback: str = field(default="lru", validator=[validators.instance_of(str), _known_fallback])
+    #: ``NAME:KEY=VALUE,...``: ``revisit``, ``lru``, ``adaptive`` or another
+    #: expert (``revisit`` chosen over ``lru`` on the policy suite's tune
+    #: part: docs/benchmarks/hints.md).
+    fallback: str = field(default="revisit", validator=[validators.instance_of(str), _known_fallback])
     #: The share of the pool each tenant may hold pinned (at most 0.5).
     pin_share: float = field(
         default=0.25, converter=float, validator=[validators.ge(0), validators.le(MAX_PINNED_SHARE)]
@@ -142,13 +143,15 @@ class ReleaseOutcomes:
     while the share of its released blocks that came back at a cost is at
     most the share of the fallback's victims that came back (one released
     block that did not come back assumed before its first; the fallback's
-    share is 0 until a victim's window has closed). A released block's
-    return counts at once, a victim's only when its window closes (as one
-    that did not come back does, so the share is not that of the quick
-    returns alone): what is not yet known errs towards the fallback. Both
-    shares weigh the recent evictions most (halved every ``half_life``
-    evictions), so a tenant whose hints turn right, or a cache that turns
-    tight, is followed again.
+    share is 0 until a victim's window has closed). A return counts when
+    its window closes, a released block's as a victim's (as one that did
+    not come back does): counted at once, the returns would weigh a window
+    more than the blocks that did not come back, and a tenant's share
+    would be held to a bar it does not hold the fallback's to (with
+    ``revisit`` as the fallback that turned RAG's truthful releases off
+    where following them paid). Both shares weigh the recent evictions
+    most (halved every ``half_life`` evictions), so a tenant whose hints
+    turn right, or a cache that turns tight, is followed again.
 
     Cost: a few dict operations per released, used and evicted block, from
     the first release on (nothing is watched before it)."""
@@ -163,6 +166,7 @@ class ReleaseOutcomes:
         #: order then where the release was not followed, else None)
         self._released: dict[int, tuple[str, int, int | None]] = {}
         self._released_order: deque[tuple[int, int]] = deque()  # (released at, key), oldest first
+        self._costly: dict[int, tuple[str, int, int | None]] = {}  # released keys back at a cost, window open
         self._evicted: dict[int, int] = {}  # key the fallback evicted -> evicted at (negative: cached again since)
         self._evicted_order: deque[tuple[int, int]] = deque()
 
@@ -182,6 +186,8 @@ class ReleaseOutcomes:
         now, blocks = self.evictions, list(blocks)
         last = len(blocks) - 1
         for index, block in enumerate(blocks):  # (the released order takes a chain leaf first)
+            if block.key in self._costly:  # released again before its window closed: its return counts now
+                self._count(self._costly.pop(block.key)[0], back=True)
             self._released[block.key] = (tenant, now, None if ahead is None else ahead + last - index)
             self._released_order.append((now, block.key))
 
@@ -189,16 +195,14 @@ class ReleaseOutcomes:
         """``blocks`` were hit, or cached ``again``: released ones came back,
         at a cost if following the release evicted them (they are cached
         again) or, where it was not followed, would have by now."""
-        released = self._released
+        released, costly = self._released, self._costly
         for block in blocks:
             entry = released.pop(block.key, None)
             if entry is None:
                 continue
             ahead = entry[2]
             if again or (ahead is not None and self.evictions - entry[1] > ahead):
-                tally = self.tenants[entry[0]]
-                tally.decay(self.evictions, self._per_eviction)
-                tally.back += 1
+                costly[block.key] = entry  # counted when its window closes, as a victim's return is
 
     def cached(self, blocks: Iterable[CachedBlock]) -> None:
         """``blocks`` were cached: those the fallback evicted were still needed."""
@@ -225,15 +229,19 @@ class ReleaseOutcomes:
         as it went (cached again, or not)."""
         due, per = self.evictions - self.window, self._per_eviction
         order, released = self._released_order, self._released
+        costly = self._costly
         while order and order[0][0] <= due:
             at, key = order.popleft()
             entry = released.get(key)
             if entry is not None and entry[1] == at:
                 del released[key]
                 if entry[2] is None or entry[2] < self.window:  # (else following it would not have evicted it)
-                    tally = self.tenants[entry[0]]
-                    tally.decay(self.evictions, per)
-                    tally.gone += 1
+                    self._count(entry[0], back=False)
+            else:
+                entry = costly.get(key)
+                if entry is not None and entry[1] == at:
+                    del costly[key]
+                    self._count(entry[0], back=True)
         order, evicted = self._evicted_order, self._evicted
         while order and order[0][0] <= due:
             at, key = order.popleft()
@@ -245,6 +253,14 @@ class ReleaseOutcomes:
                     self.fallback.back += 1
                 else:
                     self.fallback.gone += 1
+
+    def _count(self, tenant: str, back: bool) -> None:
+        tally = self.tenants[tenant]
+        tally.decay(self.evictions, self._per_eviction)
+        if back:
+            tally.back += 1
+        else:
+            tally.gone += 1
 
     def share_back(self, tenant: str | None = None) -> float:
         """The decayed share of ``tenant``'s released blocks that came back

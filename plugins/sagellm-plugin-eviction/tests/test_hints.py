@@ -14,6 +14,8 @@ from sagellm_core import PluginContext
 from sagellm_core.types import EMPTY_MATCH, CachedBlock, KVHints, PrefixMatch, Request, RequestOutcome
 
 CTX = PluginContext("p", block_size=4, num_blocks=100)
+#: A pool of six blocks: a released block's window closes after six evictions.
+SMALL = PluginContext("p", block_size=4, num_blocks=6)
 
 
 class EveryBlock:
@@ -153,7 +155,8 @@ def test_a_pin_of_blocks_already_evictable_takes_them_out_of_the_order():
 
 
 def test_without_hints_it_chooses_as_lru():
-    policy, lru = _Expert("hints", HintEviction(None, CTX)), _Expert("lru", LRUEviction(None, CTX))
+    policy = _Expert("hints", HintEviction(HintSettings(fallback="lru"), CTX))
+    lru = _Expert("lru", LRUEviction(None, CTX))
     for t, first in enumerate((0, 10, 20)):
         blocks = chain(first, 3)
         for p in (policy, lru):
@@ -166,16 +169,21 @@ def test_without_hints_it_chooses_as_lru():
 def test_releases_of_a_tenant_whose_released_blocks_come_back_are_not_followed(release_window):
     """The tenant ``liar`` releases conversation L, whose blocks are evicted
     first, and L comes back for them while the fallback's victims so far
-    did not: liar's next release is not followed (LRU's order stands: L's
-    first turn, cached again, and U go first), while ``honest``'s is, none
-    of its released blocks having come back (``release_window = 0``: every
-    release is followed)."""
-    policy = HintEviction(HintSettings(judged=False, release_window=release_window), CTX)
+    did not: once the window of L's released blocks has closed (six
+    evictions, the pool's size), liar's next release is not followed (LRU's
+    order stands: L's first turn, cached again, and U go first), while
+    ``honest``'s is, none of its released blocks having come back
+    (``release_window = 0``: every release is followed)."""
+    policy = HintEviction(HintSettings(judged=False, release_window=release_window), SMALL)
     first_turn = chain(0, 2)
     serve(policy, request("l0", "L", KVHints(release=True), tenant="liar"), first_turn, 0.0)
     assert victims(policy, 2) == (1, 0)
     evict(policy, (1, 0))
     serve(policy, request("l1", "L", tenant="liar"), first_turn, 1.0)  # cached again: it came back
+    assert policy.outcomes.share_back("liar") == 0.0  # counted when its window closes, as a victim's return
+    evict(policy, (90, 91, 92))
+    assert policy.outcomes.share_back("liar") == 0.0  # five evictions: still open
+    evict(policy, (93,))
     serve(policy, request("u", "U", tenant="honest"), chain(50, 2), 2.5)
     serve(policy, request("l2", "L", KVHints(release=True), tenant="liar"), chain(60, 2), 3.0)
     assert victims(policy, 2) == ((1, 0) if release_window else (61, 60))
@@ -184,7 +192,8 @@ def test_releases_of_a_tenant_whose_released_blocks_come_back_are_not_followed(r
     assert victims(policy, len(first)) == first
     if release_window:
         assert policy.outcomes.follows("honest") and not policy.outcomes.follows("liar")
-        assert policy.outcomes.share_back("liar") == pytest.approx(2 / 3, abs=0.01)  # two back, one right assumed
+        # two back, counted at six evictions; the one right release assumed at 0 has decayed by half a half-life
+        assert policy.outcomes.share_back("liar") == pytest.approx(2 / (2 + 0.5**0.5))
 
 
 def test_a_released_block_used_again_before_following_would_have_evicted_it_costs_nothing():
@@ -203,13 +212,15 @@ def test_a_released_block_used_again_before_following_would_have_evicted_it_cost
 def test_a_tenant_no_longer_followed_has_its_released_blocks_put_back_in_the_fallbacks_order():
     """A release followed while the tenant was trusted is withdrawn once its
     releases prove wrong: the blocks go back to LRU's order, not first."""
-    policy = HintEviction(HintSettings(judged=False), CTX)
+    policy = HintEviction(HintSettings(judged=False), SMALL)
     serve(policy, request("old", "O"), chain(0, 2), 0.0)
     for t, (session, first) in enumerate((("A", 10), ("B", 20), ("C", 40))):
         serve(policy, request(session.lower(), session, KVHints(release=True), tenant="liar"), chain(first, 2), 1.0 + t)
     assert victims(policy, 4) == (11, 10, 21, 20)  # followed: nothing of liar's has come back yet
     evict(policy, (11, 10, 21, 20))
     serve(policy, request("b2", "B", tenant="liar"), chain(20, 2), 4.0)  # B cached again: it came back
+    assert victims(policy, 2) == (41, 40)  # still followed while B's window is open
+    evict(policy, (90, 91))  # six evictions: B's return counts
     assert victims(policy, 4) == (1, 0, 41, 40)  # C's release is withdrawn too
 
 
