@@ -249,6 +249,23 @@ class StepEngine:
         if self.overlap:
             return self._overlapped_step()
         rt = self.rt
+        rejected, step = self._pack(True)
+        if not step.states:
+            return rejected
+        self.steps += 1
+        self.batched_tokens += step.num_batched_tokens
+        tokens = self.execute(step)
+        now = self.clock()
+        rt.set_time(now)
+        outputs = self.apply_outputs(step, tokens, now)
+        return rejected + outputs if rejected else outputs
+
+    def _pack(self, may_reject: bool) -> tuple[list[StepOutput], PackedStep]:
+        """Schedule and pack the next step (the serial :meth:`step`'s first
+        half): the rejected requests' outputs, and the step. Without
+        ``may_reject``, a step in which nothing runs rejects no request for
+        memory (:func:`.step_scheduler.pack`)."""
+        rt = self.rt
         now = self.clock()
         rt.set_time(now)
         if rt.compacts:
@@ -262,42 +279,10 @@ class StepEngine:
             max_num_seqs=self.max_num_seqs,
         )
         rt.schedule(ir)
-        step = pack(rt, ir)
+        step = pack(rt, ir, may_reject)
         self.running, self.waiting = step.running, step.waiting
         rejected = []
         for state in step.rejected:  # by the admission decision, or never to run
-            self._end(state)
-            rejected.append(StepOutput(state.request_id, None, True, "rejected"))
-        if not step.states:
-            return rejected
-        self.steps += 1
-        self.batched_tokens += step.num_batched_tokens
-        tokens = self.execute(step)
-        now = self.clock()
-        rt.set_time(now)
-        outputs = self.apply_outputs(step, tokens, now)
-        return rejected + outputs if rejected else outputs
-
-    def _pack(self) -> tuple[list[StepOutput], PackedStep]:
-        """Schedule and pack the next step (the serial :meth:`step`'s first
-        half): the rejected requests' outputs, and the step."""
-        rt = self.rt
-        now = self.clock()
-        rt.set_time(now)
-        if rt.compacts:
-            rt.compact()
-        ir = ScheduleIR(
-            now_s=now,
-            waiting=self.waiting,
-            running=self.running,
-            token_budget=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-        )
-        rt.schedule(ir)
-        step = pack(rt, ir)
-        self.running, self.waiting = step.running, step.waiting
-        rejected = []
-        for state in step.rejected:
             self._end(state)
             rejected.append(StepOutput(state.request_id, None, True, "rejected"))
         return rejected, step
@@ -310,7 +295,7 @@ class StepEngine:
         if launched is not None and not launched.advanced:
             outputs = self._land(launched)  # a step with a prompt chunk: applied before the next is packed
             launched = None
-        rejected, step = self._pack()
+        rejected, step = self._pack(launched is None)
         if step.states:
             self.prepare(step, None if launched is None else launched.handle)
         if launched is not None:
