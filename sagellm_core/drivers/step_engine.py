@@ -279,7 +279,7 @@ class StepEngine:
             max_num_seqs=self.max_num_seqs,
         )
         rt.schedule(ir)
-        step = pack(rt, ir, may_reject)
+        step = pack(rt, ir) if may_reject else pack(rt, ir, may_reject=False)
         self.running, self.waiting = step.running, step.waiting
         rejected = []
         for state in step.rejected:  # by the admission decision, or never to run
