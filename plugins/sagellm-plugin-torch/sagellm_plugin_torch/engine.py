@@ -110,7 +110,7 @@ class _Launch:
     #: The sampled ids on the device (the next step's decodes read them).
     ids: torch.Tensor
     #: Their copy on the host (the sampler's packed rows where it sampled),
-    #: complete once ``event`` is.
+    #: complete once ``event`` is (``None``: ``host`` is not a copy).
     host: torch.Tensor
     event: Any
     greedy: bool
@@ -287,7 +287,7 @@ class EngineCore(StepEngine):
 
     def execute(self, step: PackedStep) -> list[int]:
         self.prepare(step, None)
-        return self.collect(self.launch(step))
+        return self.collect(self.launch(step, to_host=False))
 
     def prepare(self, step: PackedStep, after: _Launch | None) -> None:
         runner = self.runner
@@ -338,9 +338,11 @@ class EngineCore(StepEngine):
             inputs.feed(after.ids, len(dst), dst, src)
         self._sampling, self._greedy_only = sampled, all(seq.plain_greedy for seq in sampled)
 
-    def launch(self, step: PackedStep) -> _Launch:
+    def launch(self, step: PackedStep, to_host: bool = True) -> _Launch:
         """Run the prepared step and queue its sampling; the sampled ids
-        start their way to the host and nothing waits for them."""
+        start their way to the host and nothing waits for them (without
+        ``to_host``: they stay on the device, and :meth:`collect` reads
+        them there, the serial step's one synchronisation)."""
         start = time.perf_counter()
         seqs, greedy_only = self._sampling, self._greedy_only
         logits, greedy = self.runner.execute()
@@ -349,19 +351,21 @@ class EngineCore(StepEngine):
         else:
             out = self.sampler.launch(logits, [seq.sampler_state for seq in seqs])
             ids = out[:, 0].long()
-        if out.device.type == "cpu":
+        event = None
+        if not to_host or out.device.type == "cpu":
             host = out
         else:  # pinned, so that the copy is asynchronous
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.device.type == "cuda")
             host.copy_(out, non_blocking=True)
-        event = self.device.event()
-        event.record()
+            event = self.device.event()
+            event.record()
         prefill = 0 if step.all_decode else sum(step.num_new)
         return _Launch(step.states, seqs, ids, host, event, greedy_only, time.perf_counter() - start, prefill)
 
     def collect(self, launched: _Launch) -> list[int]:
         start = time.perf_counter()
-        launched.event.synchronize()
+        if launched.event is not None:
+            launched.event.synchronize()
         seqs = launched.seqs
         if launched.greedy:
             next_tokens = launched.host.tolist()
