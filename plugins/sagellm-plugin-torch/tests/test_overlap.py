@@ -97,7 +97,9 @@ mixes = st.lists(
     cache=st.booleans(),
     seqs=st.integers(1, 4),
 )
-def test_outputs_and_ledger_equal_the_serial_loop(tmp_path, tiny_model_dir, mix, arrive_every, num_blocks, cache, seqs):
+def test_outputs_equal_the_serial_loops_and_the_ledger_holds(
+    tmp_path, tiny_model_dir, mix, arrive_every, num_blocks, cache, seqs
+):
     config = dict(num_blocks=num_blocks, prefix_cache=cache, max_num_seqs=seqs)
     mix = [(p, n, s) for p, n, s in mix if len(p) + n <= num_blocks * 4]  # each fits the pool alone
     if not mix:
