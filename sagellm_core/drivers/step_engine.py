@@ -30,6 +30,30 @@ replay engine's timed mode, the torch engine). Each step is vLLM's
 The step scheduler rejects what can never run (a request that needs more
 blocks than the pool has, one the admission decision rejects, one deferred
 while nothing runs); the step reports those as ``rejected``.
+
+An executor that launches a step without waiting for its tokens (the torch
+engine with ``async_scheduling``: :attr:`StepEngine.overlap`) has step N+1
+packed while step N runs, as vLLM's asynchronous scheduling and SGLang's
+overlap scheduler do. Each :meth:`StepEngine.step` then returns the outputs
+of the step launched by the call before it, and leaves the next one running:
+
+1. step N was launched at the end of the last call. If it was decodes only,
+   its counters were advanced when it was launched (each sequence computed
+   one token and samples one: vLLM's output placeholders), and a sequence
+   that reaches its ``output_tokens`` with it left the running list then;
+2. step N+1 is scheduled and packed as above, and the executor writes its
+   inputs (:meth:`StepEngine.prepare`), its decodes reading the tokens
+   step N samples where they lie, on the device;
+3. the loop waits for step N's tokens (:meth:`StepEngine.collect`) and
+   applies them: a sequence whose token is a stop token ends now, its
+   blocks (a block step N+1 grew for it too) cached and released as in
+   the serial loop, and leaves step N+1, whose inputs are written again;
+4. step N+1 is launched (:meth:`StepEngine.launch`).
+
+A step with a prompt chunk is applied before the next is packed, as in the
+serial loop (its prompt's blocks are cached, its first token stamped). The
+tokens are the serial loop's; what may differ is when blocks come back: a
+sequence that stops at step N held its blocks while step N+1 was packed.
 """
 
 from __future__ import annotations
@@ -38,7 +62,7 @@ from collections.abc import Collection, Sequence
 from itertools import count, repeat
 from typing import Any, Protocol, runtime_checkable
 
-from attrs import define
+from attrs import define, field
 
 from sagellm_core.drivers.step_scheduler import PackedStep, pack
 from sagellm_core.errors import RequestError
@@ -64,6 +88,20 @@ class StepOutput:
     #: The token's log-probabilities, from an engine that computes them for
     #: a request that asked (the torch engine's ``TokenLogprobs``).
     logprobs: Any = None
+
+
+@define(eq=False)
+class Launched:
+    """A step launched and not yet applied (:attr:`StepEngine.overlap`)."""
+
+    step: PackedStep
+    #: What the executor's :meth:`StepEngine.launch` returned for it.
+    handle: Any
+    #: Its counters were advanced at launch (a step of decodes only).
+    advanced: bool
+    #: Sequences of the step that end with it at their ``output_tokens``
+    #: (out of the running list since the launch).
+    finishing: list[SequenceState] = field(factory=list)
 
 
 @runtime_checkable
@@ -93,6 +131,10 @@ class StepEngine:
     its engine cannot serve, then :meth:`arrive`.
     Not thread-safe: one caller drives it."""
 
+    #: Launch a step and pack the next while it runs (the executor
+    #: implements :meth:`prepare`, :meth:`launch` and :meth:`collect`).
+    overlap = False
+
     def __init__(self, rt: Runtime, max_num_batched_tokens: int, max_num_seqs: int):
         self.rt = rt
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,6 +146,8 @@ class StepEngine:
         #: Steps executed, and the tokens they computed.
         self.steps = 0
         self.batched_tokens = 0
+        #: With :attr:`overlap`: the step launched and not yet applied.
+        self.launched: Launched | None = None
 
     # ------------------------------------------------- the executor's part --
 
@@ -118,6 +162,23 @@ class StepEngine:
     def execute(self, step: PackedStep) -> Sequence[int] | None:
         """Run ``step``; return the token sampled for each chunk that
         completes its sequence, in step order (``None``: no token ids)."""
+        raise NotImplementedError
+
+    def prepare(self, step: PackedStep, after: Any) -> None:
+        """With :attr:`overlap`: write ``step``'s inputs; ``after`` is the
+        handle of the step still running (or ``None``), whose sampled tokens
+        are the inputs of ``step``'s decodes of the same sequences. Called
+        again if sequences left ``step`` since."""
+        raise NotImplementedError
+
+    def launch(self, step: PackedStep) -> Any:
+        """With :attr:`overlap`: start the prepared ``step`` without waiting
+        for its tokens; return a handle for :meth:`collect`."""
+        raise NotImplementedError
+
+    def collect(self, handle: Any) -> Sequence[int] | None:
+        """With :attr:`overlap`: wait for a launched step; its tokens, as
+        :meth:`execute` returns them."""
         raise NotImplementedError
 
     def sampled(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> Collection[int]:
@@ -151,7 +212,7 @@ class StepEngine:
         return state
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.launched)
 
     def abort(self, request_id: str) -> StepOutput | None:
         """End a request now: a running one finishes with what it generated
@@ -165,6 +226,11 @@ class StepEngine:
             self.waiting.remove(state)
         if state in self.running:
             self.running.remove(state)
+        launched = self.launched
+        if launched is not None and launched.advanced and state in launched.step.states:
+            # Its token in the running step is not known: it ends with what it has.
+            state.num_computed_tokens -= 1
+            state.num_output_tokens -= 1
         state.finish_s = rt.now_s
         if state.status is RequestStatus.RUNNING:
             outcome = rt.finish(state, self.generated_ids(state))
@@ -180,6 +246,25 @@ class StepEngine:
     # ---------------------------------------------------------------- step --
 
     def step(self) -> list[StepOutput]:
+        if self.overlap:
+            return self._overlapped_step()
+        rt = self.rt
+        rejected, step = self._pack(True)
+        if not step.states:
+            return rejected
+        self.steps += 1
+        self.batched_tokens += step.num_batched_tokens
+        tokens = self.execute(step)
+        now = self.clock()
+        rt.set_time(now)
+        outputs = self.apply_outputs(step, tokens, now)
+        return rejected + outputs if rejected else outputs
+
+    def _pack(self, may_reject: bool) -> tuple[list[StepOutput], PackedStep]:
+        """Schedule and pack the next step (the serial :meth:`step`'s first
+        half): the rejected requests' outputs, and the step. Without
+        ``may_reject``, a step in which nothing runs rejects no request for
+        memory (:func:`.step_scheduler.pack`)."""
         rt = self.rt
         now = self.clock()
         rt.set_time(now)
@@ -194,21 +279,99 @@ class StepEngine:
             max_num_seqs=self.max_num_seqs,
         )
         rt.schedule(ir)
-        step = pack(rt, ir)
+        step = pack(rt, ir) if may_reject else pack(rt, ir, may_reject=False)
         self.running, self.waiting = step.running, step.waiting
         rejected = []
         for state in step.rejected:  # by the admission decision, or never to run
             self._end(state)
             rejected.append(StepOutput(state.request_id, None, True, "rejected"))
-        if not step.states:
-            return rejected
-        self.steps += 1
-        self.batched_tokens += step.num_batched_tokens
-        tokens = self.execute(step)
-        now = self.clock()
-        rt.set_time(now)
-        outputs = self.apply_outputs(step, tokens, now)
+        return rejected, step
+
+    def _overlapped_step(self) -> list[StepOutput]:
+        """:meth:`step` with :attr:`overlap`: pack the next step while the
+        launched one runs, apply the launched one, launch the next."""
+        launched, self.launched = self.launched, None
+        outputs: list[StepOutput] = []
+        if launched is not None and not launched.advanced:
+            outputs = self._land(launched)  # a step with a prompt chunk: applied before the next is packed
+            launched = None
+        rejected, step = self._pack(launched is None)
+        if step.states:
+            self.prepare(step, None if launched is None else launched.handle)
+        if launched is not None:
+            outputs = self._land(launched)
+            gone = [state for state in step.states if state.status is RequestStatus.FINISHED]
+            if gone:  # stopped at the launched step: out of this one
+                for state in gone:
+                    step._drop(state)
+                step._sum()
+                if step.states:
+                    self.prepare(step, launched.handle)
+        if step.states:
+            self.steps += 1
+            self.batched_tokens += step.num_batched_tokens
+            handle = self.launch(step)
+            self.launched = launched = Launched(step, handle, step.all_decode)
+            if step.all_decode:  # the next step is packed before this one's tokens are known
+                running = self.running
+                for state in step.states:
+                    state.num_computed_tokens += 1
+                    state.num_output_tokens += 1
+                    if state.num_output_tokens >= state.request.output_tokens:
+                        launched.finishing.append(state)
+                if launched.finishing:
+                    ending = set(map(id, launched.finishing))
+                    self.running = [state for state in running if id(state) not in ending]
         return rejected + outputs if rejected else outputs
+
+    def _land(self, launched: Launched) -> list[StepOutput]:
+        """Wait for a launched step and apply its outputs (the requests
+        that ended since it was launched have none)."""
+        step = launched.step
+        tokens = self.collect(launched.handle)
+        now = self.clock()
+        self.rt.set_time(now)
+        requests = self.requests
+        ended = [state for state in step.states if requests.get(state.request_id) is not state]
+        if ended:  # aborted while it ran: its token is dropped with its chunk
+            if tokens is not None:
+                kept = iter(tokens)
+                sampled = [(s, next(kept)) for s, c in zip(step.states, step.completes) if c]
+                tokens = [t for s, t in sampled if requests.get(s.request_id) is s]
+            for state in ended:
+                step._drop(state)
+            step._sum()
+        if not launched.advanced:
+            return self.apply_outputs(step, tokens, now)
+        return self._apply_advanced(step.states, tokens, now)
+
+    def _apply_advanced(
+        self, states: list[SequenceState], tokens: Sequence[int] | None, now: float
+    ) -> list[StepOutput]:
+        """:meth:`_apply_decodes` of a step whose counters were advanced when
+        it was launched: the tokens kept, the stops and the ends applied. A
+        sequence preempted since (by the next step's packing) keeps its
+        token and waits; one whose token was a stop ends from the queue."""
+        outputs: list[StepOutput] = []
+        append = outputs.append
+        stops = frozenset(self.sampled(states, tokens)) if tokens is not None else frozenset()
+        for k, state, token in zip(count(), states, repeat(None) if tokens is None else tokens):
+            request = state.request
+            if stops and k in stops:
+                if state.status is RequestStatus.WAITING:  # preempted since: its blocks are already back
+                    self.waiting.remove(state)
+                    state.finish_s = now
+                    outcome = self.rt.conclude(state)
+                    self._end(state)
+                    append(StepOutput(request.request_id, token, True, "stop", outcome))
+                else:
+                    append(self._finish(state, token, "stop", now))
+            elif state.num_output_tokens < request.output_tokens:
+                if token is not None:
+                    append(StepOutput(request.request_id, token, False))
+            else:
+                append(self._finish(state, token, "length", now))
+        return outputs
 
     def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
         """Apply what ``step`` computed at ``now``: each chunk's tokens are
@@ -274,7 +437,8 @@ class StepEngine:
     def _finish(self, state: SequenceState, token: int | None, reason: str, now: float) -> StepOutput:
         """``state``'s request ends at ``now`` with ``reason``: its blocks cached and released."""
         state.finish_s = now
-        self.running.remove(state)
+        if state in self.running:  # (one that ends at its length with a launched step left it then)
+            self.running.remove(state)
         outcome = self.rt.finish(state, self.generated_ids(state))
         self._end(state)
         return StepOutput(state.request_id, token, True, reason, outcome)

@@ -119,7 +119,7 @@ class PackedStep:
         )
 
 
-def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
+def pack(rt: Runtime, ir: ScheduleIR, may_reject: bool = True) -> PackedStep:
     """Pack one continuous-batching step from ``ir`` (after the passes), as
     vLLM v1 schedules: the token budget goes to running requests first (the
     next prefill chunk, or one decode token), preempting by the
@@ -128,7 +128,10 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     that does not fit. A request computes at most its ``ir.chunk_limits``
     tokens. A step in which nothing runs rejects the request that keeps the
     queue from moving: one that never fits, else one deferred, else the one
-    memory refused. The step's running and waiting lists are new lists."""
+    memory refused; not with ``may_reject`` false (a step packed while the
+    one before runs, whose ending requests still hold their blocks: the
+    next step packed with nothing running decides). The step's running and
+    waiting lists are new lists."""
     step = PackedStep()
     states, num_new, contexts, prefills, completes = (
         step.states,
@@ -191,7 +194,7 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
         budget -= n
     _fill_decodes(step)
     step.running = running
-    never_fits = None
+    never_fits = refused = None
     if preempted:
         # As vLLM: no admissions in a step that preempts, and the preempted
         # go back to the front of the queue.
@@ -199,7 +202,7 @@ def pack(rt: Runtime, ir: ScheduleIR) -> PackedStep:
     else:
         never_fits, refused = _admit(rt, ir, step, budget)
     step._sum()
-    if not states and step.waiting and not step.rejected:
+    if not states and step.waiting and not step.rejected and may_reject:
         # Nothing runs, and the request that stopped admission never will.
         if never_fits is None and step.deferred:
             stuck, reason = step.deferred[0], "deferred with nothing running"

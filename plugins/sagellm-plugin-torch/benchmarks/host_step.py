@@ -20,7 +20,19 @@ with this tree's batch by batch, and prints the ratio of the two.
 ``--profile BATCH`` prints cProfile's breakdown of the host's part at
 that batch (the forward left out).
 
-    .venv/bin/python plugins/sagellm-plugin-torch/benchmarks/host_step.py [--against REV] [--profile 256]
+``--overlap`` measures each batch twice in this process, serially and with
+``async_scheduling`` (step N+1 packed while step N runs), and prints the
+host's time left on the critical path: from the moment a step's tokens are
+on the host (the wait for them returned) to the next forward's launch.
+Serially that is all of the host's part; overlapped, what the launched
+step's tokens are needed for (the outputs applied, a sequence that stopped
+taken out of the packed step) and the launch itself, the rest of the host's
+part (the passes, the step scheduler, the block accounting, the inputs)
+running while the device computes. On the CPU the forward is synchronous,
+so the wall time of a step cannot show the overlap; the figure is the
+host's time the device would wait for.
+
+    .venv/bin/python plugins/sagellm-plugin-torch/benchmarks/host_step.py [--against REV] [--profile 256] [--overlap]
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ def build_model(folder: Path) -> Path:
     return model
 
 
-def decoding_engine(folder: Path, model: Path, batch: int, steps: int):
+def decoding_engine(folder: Path, model: Path, batch: int, steps: int, overlap: bool = False):
     """An engine on ``model`` with ``batch`` sequences past their prefill
     and warm-up steps, each with room for ``steps`` more decodes."""
     import torch
@@ -74,7 +86,7 @@ def decoding_engine(folder: Path, model: Path, batch: int, steps: int):
         max_num_seqs=batch,
         max_num_batched_tokens=max(batch, 2048),
     )
-    core = helpers.engine_core(path, threads=1)
+    core = helpers.engine_core(path, threads=1, **({"async_scheduling": True} if overlap else {}))
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, core.runner.vocab_size - 2, (batch, PROMPT), generator=g).tolist()
     for i, p in enumerate(prompts):
@@ -102,8 +114,31 @@ def timed_forward(core) -> list[float]:
     return times
 
 
-def measure(folder: Path, model: Path, batch: int, steps: int) -> dict:
-    core = decoding_engine(folder, model, batch, steps)
+def timed_phases(core) -> tuple[list[float], list[float]]:
+    """The start of every forward and the end of every wait for a step's
+    tokens (``collect``), into the returned lists."""
+    runner, collect = core.runner, core.collect
+    launch = runner.execute
+    starts: list[float] = []
+    landed: list[float] = []
+
+    def execute():
+        starts.append(time.perf_counter())
+        return launch()
+
+    def timed_collect(handle):
+        tokens = collect(handle)
+        landed.append(time.perf_counter())
+        return tokens
+
+    runner.execute, core.collect = execute, timed_collect
+    return starts, landed
+
+
+def measure(folder: Path, model: Path, batch: int, steps: int, overlap: bool = False) -> dict:
+    core = decoding_engine(folder, model, batch, steps, overlap)
+    assert core.overlap is overlap
+    starts, landed = timed_phases(core)
     forwards = timed_forward(core)
     lengths = [len(core.generated_ids(s)) for s in core.running]
     before = core.batched_tokens
@@ -122,9 +157,23 @@ def measure(folder: Path, model: Path, batch: int, steps: int) -> dict:
     assert len(core.running) == batch and grown == [steps] * batch, (
         f"batch {batch}: not every sequence decoded one token a step"
     )
+    # The host's time on the critical path: from a step's tokens landing
+    # to the next forward's launch (serially the landing is in the step
+    # before; overlapped, in the same call, just before the launch).
+    critical, j = [], 0
+    for start in starts:
+        while j < len(landed) and landed[j] < start:
+            j += 1
+        if j:
+            critical.append(start - landed[j - 1])
+    assert len(landed) == steps and len(critical) >= steps - 1, (
+        f"batch {batch}: {len(landed)} landings in {steps} steps"
+    )
     median = statistics.median(host)
     return {
         "batch": batch,
+        "overlap": overlap,
+        "critical_ms": statistics.median(critical) * 1e3,
         "steps": steps,
         "host_ms": median * 1e3,
         "host_us_per_seq": median * 1e6 / batch,
@@ -223,6 +272,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--against", metavar="REV", help="also measure the tree at this git revision")
     parser.add_argument("--profile", type=int, metavar="BATCH", help="cProfile the host's part at this batch")
+    parser.add_argument("--overlap", action="store_true", help="also measure with async_scheduling, in this process")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--rows-json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -251,6 +301,13 @@ def main() -> int:
             f"batch {batch:>3}: host {row['host_ms']:.3f} ms a step ({row['host_us_per_seq']:.2f} µs a sequence),"
             f" mean {row['host_mean_ms']:.3f} ms; forward {row['forward_ms']:.3f} ms"
         )
+        if args.overlap:
+            o = row["overlapped"] = measure(folder, model, batch, args.steps, overlap=True)
+            line += (
+                f"\n    on the critical path (tokens landed to the next launch): serial {row['critical_ms']:.3f} ms,"
+                f" async_scheduling {o['critical_ms']:.3f} ms: {row['critical_ms'] / o['critical_ms']:.2f}x less;"
+                f" async_scheduling's whole host part {o['host_ms']:.3f} ms a step"
+            )
         if base is not None:
             b = row["base"]
             line += (

@@ -16,6 +16,12 @@ the outputs applied), and this engine is its executor:
 
 A block id is a row of the real KV tensor; evictions, host offload and
 reload (``[kv_stores]``) move real K/V bytes.
+
+With ``async_scheduling`` the step loop packs step N+1 while step N runs
+(:attr:`StepEngine.overlap`): a step is launched without waiting for its
+tokens (the sampled ids are copied to pinned host memory behind an event),
+and the next step's decodes read their input tokens from the ids the
+running step sampled, on the device, through the runner's input feed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import count
+from typing import Any
 
 import attrs
 import torch
@@ -67,6 +74,10 @@ class TorchSettings:
     gpu_memory_utilization: float = field(
         default=0.9, converter=float, validator=[validators.gt(0.0), validators.le(1.0)]
     )
+    #: Pack step N+1 while step N runs (vLLM's ``--async-scheduling``): the
+    #: host's time per step hides behind the device's. Off by default: on
+    #: the CPU the forward is synchronous and nothing overlaps.
+    async_scheduling: bool = field(default=False, validator=validators.instance_of(bool))
     #: torch CPU threads (0: torch's default).
     threads: int = field(default=0, validator=[validators.instance_of(int), validators.ge(0)])
     #: Times are wall-clock seconds: the report's latency figures apply.
@@ -87,6 +98,36 @@ class _Sequence:
     plain_greedy: bool
     #: The tokens that end it: end-of-sequence and its stop tokens (none with ``ignore_eos``).
     stops: frozenset[int]
+
+
+@attrs.define(eq=False)
+class _Launch:
+    """A step launched on the device (:meth:`EngineCore.launch`)."""
+
+    #: The step's states (its list), and the sequences it samples, in step order.
+    states: list[SequenceState]
+    seqs: list[_Sequence]
+    #: The sampled ids on the device (the next step's decodes read them).
+    ids: torch.Tensor
+    #: Their copy on the host (the sampler's packed rows where it sampled),
+    #: complete once ``event`` is (``None``: ``host`` is not a copy).
+    host: torch.Tensor
+    event: Any
+    greedy: bool
+    #: Seconds the launch took, and the prompt tokens it computed (0: decodes only).
+    elapsed: float
+    prefill_tokens: int
+
+
+class _Fed:
+    """The token list of a decode whose input token the running step
+    samples: it reaches the device through the runner's feed, not this."""
+
+    def __getitem__(self, position: int) -> int:
+        return 0
+
+
+_FED = _Fed()
 
 
 def check_kv_fits(device: TorchDevice, config, settings: TorchSettings, block_size: int, num_blocks: int) -> None:
@@ -176,8 +217,8 @@ class EngineCore(StepEngine):
             self.costs = MeasuredCosts()
             rt.set_load_costs(self.costs)
         self.sampler = Sampler(self.runner.vocab_size)
-        #: The sampled tokens' log-probabilities of the step being applied, in step order.
-        self._step_logprobs: list[TokenLogprobs | None] = []
+        #: The log-probabilities of the tokens of the step being applied, by request id.
+        self._step_logprobs: dict[str, TokenLogprobs] = {}
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self._seqs: dict[str, _Sequence] = {}
@@ -187,6 +228,12 @@ class EngineCore(StepEngine):
         self._step_seqs: list[_Sequence] = []
         self._step_ids: list[str] = []
         self._step_greedy = True
+        #: The prepared step's sampled sequences and whether all are plain greedy.
+        self._sampling: list[_Sequence] = []
+        self._greedy_only = True
+        #: The collected step's states and sampled sequences (what sampled() is given).
+        self._landed: tuple[list[SequenceState] | None, list[_Sequence]] = (None, [])
+        self.overlap = settings.async_scheduling
         self.generated_tokens = 0
         start = time.perf_counter()
         self._clock = clock or (lambda: time.perf_counter() - start)
@@ -239,7 +286,10 @@ class EngineCore(StepEngine):
         self.sampler.release(self._seqs.pop(state.request_id).sampler_state)
 
     def execute(self, step: PackedStep) -> list[int]:
-        start = time.perf_counter()
+        self.prepare(step, None)
+        return self.collect(self.launch(step, to_host=False))
+
+    def prepare(self, step: PackedStep, after: _Launch | None) -> None:
         runner = self.runner
         inputs = runner.begin_step()
         states = step.states
@@ -247,44 +297,104 @@ class EngineCore(StepEngine):
         # Python object per sequence per step is a share of the step's time.
         # A decode step mostly runs the sequences of the one before, in the
         # same order: their sequences (and request ids) are the last step's.
-        if states != self._step_states:  # SequenceState compares by identity: a C loop
+        # (A list that lost sequences since it was last prepared is the same
+        # list, shorter.)
+        if len(states) != len(self._step_seqs) or states != self._step_states:
             self._step_seqs = [self._seqs[state.request_id] for state in states]
             self._step_ids = [seq.state.request.request_id for seq in self._step_seqs]
             self._step_greedy = all(seq.plain_greedy for seq in self._step_seqs)
-        self._step_states = states  # (the same states, this step's list: what sampled() is given)
+        self._step_states = states
         seqs = self._step_seqs
         if step.all_decode:
             # Decodes only, as most steps are: the inputs written column by
             # column (each sequence's context is its tokens but the last).
             rows = runner.tables.rows(self._step_ids, [state.block_ids for state in states])
             inputs.add_decodes([seq.tokens[-1] for seq in seqs], step.context, rows)
-            sampled, greedy_only = seqs, self._step_greedy
-        else:
-            sampled = []
-            row_of = runner.tables.row
-            for seq, first, n, sample in zip(seqs, step.context, step.num_new, step.completes):
+            self._sampling, self._greedy_only = seqs, self._step_greedy
+            if after is not None:
+                if seqs == after.seqs:  # the running step's sequences, in its order (by identity)
+                    inputs.feed(after.ids, len(seqs))
+                else:
+                    row_of = {id(seq): k for k, seq in enumerate(after.seqs)}
+                    fed = [(i, row_of[id(seq)]) for i, seq in enumerate(seqs) if id(seq) in row_of]
+                    inputs.feed(after.ids, len(fed), [i for i, _ in fed], [k for _, k in fed])
+            return
+        sampled = []
+        row_of = runner.tables.row
+        running = {id(seq): k for k, seq in enumerate(after.seqs)} if after is not None else {}
+        dst, src = [], []
+        for seq, first, n, sample in zip(seqs, step.context, step.num_new, step.completes):
+            k = running.get(id(seq)) if running else None
+            if k is not None and first == len(seq.tokens):  # its input token is the running step's
+                dst.append(inputs.num_tokens)
+                src.append(k)
+                inputs.add(_FED, first, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
+            else:
                 inputs.add(seq.tokens, first, n, row_of(seq.state.request_id, seq.state.block_ids), sample)
-                if sample:
-                    sampled.append(seq)
-            greedy_only = all(seq.plain_greedy for seq in sampled)
-        logits, greedy = runner.execute()
+            if sample:
+                sampled.append(seq)
+        if dst:
+            assert after is not None
+            inputs.feed(after.ids, len(dst), dst, src)
+        self._sampling, self._greedy_only = sampled, all(seq.plain_greedy for seq in sampled)
+
+    def launch(self, step: PackedStep, to_host: bool = True) -> _Launch:
+        """Run the prepared step and queue its sampling; the sampled ids
+        start their way to the host and nothing waits for them (without
+        ``to_host``: they stay on the device, and :meth:`collect` reads
+        them there, the serial step's one synchronisation)."""
+        start = time.perf_counter()
+        seqs, greedy_only = self._sampling, self._greedy_only
+        logits, greedy = self.runner.execute()
         if greedy_only:
-            self._step_logprobs = []
-            next_tokens = greedy.tolist()  # the step's one synchronisation
+            ids = out = greedy
         else:
-            next_tokens, self._step_logprobs = self.sampler.sample(logits, [seq.sampler_state for seq in sampled])
-        if self.costs is not None and not step.all_decode:  # a step with a prompt chunk: what recompute costs
-            self.costs.prefilled(sum(step.num_new), time.perf_counter() - start)
+            out = self.sampler.launch(logits, [seq.sampler_state for seq in seqs])
+            ids = out[:, 0].long()
+        event = None
+        if not to_host or out.device.type == "cpu":
+            host = out
+        else:  # pinned, so that the copy is asynchronous
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.device.type == "cuda")
+            host.copy_(out, non_blocking=True)
+            event = self.device.event()
+            event.record()
+        prefill = 0 if step.all_decode else sum(step.num_new)
+        return _Launch(step.states, seqs, ids, host, event, greedy_only, time.perf_counter() - start, prefill)
+
+    def collect(self, launched: _Launch) -> list[int]:
+        start = time.perf_counter()
+        if launched.event is not None:
+            launched.event.synchronize()
+        seqs = launched.seqs
+        if launched.greedy:
+            next_tokens = launched.host.tolist()
+        else:
+            next_tokens, logprobs = self.sampler.collect(launched.host, [seq.sampler_state for seq in seqs])
+            self._step_logprobs = {seq.state.request_id: lp for seq, lp in zip(seqs, logprobs) if lp is not None}
+        self._landed = (launched.states, seqs)
+        if self.costs is not None and launched.prefill_tokens:  # a step with a prompt chunk: what recompute costs
+            self.costs.prefilled(launched.prefill_tokens, launched.elapsed + time.perf_counter() - start)
         return next_tokens
 
-    def apply_outputs(self, step: PackedStep, tokens: Sequence[int] | None, now: float) -> list[StepOutput]:
-        outputs = super().apply_outputs(step, tokens, now)
-        if any(self._step_logprobs):  # one output per sampled token, in step order
-            outputs = [o if lp is None else attrs.evolve(o, logprobs=lp) for o, lp in zip(outputs, self._step_logprobs)]
+    def step(self) -> list[StepOutput]:
+        outputs = super().step()
+        if self._step_logprobs:  # the tokens' log-probabilities, where asked
+            logprobs, self._step_logprobs = self._step_logprobs, {}
+            outputs = [
+                o
+                if o.token_id is None or o.request_id not in logprobs
+                else attrs.evolve(o, logprobs=logprobs[o.request_id])
+                for o in outputs
+            ]
         return outputs
 
     def sampled(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> list[int]:
-        seqs = self._step_seqs if states is self._step_states else [self._seqs[s.request_id] for s in states]
+        landed_states, landed_seqs = self._landed
+        if states is landed_states and len(states) == len(landed_seqs):
+            seqs = landed_seqs
+        else:
+            seqs = [self._seqs[s.request_id] for s in states]
         stops = []
         for k, seq, token in zip(count(), seqs, token_ids):
             seq.tokens.append(token)

@@ -21,6 +21,12 @@ Nothing is allocated per step on the device. On a device that supports them
 replay a CUDA graph captured for the next larger batch size, as do short
 steps of a few sequences (:class:`StepGraphs`): one launch for the whole
 model.
+
+A step packed while the one before it runs (the engine's
+``async_scheduling``) does not know its decodes' input tokens on the host:
+they are the ids the running step samples. :meth:`StepInputs.feed` names
+them, and :meth:`StepInputs.sync` copies them into the step's token ids on
+the device after the host's inputs arrive, before anything reads them.
 """
 
 from __future__ import annotations
@@ -227,8 +233,9 @@ class StepInputs:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         # One packed buffer: per token its id, position and sequence; per
         # sequence its block-table row, length, query start (one more) and
-        # the flat index of the row it samples.
-        lengths = (max_tokens, max_tokens, max_tokens, max_seqs, max_seqs, max_seqs + 1, max_seqs)
+        # the flat index of the row it samples; per fed token its index and
+        # the row of the running step's ids it reads.
+        lengths = (max_tokens, max_tokens, max_tokens, max_seqs, max_seqs, max_seqs + 1, max_seqs, max_seqs, max_seqs)
         self.host = _host_tensor((sum(lengths),), torch.int32, pin)
         self.device_buffer = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
         host, dev = ([], [])
@@ -245,6 +252,8 @@ class StepInputs:
             self._seq_lens,
             self._query_start,
             self._sample_rows,
+            self._fed_at,
+            self._fed_row,
         ) = host
         (
             self.token_ids,
@@ -254,6 +263,8 @@ class StepInputs:
             self.seq_lens,
             self.query_start,
             self.sample_rows,
+            self.fed_at,
+            self.fed_row,
         ) = dev
         self._arange = np.arange(max(max_tokens, max_seqs + 1), dtype=np.int32)
         self.reset()
@@ -269,6 +280,11 @@ class StepInputs:
         self.seq_len_list: list[int] = []
         self.query_start_list: list[int] = []
         self._query_start[0] = 0
+        #: The running step's sampled ids, and how many tokens read them
+        #: (:meth:`feed`); ``_fed_in_order``: the first ``num_fed`` tokens read rows 0..num_fed - 1.
+        self._fed_from: torch.Tensor | None = None
+        self.num_fed = 0
+        self._fed_in_order = False
 
     def add(self, tokens: list[int], start: int, n: int, row: int, sample: bool) -> None:
         """Sequence ``tokens[start : start + n]`` is scheduled (its KV up to
@@ -322,6 +338,19 @@ class StepInputs:
         self.seq_len_list = [p + 1 for p in positions]
         self.query_start_list = list(range(n))
 
+    def feed(self, ids: torch.Tensor, count: int, at: list[int] | None = None, rows: list[int] | None = None) -> None:
+        """Token ``at[j]`` of the step is ``ids[rows[j]]`` (``ids``: the
+        running step's sampled ids, on the device), for ``count`` tokens;
+        without ``at`` and ``rows``, tokens 0..count - 1 are ids 0..count - 1.
+        Written on the device by :meth:`sync`."""
+        if count > self.max_seqs:
+            raise RuntimeError(f"{count} fed tokens in a step of at most {self.max_seqs} sequences")
+        self._fed_from, self.num_fed = ids, count
+        self._fed_in_order = at is None
+        if at is not None and rows is not None:
+            self._fed_at[:count] = at
+            self._fed_row[:count] = rows
+
     def pad_to(self, num_tokens: int, num_seqs: int) -> None:
         """Padding for a captured graph of ``num_tokens`` tokens and
         ``num_seqs`` sequences: padding tokens have position -1 (their KV
@@ -344,6 +373,14 @@ class StepInputs:
     def sync(self) -> None:
         if self.device_buffer is not self.host:
             self.device_buffer.copy_(self.host, non_blocking=True)
+        k, ids = self.num_fed, self._fed_from
+        if ids is None or not k:
+            return
+        if self._fed_in_order:
+            self.token_ids[:k].copy_(ids[:k])
+        else:
+            picked = ids.index_select(0, self.fed_row[:k].long()).to(self.token_ids.dtype)
+            self.token_ids.index_copy_(0, self.fed_at[:k].long(), picked)
 
 
 class ModelRunner:

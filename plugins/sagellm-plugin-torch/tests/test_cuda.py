@@ -1,7 +1,9 @@
 """The ``cuda`` device's fast path (Triton paged attention, CUDA graphs for
 decode, static step buffers) against transformers' own greedy ``generate``
 on the same GPU, in fp32: token-identical with the prefix cache off and on,
-with evictions and host-tier reloads, under preemption. Each run asserts it
+with evictions and host-tier reloads, under preemption, and each of those
+again with ``async_scheduling`` (step N+1 packed while step N runs on the
+GPU, its decodes fed step N's sampled ids on the device). Each run asserts it
 did what its name says. Skipped where CUDA is absent (CI)."""
 
 import pytest
@@ -36,8 +38,10 @@ def reference(model_dir, prompts):
     return helpers.hf_generate(model.to("cuda"), prompts, MAX_TOKENS)
 
 
-def run(tmp_path, model_dir, prompts, **config):
-    core = helpers.engine_core(helpers.write_config(tmp_path, model=str(model_dir), **config), device="cuda")
+def run(tmp_path, model_dir, prompts, overlap=False, **config):
+    core = helpers.engine_core(
+        helpers.write_config(tmp_path, model=str(model_dir), **config), device="cuda", async_scheduling=overlap
+    )
     assert core.runner.graphs is not None, "the cuda device was meant to capture decode graphs"
     results = core.generate(helpers.requests(prompts, MAX_TOKENS))
     core.rt.check_invariants()
@@ -68,6 +72,25 @@ def test_evictions_and_host_tier_reloads(tmp_path, model_dir, prompts, reference
 def test_preemption_and_recompute(tmp_path, model_dir, prompts, reference):
     outputs, counters = run(tmp_path, model_dir, prompts, num_blocks=20, prefix_cache=False)
     assert counters.preemptions > 0 and counters.reprefill_tokens > 0
+    assert outputs == reference
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(prefix_cache=False),
+        dict(block_size=16),
+        dict(num_blocks=24, max_num_seqs=4, offload=True, block_size=8),
+        dict(num_blocks=20, prefix_cache=False),
+    ],
+    ids=["cache-off", "cache-on", "evictions-reloads", "preemption"],
+)
+def test_async_scheduling_equals_transformers_generate(tmp_path, model_dir, prompts, reference, config):
+    outputs, counters = run(tmp_path, model_dir, prompts, overlap=True, **config)
+    if config.get("offload"):
+        assert counters.evicted_blocks > 0 and counters.host_hit_blocks > 0
+    if config.get("num_blocks") == 20:
+        assert counters.preemptions > 0
     assert outputs == reference
 
 

@@ -2,7 +2,8 @@
 shared system prompts: the engine against transformers' own generate, and
 against itself with the prefix cache off, with evictions and host-tier
 reloads forced, with reloads from a disk tier and after a restart that
-reloads it, under preemption, and one request at a time. Each run
+reloads it, under preemption, and one request at a time; each serially
+and with ``async_scheduling`` (step N+1 packed while step N runs). Each run
 asserts that it did what its name says (it evicted, it reloaded, it
 preempted), so no row passes by doing nothing."""
 
@@ -12,6 +13,11 @@ from sagellm_plugin_torch import testing as helpers
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
+
+
+@pytest.fixture(params=[False, True], ids=["serial", "async"])
+def overlap(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -24,56 +30,58 @@ def reference(smollm2, chats):
     return helpers.hf_generate(smollm2[0], chats, MAX_TOKENS)
 
 
-def run(tmp_path, chats, **config):
-    core = helpers.engine_core(helpers.write_config(tmp_path, **config))
+def run(tmp_path, chats, overlap=False, **config):
+    core = helpers.engine_core(helpers.write_config(tmp_path, **config), async_scheduling=overlap)
     results = core.generate(helpers.requests(chats, MAX_TOKENS))
     core.rt.check_invariants()
     assert not core.has_work() and core.rt.counters.requests_finished == len(chats)
     return [results[f"r{i}"] for i in range(len(chats))], core.rt.counters
 
 
-def test_equals_transformers_generate(tmp_path, chats, reference):
-    outputs, counters = run(tmp_path, chats, prefix_cache=False)
+def test_equals_transformers_generate(tmp_path, chats, reference, overlap):
+    outputs, counters = run(tmp_path, chats, overlap, prefix_cache=False)
     assert outputs == reference
     assert counters.hit_blocks == 0
 
 
-def test_prefix_cache_on_equals_off(tmp_path, chats, reference):
-    outputs, counters = run(tmp_path, chats)
+def test_prefix_cache_on_equals_off(tmp_path, chats, reference, overlap):
+    outputs, counters = run(tmp_path, chats, overlap)
     assert counters.hit_blocks > 0  # the shared system prompts were reused
     assert outputs == reference
 
 
-def test_evictions_and_host_tier_reloads(tmp_path, chats, reference):
-    outputs, counters = run(tmp_path, chats, num_blocks=24, max_num_seqs=4, offload=True)
+def test_evictions_and_host_tier_reloads(tmp_path, chats, reference, overlap):
+    outputs, counters = run(tmp_path, chats, overlap, num_blocks=24, max_num_seqs=4, offload=True)
     assert counters.evicted_blocks > 0, "the pool was meant to be too small to keep everything"
     assert counters.host_hit_blocks > 0, "evicted blocks were meant to be reloaded from the host tier"
     assert counters.transfer_failures == 0 and counters.preemptions == 0
     assert outputs == reference
 
 
-def test_disk_tier_reloads_then_a_restart_that_reloads_the_disk(tmp_path, chats, reference):
+def test_disk_tier_reloads_then_a_restart_that_reloads_the_disk(tmp_path, chats, reference, overlap):
     disk = f'[kv_stores]\ntiers = ["disk"]\n[kv_stores.disk]\npath = "{tmp_path / "kv"}"\n'
-    outputs, counters = run(tmp_path, chats, num_blocks=24, max_num_seqs=4, extra=disk)
+    outputs, counters = run(tmp_path, chats, overlap, num_blocks=24, max_num_seqs=4, extra=disk)
     assert counters.evicted_blocks > 0 and counters.host_hit_blocks > 0, "blocks were meant to come back from disk"
     assert outputs == reference
     # A new engine and runtime on the same folder: each chat's prefix is on disk.
     (tmp_path / "again").mkdir()
-    core = helpers.engine_core(helpers.write_config(tmp_path / "again", num_blocks=24, max_num_seqs=4, extra=disk))
+    core = helpers.engine_core(
+        helpers.write_config(tmp_path / "again", num_blocks=24, max_num_seqs=4, extra=disk), async_scheduling=overlap
+    )
     results = core.generate(helpers.requests(chats, MAX_TOKENS))
     assert core.rt.stores.report()["disk"]["store"]["recovered"] > 0 and core.rt.counters.host_hit_blocks > 0
     assert [results[f"r{i}"] for i in range(len(chats))] == reference
 
 
-def test_preemption_and_recompute(tmp_path, chats, reference):
-    outputs, counters = run(tmp_path, chats, num_blocks=40, prefix_cache=False)
+def test_preemption_and_recompute(tmp_path, chats, reference, overlap):
+    outputs, counters = run(tmp_path, chats, overlap, num_blocks=40, prefix_cache=False)
     assert counters.preemptions > 0 and counters.reprefill_tokens > 0
     assert outputs == reference
 
 
-def test_batched_equals_one_at_a_time(tmp_path, chats, reference):
-    batched, _ = run(tmp_path, chats)
-    serial, _ = run(tmp_path, chats, max_num_seqs=1)
+def test_batched_equals_one_at_a_time(tmp_path, chats, reference, overlap):
+    batched, _ = run(tmp_path, chats, overlap)
+    serial, _ = run(tmp_path, chats, overlap, max_num_seqs=1)
     assert batched == serial == reference
 
 

@@ -30,8 +30,8 @@ operations = st.lists(
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-@given(ops=operations, offload=st.booleans(), cache=st.booleans(), num_blocks=st.integers(6, 24))
-def test_block_accounting_holds(tmp_path, tiny_model_dir, ops, offload, cache, num_blocks):
+@given(ops=operations, offload=st.booleans(), cache=st.booleans(), num_blocks=st.integers(6, 24), overlap=st.booleans())
+def test_block_accounting_holds(tmp_path, tiny_model_dir, ops, offload, cache, num_blocks, overlap):
     path = helpers.write_config(
         tmp_path,
         model=str(tiny_model_dir),
@@ -43,7 +43,7 @@ def test_block_accounting_holds(tmp_path, tiny_model_dir, ops, offload, cache, n
         max_num_seqs=4,
         max_num_batched_tokens=32,
     )
-    core = helpers.engine_core(path)
+    core = helpers.engine_core(path, async_scheduling=overlap)  # overlap: aborts land while a step runs
     rt = core.rt
     ended: set[str] = set()
     added: list[str] = []
@@ -91,8 +91,10 @@ streams = st.lists(
 @settings(
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-@given(requests=streams, arrive_every=st.integers(1, 3))
-def test_each_request_streams_its_generated_tokens_and_ends_once(tmp_path, tiny_model_dir, requests, arrive_every):
+@given(requests=streams, arrive_every=st.integers(1, 3), overlap=st.booleans())
+def test_each_request_streams_its_generated_tokens_and_ends_once(
+    tmp_path, tiny_model_dir, requests, arrive_every, overlap
+):
     """Requests arriving between steps, most steps decodes only: each
     request's outputs are its generated tokens in order, one a step; it
     ends once, at its first stop token or at max_tokens; a request that
@@ -103,7 +105,7 @@ def test_each_request_streams_its_generated_tokens_and_ends_once(tmp_path, tiny_
     path = helpers.write_config(
         tmp_path, model=str(tiny_model_dir), num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32
     )
-    core = helpers.engine_core(path)
+    core = helpers.engine_core(path, async_scheduling=overlap)
     streamed: dict[str, list] = {}
     generated, params = {}, {}
     pending = list(enumerate(requests))
