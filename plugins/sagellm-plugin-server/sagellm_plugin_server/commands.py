@@ -26,6 +26,7 @@ FLAG_KEYS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("engine", "max_num_seqs"),
     "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "async_scheduling": ("engine", "async_scheduling"),
     "block_size": ("prefix_cache", "block_size"),
     "num_blocks": ("kv_pool", "num_blocks"),
     "eviction": ("eviction", "plugin"),
@@ -183,6 +184,12 @@ def _serve_parser(subparsers) -> None:
         type=float,
         help=f"the share of device memory the engine may use; the pool gets the rest ({key('gpu_memory_utilization')},"
         ' and [kv_pool] num_blocks = "auto")',
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help=f"pack step N+1 while step N runs on the device ({key('async_scheduling')}; off by default:"
+        " on the CPU nothing overlaps)",
     )
     p.add_argument("--eviction", help=f"a sagellm.eviction plugin: lru, s3fifo, ... ({key('eviction')})")
     p.add_argument("--served-model-name", help=f"the model name clients send ({key('served_model_name')})")

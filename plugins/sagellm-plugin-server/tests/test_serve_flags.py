@@ -136,6 +136,21 @@ def test_gpu_memory_utilization_asks_the_engine_to_size_the_pool(tiny_model_dir)
     assert settings.engine.params == {"model": str(tiny_model_dir), "device": "cpu", "gpu_memory_utilization": 0.5}
 
 
+def test_async_scheduling_flag_sets_the_engine_key_either_way(tiny_model_dir, tmp_path):
+    path = tmp_path / "async.toml"
+    path.write_text(
+        TOML.format(model=tiny_model_dir, cache="").replace(
+            'dtype = "float32"', 'dtype = "float32"\nasync_scheduling = true'
+        )
+    )
+    assert commands.serve_settings(parse(["--config", str(path)])).engine.params["async_scheduling"] is True
+    off = commands.serve_settings(parse(["--config", str(path), "--no-async-scheduling"]))
+    assert off.engine.params["async_scheduling"] is False
+    on = commands.serve_settings(parse([str(tiny_model_dir), "--async-scheduling"]))
+    assert on.engine.params["async_scheduling"] is True
+    assert "async_scheduling" not in commands.serve_settings(parse([str(tiny_model_dir)])).engine.params
+
+
 def test_serve_smollm2_without_a_config_file_answers():
     server = Server(args=["smollm2"])
     try:
