@@ -78,6 +78,8 @@ requests = st.lists(
     min_size=1,
     max_size=16,
 )
+#: A random run: its seed, pool size, step budget and requests.
+POOL_RUNS = dict(seed=st.integers(0, 10**6), blocks=st.integers(30, 120), budget=st.integers(16, 256), sizes=requests)
 
 
 def add(e: Engine, sizes, seed) -> None:
@@ -103,7 +105,7 @@ def drain(e: Engine, each_step=lambda: None) -> dict[str, str | None]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10**6), blocks=st.integers(30, 120), budget=st.integers(16, 256), sizes=requests)
+@given(**POOL_RUNS)
 def test_admission_by_an_exact_footprint_never_preempts(seed, blocks, budget, sizes):
     extra = '[lifetime]\nplugin = "oracle"\n[admission]\nplugin = "footprint"\nmax_wait_s = 1e9\n'
     e = engine(config(budget, blocks, extra=extra))
@@ -125,10 +127,7 @@ lend = {lend}
 
 @settings(max_examples=25, deadline=None)
 @given(
-    seed=st.integers(0, 10**6),
-    blocks=st.integers(30, 120),
-    budget=st.integers(16, 256),
-    sizes=requests,
+    **POOL_RUNS,
     shares=st.tuples(st.sampled_from([0.0, 0.2, 0.4]), st.sampled_from([0.0, 0.2, 0.5]), st.sampled_from([0.3, 1.0])),
     lend=st.sampled_from([0.0, 1.0]),
 )
@@ -180,10 +179,7 @@ def runs_config(compact: bool, prefix_cache: str, eviction: str, budget: int, bl
 
 @settings(max_examples=20, deadline=None)
 @given(
-    seed=st.integers(0, 10**6),
-    blocks=st.integers(30, 120),
-    budget=st.integers(16, 256),
-    sizes=requests,
+    **POOL_RUNS,
     prefix_cache=st.sampled_from(["radix", "hash"]),
     eviction=st.sampled_from(["lru", "lfu", "fair"]),
     moves=st.sampled_from(["islands", "gather", "pieces"]),
@@ -226,14 +222,7 @@ def test_compaction_preserves_every_cached_block_s_bytes_and_keys(
 
 
 @settings(max_examples=20, deadline=None)
-@given(
-    seed=st.integers(0, 10**6),
-    blocks=st.integers(30, 120),
-    budget=st.integers(16, 256),
-    sizes=requests,
-    reserve=st.integers(1, 6),
-    compact=st.booleans(),
-)
+@given(**POOL_RUNS, reserve=st.integers(1, 6), compact=st.booleans())
 def test_reservations_end_every_request_as_without_and_stay_free_blocks(seed, blocks, budget, sizes, reserve, compact):
     """With blocks set aside for requests to grow into, every request ends
     as without them, the runtime's and the pool's accounts agree after every
