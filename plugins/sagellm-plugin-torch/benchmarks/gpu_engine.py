@@ -13,13 +13,19 @@ measured in this same run:
 4. bf16 greedy outputs against transformers' own bf16 ``generate``: the
    first position where they differ, per prompt.
 
+The decode and throughput parts run once per ``--scheduling`` mode:
+``serial`` (a step's tokens reach the host before the next step is packed)
+and ``async`` (``[engine] async_scheduling``: step N+1 packed while step N
+runs), so the two are compared in one run.
+
 Models are random-weight checkpoints of real shapes (Llama-3.2-1B's layers
 with a 32,000-token vocabulary, Llama-3.1-8B), built on the GPU and saved to
 a folder the engine loads like any checkpoint. Every row asserts that it did
 what its label says (decode rows decoded, cached rows hit the cache).
 
     python plugins/sagellm-plugin-torch/benchmarks/gpu_engine.py [--shapes 1b,8b]
-        [--parts decode,throughput,ttft,bf16,profile] [--batches 1,64,256] [--json out.json]
+        [--parts decode,throughput,ttft,bf16,profile] [--batches 1,64,256]
+        [--scheduling serial,async] [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,7 +136,9 @@ def weight_bytes(model) -> int:
     return total
 
 
-def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[int]) -> list[dict]:
+def decode_rows(
+    folder: Path, model_dir: Path, bandwidth: float, batches: list[int], scheduling: str = "serial"
+) -> list[dict]:
     from sagellm_plugin_torch.engine import SamplingParams
 
     from sagellm_core.types import Request
@@ -139,7 +147,16 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
     for batch in batches:
         prompt_len, steps = 512, 256
         blocks = batch * -(-(prompt_len + 2 * steps + 2) // 16) + 64
-        core = engine(folder, model_dir, "bfloat16", num_blocks=blocks, max_num_seqs=max(batch, 1), cache=False)
+        core = engine(
+            folder,
+            model_dir,
+            "bfloat16",
+            num_blocks=blocks,
+            max_num_seqs=max(batch, 1),
+            cache=False,
+            async_scheduling=scheduling == "async",
+        )
+        assert core.overlap == (scheduling == "async"), f"batch {batch}: not the {scheduling} step loop"
         kv_per_token = core.runner.shape.bytes_per_block(1, core.runner.dtype)
         weights = weight_bytes(core.runner.model)
         prompts = random_prompts(batch, prompt_len, core.runner.vocab_size, seed=batch)
@@ -162,6 +179,7 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         before = core.batched_tokens
         for _ in range(timed):
             contexts.append(sum(s.num_computed_tokens + 1 for s in core.running))
+            # (asynchronous: a step returns the tokens of the step launched before it)
             produced = core.step()
             assert len(produced) == batch, f"batch {batch}: a timed step sampled {len(produced)} sequences"
         torch.cuda.synchronize()
@@ -173,6 +191,7 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
         limit = (weights + kv_read) / bandwidth
         rows.append(
             r := {
+                "scheduling": scheduling,
                 "batch": batch,
                 "mean_context": statistics.mean(contexts) / batch,
                 "step_ms": wall * 1e3,
@@ -185,7 +204,7 @@ def decode_rows(folder: Path, model_dir: Path, bandwidth: float, batches: list[i
             }
         )
         print(
-            f"decode batch {r['batch']:>3} (context ~{r['mean_context']:.0f}): {r['step_ms']:.2f} ms"
+            f"decode {scheduling} batch {r['batch']:>3} (context ~{r['mean_context']:.0f}): {r['step_ms']:.2f} ms"
             f" a step ({r['gpu_ms']:.2f} on the GPU), limit {r['limit_ms']:.2f} ms"
             f" ({r['weights_gb']:.2f} GB weights + {r['kv_gb']:.2f} GB KV):"
             f" {r['ratio_to_limit']:.2f}x the limit",
@@ -245,32 +264,53 @@ def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 
     return rows[:25]
 
 
-def throughput(folder: Path, model_dir: Path, count: int = 256, prompt_len: int = 512, new_tokens: int = 128) -> dict:
+def throughput(
+    folder: Path,
+    model_dir: Path,
+    schedulings: list[str],
+    count: int = 256,
+    prompt_len: int = 512,
+    new_tokens: int = 128,
+) -> list[dict]:
+    """A row per step loop in ``schedulings``, each against one timing of
+    transformers' batched ``generate`` on the same prompts."""
     from sagellm_plugin_torch import models
     from sagellm_plugin_torch.engine import SamplingParams
 
     from sagellm_core.types import Request
 
     blocks = count * -(-(prompt_len + new_tokens) // 16) + 256
-    core = engine(folder, model_dir, "bfloat16", num_blocks=blocks, max_num_seqs=count, cache=False)
-    prompts = random_prompts(count, prompt_len, core.runner.vocab_size, seed=7)
-    # Warm-up: one short request, outside the timing (kernels compiled).
-    core.add_request(Request("warm", prompts[0][:64], 4), SamplingParams(max_tokens=4, ignore_eos=True))
-    while core.has_work():
-        core.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        core.add_request(Request(f"t{i}", p, new_tokens), SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    generated = 0
-    while core.has_work():
-        generated += sum(1 for out in core.step() if out.token_id is not None)
-    engine_s = time.perf_counter() - start
-    assert generated == count * new_tokens, f"the engine generated {generated} tokens, not {count * new_tokens}"
-    assert core.rt.counters.preemptions == 0, "the pool was sized to hold every request"
-    del core
-    gc.collect()
-    torch.cuda.empty_cache()
+    tokens = count * new_tokens
+    engine_s: dict[str, float] = {}
+    for scheduling in schedulings:
+        core = engine(
+            folder,
+            model_dir,
+            "bfloat16",
+            num_blocks=blocks,
+            max_num_seqs=count,
+            cache=False,
+            async_scheduling=scheduling == "async",
+        )
+        assert core.overlap == (scheduling == "async"), f"throughput: not the {scheduling} step loop"
+        prompts = random_prompts(count, prompt_len, core.runner.vocab_size, seed=7)
+        # Warm-up: one short request, outside the timing (kernels compiled).
+        core.add_request(Request("warm", prompts[0][:64], 4), SamplingParams(max_tokens=4, ignore_eos=True))
+        while core.has_work():
+            core.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            core.add_request(Request(f"t{i}", p, new_tokens), SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        generated = 0
+        while core.has_work():
+            generated += sum(1 for out in core.step() if out.token_id is not None)
+        engine_s[scheduling] = time.perf_counter() - start
+        assert generated == tokens, f"{scheduling}: the engine generated {generated} tokens, not {tokens}"
+        assert core.rt.counters.preemptions == 0, "the pool was sized to hold every request"
+        del core
+        gc.collect()
+        torch.cuda.empty_cache()
 
     model, _ = models.load(str(model_dir), "bfloat16")
     model = model.to("cuda")
@@ -293,13 +333,16 @@ def throughput(folder: Path, model_dir: Path, count: int = 256, prompt_len: int 
     del out, ids
     gc.collect()
     torch.cuda.empty_cache()
-    tokens = count * new_tokens
-    return {
-        "requests": count,
-        "engine_tok_s": tokens / engine_s,
-        "generate_tok_s": tokens / hf_s,
-        "ratio": hf_s / engine_s,
-    }
+    return [
+        {
+            "scheduling": scheduling,
+            "requests": count,
+            "engine_tok_s": tokens / seconds,
+            "generate_tok_s": tokens / hf_s,
+            "ratio": hf_s / seconds,
+        }
+        for scheduling, seconds in engine_s.items()
+    ]
 
 
 def drain(core, ttfts: list[float]) -> None:
@@ -390,12 +433,19 @@ def main() -> int:
     parser.add_argument("--parts", default="decode,throughput,ttft,bf16")
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--profile-batch", type=int, default=64)
+    parser.add_argument(
+        "--scheduling", default="serial,async", help="the decode and throughput parts' step loops: serial, async"
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_engine.py: no CUDA device (torch.cuda.is_available() is false)", file=sys.stderr)
         return 2
     parts = set(args.parts.split(","))
+    schedulings = args.scheduling.split(",")
+    if not set(schedulings) <= {"serial", "async"}:
+        print(f"gpu_engine.py: --scheduling {args.scheduling}: serial, async or both", file=sys.stderr)
+        return 2
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     bandwidth = copy_bandwidth()
     results["copy_bandwidth_tb_s"] = bandwidth / 1e12
@@ -408,7 +458,8 @@ def main() -> int:
         results[name] = shape_results
         print(f"[{name}] checkpoint built and saved in {shape_results['checkpoint_s']:.1f} s", flush=True)
         if "decode" in parts:
-            rows = decode_rows(root, model_dir, bandwidth, [int(b) for b in args.batches.split(",")])
+            batches = [int(b) for b in args.batches.split(",")]
+            rows = [row for mode in schedulings for row in decode_rows(root, model_dir, bandwidth, batches, mode)]
             shape_results["decode"] = rows
         if "profile" in parts:
             rows = profile_decode(root, model_dir, batch=args.profile_batch)
@@ -416,13 +467,14 @@ def main() -> int:
             for r in rows:
                 print(f"[{name}] profile {r['cuda_ms']:8.3f} ms/step {r['calls']:6d} calls  {r['name']}", flush=True)
         if "throughput" in parts:
-            row = throughput(root, model_dir)
-            shape_results["throughput"] = row
-            print(
-                f"[{name}] 256 x 512 -> 128: engine {row['engine_tok_s']:.0f} tok/s, generate"
-                f" {row['generate_tok_s']:.0f} tok/s: {row['ratio']:.2f}x",
-                flush=True,
-            )
+            rows = throughput(root, model_dir, schedulings)
+            shape_results["throughput"] = rows
+            for row in rows:
+                print(
+                    f"[{name}] 256 x 512 -> 128, {row['scheduling']}: engine {row['engine_tok_s']:.0f} tok/s,"
+                    f" generate {row['generate_tok_s']:.0f} tok/s: {row['ratio']:.2f}x",
+                    flush=True,
+                )
         if "ttft" in parts:
             row = ttft(root, model_dir)
             shape_results["ttft"] = row
