@@ -4,7 +4,8 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
     python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
-    python3 benchmarks/kv_pool.py contiguity [--pools LABEL ...]
+    python3 benchmarks/kv_pool.py contiguity [--config FILE] [--blocks N] [--max-requests N] [--pools LABEL ...]
+    python3 benchmarks/kv_pool.py latency [--requests 500]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
 
 * ``admission``: timed replays of ShareGPT conversations (Azure arrivals)
@@ -34,6 +35,14 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   outside the longest free run; the fragmentation of the free runs
   walled in by blocks that requests hold; the reserved blocks' share of
   the pool, the block hit rate and the preemptions.
+* ``latency``: the hook table (p50, mean, p99 of each call, timed by the
+  hook dispatch) of allocation, free and ``footprint`` admission on the
+  default workload with ``paged``, ``runs``, ``buddy`` and ``runs`` with
+  reservations (fixed, and sized by the prediction), in one process, as
+  ratios to ``paged``; then every call a ``runs`` pool with reservations
+  got in a timed Mooncake replay, recorded and made again on two fresh
+  pools, one freeing as the plugin does and one as it did, alternately:
+  the free's latency against the free as it was.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against

@@ -40,7 +40,8 @@ length, last block -> start, and the runs sorted by length):
   ``moves = "gather"`` a round instead fills the shortest free runs, whole,
   with the movable blocks beside a long free run, which joins them.
 
-Allocation and free are O(log runs) per run taken or freed.
+Allocation and free are O(log runs) per run taken or freed; a free's work
+per block (its checks, the split into runs) is done by builtins.
 """
 
 from __future__ import annotations
