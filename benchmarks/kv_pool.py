@@ -376,7 +376,7 @@ def contiguity(args) -> None:
 
     print(
         f"`python3 benchmarks/kv_pool.py contiguity` ({args.config}, {args.blocks:,} blocks, "
-        f"{args.max_requests} requests)\n"
+        f"{args.max_requests} requests{', lifetime ' + args.lifetime if args.lifetime else ''})\n"
     )
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
@@ -436,7 +436,10 @@ def contiguity(args) -> None:
         if args.pools and label not in args.pools:
             continue
         compacting = pool.get(("kv_pool", "compact"), False)
-        overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
+        overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests}
+        if args.lifetime:
+            overrides[("lifetime", "plugin")] = args.lifetime
+        overrides.update(pool)  # (a row sized by the prediction keeps its own predictor)
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
         engine, engine_settings = build_engine(settings)
         rt = session.build_runtime(settings, engine)
@@ -818,6 +821,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=30000)
     p.add_argument("--max-requests", type=int, default=2000)
     p.add_argument("--pools", nargs="*", help="only the rows with these labels")
+    p.add_argument("--lifetime", help="the lifetime predictor of the rows that do not name one (default: the config's)")
     p.set_defaults(func=contiguity)
     p = parts.add_parser("latency")
     p.add_argument("--requests", type=int, default=500, help="Mooncake requests whose pool calls are recorded")
