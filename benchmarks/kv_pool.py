@@ -4,7 +4,8 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
     python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
-    python3 benchmarks/kv_pool.py contiguity [--pools LABEL ...]
+    python3 benchmarks/kv_pool.py contiguity [--config FILE] [--blocks N] [--max-requests N] [--pools LABEL ...]
+    python3 benchmarks/kv_pool.py latency [--requests 500]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
 
 * ``admission``: timed replays of ShareGPT conversations (Azure arrivals)
@@ -34,6 +35,14 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   outside the longest free run; the fragmentation of the free runs
   walled in by blocks that requests hold; the reserved blocks' share of
   the pool, the block hit rate and the preemptions.
+* ``latency``: the hook table (p50, mean, p99 of each call, timed by the
+  hook dispatch) of allocation, free and ``footprint`` admission on the
+  default workload with ``paged``, ``runs``, ``buddy`` and ``runs`` with
+  reservations (fixed, and sized by the prediction), in one process, as
+  ratios to ``paged``; then every call a ``runs`` pool with reservations
+  got in a timed Mooncake replay, recorded and made again on two fresh
+  pools, one freeing as the plugin does and one as it did, alternately:
+  the free's latency against the free as it was.
 * ``offload``: the torch engine's KV tensor (SmolLM2-135M's shape, fp32)
   on a device, a 2,000-token prefix copied to a host tensor and back
   through the device's ``copy_blocks``: its blocks as one run against
@@ -45,6 +54,7 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -366,7 +376,7 @@ def contiguity(args) -> None:
 
     print(
         f"`python3 benchmarks/kv_pool.py contiguity` ({args.config}, {args.blocks:,} blocks, "
-        f"{args.max_requests} requests)\n"
+        f"{args.max_requests} requests{', lifetime ' + args.lifetime if args.lifetime else ''})\n"
     )
     print(
         "| pool | pieces a request, mean | p99 | pieces of its computed blocks, mean | p99 | blocks a request, mean |"
@@ -426,7 +436,10 @@ def contiguity(args) -> None:
         if args.pools and label not in args.pools:
             continue
         compacting = pool.get(("kv_pool", "compact"), False)
-        overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests, **pool}
+        overrides = {("kv_pool", "num_blocks"): args.blocks, ("workload", "max_requests"): args.max_requests}
+        if args.lifetime:
+            overrides[("lifetime", "plugin")] = args.lifetime
+        overrides.update(pool)  # (a row sized by the prediction keeps its own predictor)
         settings = session.load_settings(ROOT / args.config, overrides=overrides)
         engine, engine_settings = build_engine(settings)
         rt = session.build_runtime(settings, engine)
@@ -510,6 +523,192 @@ def contiguity(args) -> None:
             f" {r['block_hit_rate']:.4f} | {r['preemptions']:,} |",
             flush=True,
         )
+    print()
+
+
+# ------------------------------------------------------------------ latency --
+
+#: The rows of the decision-latency table: the default workload with ``footprint`` admission.
+LATENCY_POOLS = [
+    ("paged", {("kv_pool", "plugin"): "paged"}),
+    ("runs", {("kv_pool", "plugin"): "runs"}),
+    ("buddy", {("kv_pool", "plugin"): "buddy"}),
+    ("runs, reserve 24", {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24}),
+    (
+        "runs, reserve 24 predicted",
+        {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24, ("kv_pool", "reserve_predicted"): True},
+    ),
+]
+LATENCY_HOOKS = [
+    ("allocation", "sagellm_allocate_blocks"),
+    ("free", "sagellm_free_blocks"),
+    ("admission, `footprint`", "sagellm_admit_request"),
+]
+
+
+def latency(args) -> None:
+    """The pools' decision latencies (the hook table: each call timed by the
+    hook dispatch) on the default workload, every row in this process; then
+    the ``runs`` pool's free against the free as it was, over one recorded
+    sequence of calls."""
+    print(f"`python3 benchmarks/kv_pool.py latency --requests {args.requests}`\n")
+    print("| decision | pool | calls | p50 (µs) | mean (µs) | p99 (µs) | p50 over `paged`'s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for label, pool in LATENCY_POOLS:
+        overrides = {("admission", "plugin"): "footprint", **pool}
+        settings = session.load_settings(ROOT / "sagellm_core" / "default.toml", overrides=overrides)
+        result = session.run(settings, label=label)
+        r, rt = result.report, result.runtime
+        check(
+            label, r["plugins"]["kv_pool"] == pool[("kv_pool", "plugin")], f"kv_pool plugin {r['plugins']['kv_pool']!r}"
+        )
+        check(
+            label, r["plugins"].get("admission") == "footprint", f"admission plugin {r['plugins'].get('admission')!r}"
+        )
+        reserving = pool.get(("kv_pool", "reserve"), 0) > 0
+        check(label, rt.reserves == reserving, f"the runtime keeps reserved blocks free: {rt.reserves}")
+        if reserving:  # the pool answered how many it keeps, and kept some (the runtime asks it when it evicts)
+            kept = r["hooks"].get("sagellm_reserved_blocks", {}).get("calls", 0)
+            check(label, kept > 0, "the pool was never asked how many blocks it keeps")
+        predicted = pool.get(("kv_pool", "reserve_predicted"), False)
+        arrived = r["hooks"].get("sagellm_request_arrived", {}).get("calls", 0)
+        check(label, (arrived == r["requests"]) if predicted else True, f"{arrived} predictions seen")
+        rows.append((label, r["hooks"]))
+    base = rows[0][1]
+    for name, hook in LATENCY_HOOKS:
+        for label, hooks in rows:
+            st = hooks[hook]
+            print(
+                f"| {name} (`{hook}`) | `{label}` | {st['calls']:,} | {st['p50_us']:.2f} | {st['mean_us']:.2f} |"
+                f" {st['p99_us']:.2f} | {ratio(st['p50_us'], base[hook]['p50_us'])} |"
+            )
+    print()
+    replayed_free(args)
+
+
+class PerBlockFree:
+    """The ``runs`` pool's free as it was: each block id checked, the ids split
+    into runs and looked up among the requests' last blocks one at a time,
+    in Python. The baseline of the recorded-sequence rows."""
+
+    @staticmethod
+    def free(pool, block_ids) -> bool:
+        num_blocks, is_free = pool.num_blocks, pool._is_free
+        for block_id in block_ids:
+            if not (type(block_id) is int and 0 <= block_id < num_blocks):
+                raise ValueError(f"block {block_id!r} is out of range 0..{num_blocks - 1}")
+            if is_free[block_id]:
+                raise ValueError(f"block {block_id} is freed twice")
+        ordered = sorted(block_ids)
+        if any(a == b for a, b in zip(ordered, ordered[1:])):
+            raise ValueError(f"blocks {list(block_ids)} contain duplicates")
+        tails, gone = pool._tails, []
+        for block_id in ordered:
+            request_id = tails._owner.pop(block_id, None)
+            if request_id is not None:
+                del tails._tail[request_id]
+                gone.append(request_id)
+        for request_id in gone:
+            pool._drop_reservation(request_id)
+        i = 0
+        while i < len(ordered):
+            j = i + 1
+            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
+                j += 1
+            pool._give_back(ordered[i], j - i)
+            i = j
+        pool._usage = None
+        return True
+
+
+def replayed_free(args) -> None:
+    """Record every call the runtime makes to a ``runs`` pool with
+    ``reserve = 24`` in a timed Mooncake replay, then make the same calls,
+    in order, on two fresh pools: one frees as the plugin does now, the
+    other as it did (``PerBlockFree``), alternately call by call. Each
+    allocation must give both what it gave in the replay, and both pools
+    must end with the same free runs."""
+    from sagellm_plugin_kv_pool.runs import RunsPool
+
+    calls: list[tuple[str, dict, object]] = []
+    built: list = []
+    names = [n for n in dir(RunsPool) if n.startswith("sagellm_")]
+    originals = {n: getattr(RunsPool, n) for n in names}
+    real_init = RunsPool.__init__
+
+    def recording(name, method):
+        argnames = method.__code__.co_varnames[1 : method.__code__.co_argcount]
+
+        @functools.wraps(method)  # (keeps the hookimpl marker)
+        def record(self, *args, **kwargs):
+            kwargs.update(zip(argnames, args))
+            result = method(self, **kwargs)
+            calls.append((name, kwargs, result))
+            return result
+
+        return record
+
+    def init(self, settings, context):
+        built.append((settings, context))
+        real_init(self, settings, context)
+
+    overrides = {("kv_pool", "plugin"): "runs", ("kv_pool", "reserve"): 24, ("workload", "max_requests"): args.requests}
+    settings = session.load_settings(CONFIGS / "mooncake-timed.toml", overrides=overrides)
+    try:
+        RunsPool.__init__ = init  # type: ignore[method-assign]
+        for n in names:
+            setattr(RunsPool, n, recording(n, originals[n]))
+        session.run(settings, label="recorded")
+    finally:
+        RunsPool.__init__ = real_init  # type: ignore[method-assign]
+        for n in names:
+            setattr(RunsPool, n, originals[n])
+    check("recorded", len(built) == 1, f"{len(built)} runs pools built")
+    frees = sum(1 for name, _, _ in calls if name == "sagellm_free_blocks")
+    check("recorded", frees > 0, "no free recorded")
+    now, was = RunsPool(*built[0]), RunsPool(*built[0])
+    times: dict[str, dict[str, list[float]]] = {
+        label: {"sagellm_free_blocks": [], "sagellm_allocate_blocks": []} for label in ("now", "was")
+    }
+    sizes = []
+    clock = time.perf_counter
+    for k, (name, kwargs, result) in enumerate(calls):
+        if name == "sagellm_free_blocks":
+            sizes.append(len(kwargs["block_ids"]))
+        order = (("now", now), ("was", was)) if k % 2 else (("was", was), ("now", now))
+        for label, pool in order:
+            if name == "sagellm_free_blocks" and label == "was":
+                t = clock()
+                PerBlockFree.free(pool, **kwargs)
+                times[label][name].append(clock() - t)
+                continue
+            t = clock()
+            got = getattr(pool, name)(**kwargs)
+            elapsed = clock() - t
+            if name in times[label]:
+                times[label][name].append(elapsed)
+            if name == "sagellm_allocate_blocks":
+                check(f"runs, reserve 24 ({label})", got == result, f"call {k} allocated {got}, not {result}")
+    check("runs, reserve 24", dict(now._length) == dict(was._length), "the two pools end with different free runs")
+    check("runs, reserve 24", now._reserved == was._reserved, "the two pools end with different reservations")
+    print(
+        f"The same {len(calls):,} calls to `runs` with `reserve = 24` (recorded from a timed replay of the first"
+        f" {args.requests} Mooncake requests), made directly on two fresh pools, alternately: {frees:,} frees of"
+        f" {statistics.median(sizes):.0f} blocks at the median ({statistics.mean(sizes):.1f} mean), and the"
+        f" allocations between them.\n"
+    )
+    print("| decision | free | p50 (µs) | mean (µs) | p99 (µs) | p50 over the free as it was |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, what in (("sagellm_free_blocks", "free"), ("sagellm_allocate_blocks", "allocation")):
+        base = statistics.median(times["was"][name])
+        for label, words in (("was", "as it was (per block, in Python)"), ("now", "now (per run)")):
+            us = [t * 1e6 for t in times[label][name]]
+            p50 = statistics.median(us)
+            print(
+                f"| {what} (`{name}`) | {words} | {p50:.2f} | {statistics.mean(us):.2f} |"
+                f" {sorted(us)[min(len(us) - 1, int(0.99 * len(us)))]:.2f} | {ratio(p50, base * 1e6)} |"
+            )
     print()
 
 
@@ -622,7 +821,11 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=30000)
     p.add_argument("--max-requests", type=int, default=2000)
     p.add_argument("--pools", nargs="*", help="only the rows with these labels")
+    p.add_argument("--lifetime", help="the lifetime predictor of the rows that do not name one (default: the config's)")
     p.set_defaults(func=contiguity)
+    p = parts.add_parser("latency")
+    p.add_argument("--requests", type=int, default=500, help="Mooncake requests whose pool calls are recorded")
+    p.set_defaults(func=latency)
     p = parts.add_parser("offload")
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", type=int, default=2000)

@@ -40,11 +40,14 @@ length, last block -> start, and the runs sorted by length):
   ``moves = "gather"`` a round instead fills the shortest free runs, whole,
   with the movable blocks beside a long free run, which joins them.
 
-Allocation and free are O(log runs) per run taken or freed.
+Allocation and free are O(log runs) per run taken or freed; a free's work
+per block (its checks, the split into runs) is done by builtins.
 """
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from attrs import field, frozen, validators
@@ -347,29 +350,60 @@ class RunsPool:
 
     @hookimpl
     def sagellm_free_blocks(self, block_ids: Sequence[int]) -> bool:
+        # The work per block is done by builtins (sorted, set, map, bisect,
+        # bytearray.find); the Python below runs once per run of adjacent ids.
+        ordered = sorted(block_ids) if set(map(type, block_ids)) <= {int} else None
+        runs = None if ordered is None else self._runs_of(ordered)
+        if runs is None:  # some block is bad: find the first, in the order given
+            self._refuse(block_ids)
+        for request_id in self._tails.forget(ordered):  # type: ignore[arg-type]
+            self._drop_reservation(request_id)
+        for start, count in runs:  # type: ignore[union-attr]
+            self._give_back(start, count)
+        self._usage = None
+        return True
+
+    def _runs_of(self, ordered: list[int]) -> list[tuple[int, int]] | None:
+        """``ordered`` (sorted ints) as runs of adjacent ids, ``(start,
+        count)``; ``None`` unless every id is a block in use, once."""
+        n = len(ordered)
+        if not n:
+            return []
+        if ordered[0] < 0 or ordered[-1] >= self.num_blocks or len(set(ordered)) < n:
+            return None
+        if ordered[-1] - ordered[0] == n - 1:  # distinct: one run
+            bounds = [(0, n)]
+        else:  # ``b - i`` for the ``i``-th id ``b``: equal within a run, larger after each gap
+            keys = list(map(operator.sub, ordered, range(n)))
+            bounds, i = [], 0
+            while i < n:
+                j = bisect_right(keys, keys[i], i)
+                bounds.append((i, j))
+                i = j
+        is_free, runs = self._is_free, []
+        for i, j in bounds:
+            start = ordered[i]
+            if is_free.find(1, start, start + j - i) >= 0:
+                return None
+            runs.append((start, j - i))
+        return runs
+
+    def _refuse(self, block_ids: Sequence[int]) -> None:
+        """Raise the ValueError that names what is wrong with ``block_ids``."""
         num_blocks, is_free = self.num_blocks, self._is_free
         for block_id in block_ids:
             if not (type(block_id) is int and 0 <= block_id < num_blocks):
                 raise ValueError(f"block {block_id!r} is out of range 0..{num_blocks - 1}")
             if is_free[block_id]:
                 raise ValueError(f"block {block_id} is freed twice")
-        ordered = sorted(block_ids)
-        if any(a == b for a, b in zip(ordered, ordered[1:])):
-            raise ValueError(f"blocks {list(block_ids)} contain duplicates")
-        for request_id in self._tails.forget(ordered):
-            self._drop_reservation(request_id)
-        self._free_sorted(ordered)
-        self._usage = None
-        return True
+        raise ValueError(f"blocks {list(block_ids)} contain duplicates")
 
-    def _free_sorted(self, ordered: Sequence[int]) -> None:
-        i = 0
-        while i < len(ordered):
-            j = i + 1
-            while j < len(ordered) and ordered[j] == ordered[j - 1] + 1:
-                j += 1
-            self._give_back(ordered[i], j - i)
-            i = j
+    def _free_sorted(self, ordered: list[int]) -> None:
+        runs = self._runs_of(ordered)
+        if runs is None:
+            self._refuse(ordered)
+        for start, count in runs:  # type: ignore[union-attr]
+            self._give_back(start, count)
 
     @hookimpl
     def sagellm_pool_usage(self) -> PoolUsage:

@@ -461,3 +461,46 @@ def test_reservations_never_hand_a_block_twice_nor_refuse_an_allocation(ops, res
             assert reserved.isdisjoint(d for _, d in moves)
         consistent(p)
         assert p.sagellm_pool_usage().num_free_blocks + sum(map(len, held.values())) == 48
+
+
+def first_bad(p, block_ids) -> str | None:
+    """What a free of ``block_ids`` must refuse, by the rule one block at a
+    time: the first id, in the order given, that is no block or is free,
+    else a repeated id; ``None`` when every id is a block in use, once."""
+    for b in block_ids:
+        if not (type(b) is int and 0 <= b < p.num_blocks):
+            return f"block {b!r} is out of range"
+        if p._is_free[b]:
+            return f"block {b} is freed twice"
+    return "contain duplicates" if len(set(block_ids)) < len(block_ids) else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 8), max_size=8),
+    st.lists(st.one_of(st.integers(-2, 41), st.sampled_from([1.0, True, "3", None])), max_size=24),
+    st.lists(st.integers(0, 39), max_size=40, unique=True),
+    st.integers(0, 6),
+)
+def test_a_free_takes_what_the_per_block_rule_takes_and_refuses_the_rest_unchanged(sizes, junk, mine, reserve):
+    """Fuzz: a free of any ids (blocks in use or free, repeated, out of
+    range, not ints) either frees exactly them, each run of adjacent ids
+    joined with the free runs beside it, or raises the ValueError the
+    per-block rule names, leaving the pool as it was."""
+    p = pool(40, reserve=reserve)
+    held = []
+    for i, n in enumerate(sizes):
+        held.extend(take(p, n, request(f"r{i}")))
+    for block_ids in ([b for b in mine if b in held], [*junk], [b for b in mine if b in held] + [*junk][:1]):
+        expected = first_bad(p, block_ids)
+        before = (bytes(p._is_free), dict(p._length), dict(p._reserved), p._num_free)
+        if expected is None:
+            p.sagellm_free_blocks(block_ids=tuple(block_ids))
+            assert not any(b in held and not p._is_free[b] for b in block_ids)
+            held = [b for b in held if b not in set(block_ids)]
+        else:
+            with pytest.raises(ValueError, match=expected.replace("(", r"\(")):
+                p.sagellm_free_blocks(block_ids=tuple(block_ids))
+            assert (bytes(p._is_free), dict(p._length), dict(p._reserved), p._num_free) == before
+        assert [b for b in held if p._is_free[b]] == []
+        consistent(p)
