@@ -88,8 +88,25 @@ ADMISSION_RUNS = [
 ]
 
 
+def admission_rule(text: str) -> str:
+    """``greedy``, or ``DEMAND:QUANTILE``: the footprint rule with that demand (``sum``, ``peak``) and margin."""
+    demand, _, level = text.partition(":")
+    if text == "greedy" or (demand in ("sum", "peak") and _quantile(level)):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected greedy, or sum:Q or peak:Q with 0 < Q < 1")
+
+
+def _quantile(text: str) -> bool:
+    try:
+        return 0 < float(text) < 1
+    except ValueError:
+        return False
+
+
 def admission(args) -> None:
-    print(f"`python3 benchmarks/kv_pool.py admission --max-requests {args.max_requests}`\n")
+    print(
+        f"`python3 benchmarks/kv_pool.py admission --max-requests {args.max_requests} --rules {' '.join(args.rules)}`\n"
+    )
     for title, config, pools in ADMISSION_RUNS:
         print(f"### {title.format(n=args.max_requests)}\n")
         print(
@@ -98,26 +115,30 @@ def admission(args) -> None:
         )
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for blocks in pools:
-            for rule in (None, 0.5, 0.9):
+            for rule in args.rules:
+                demand, _, level = rule.partition(":")
                 overrides = {
                     ("kv_pool", "num_blocks"): blocks,
                     ("workload", "max_requests"): args.max_requests,
                     ("lifetime", "plugin"): "online",
                 }
-                if rule is not None:
+                if rule != "greedy":
                     overrides[("admission", "plugin")] = "footprint"
-                    overrides[("admission", "quantile")] = rule
-                label = "greedy" if rule is None else f"footprint, quantile {rule}"
+                    overrides[("admission", "demand")] = demand
+                    overrides[("admission", "quantile")] = float(level)
+                label = "greedy" if rule == "greedy" else f"footprint ({demand}), quantile {level}"
                 r = replay(CONFIGS / config, overrides, label)
                 admitted_by = r["plugins"].get("admission", "")
                 predictors = r["plugins"]["lifetime"]  # the picked predictor, then its fallback
                 check(label, predictors.split(", ")[0] == "online", f"lifetime plugins {predictors!r}")
-                if rule is None:
+                if rule == "greedy":
                     check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
                     check(label, r["preemptions"] > 0, "greedy admission never preempted: the pool is not tight")
                 else:
                     check(label, admitted_by == "footprint", f"admission plugin {admitted_by!r}, not footprint")
                     check(label, r["admission"]["deferrals"] > 0, "the footprint rule deferred nothing")
+                    ran = r["plugin_figures"]["footprint"]["demand"]
+                    check(label, ran == demand, f"the footprint rule ran with demand {ran!r}")
                 ttft, tpot = r["ttft_s"], r["tpot_s"]
                 print(
                     f"| {blocks:,} | {label} | {r['preemptions']:,} | {r['reprefill_rate']:.4f} |"
@@ -606,6 +627,13 @@ def main() -> None:
     parts = parser.add_subparsers(dest="part", required=True)
     p = parts.add_parser("admission")
     p.add_argument("--max-requests", type=int, default=4000)
+    p.add_argument(
+        "--rules",
+        nargs="+",
+        type=admission_rule,
+        default=["greedy", "sum:0.5", "sum:0.9", "peak:0.5", "peak:0.9"],
+        help="the rows of each pool: greedy, or DEMAND:QUANTILE (footprint with demand sum or peak)",
+    )
     p.set_defaults(func=admission)
     p = parts.add_parser("quotas")
     p.add_argument("--sessions", type=int, default=16)
