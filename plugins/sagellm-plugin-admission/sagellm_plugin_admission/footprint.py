@@ -84,10 +84,8 @@ class FootprintAdmission:
         self._totals: dict[str, tuple[int, float]] = {}
         self._growth_key: tuple[float, int] | None = None
         self._growth = 0
-        #: ``peak``: the step's predicted ends (steps from now, ascending) and, at index k, the largest
-        #: occupancy beyond what the running requests hold up to the k-th end (0 before the first).
-        self._ends: list[int] = []
-        self._peaks: list[int] = [0]
+        #: ``peak``: the step's :meth:`peak_profile`, computed at the step's first decision the sum refuses.
+        self._profile: tuple[list[int], list[int]] | None = None
         self._last_admit_s = 0.0
         self.admitted = self.deferred = self.fallbacks = 0
 
@@ -143,6 +141,15 @@ class FootprintAdmission:
         peaks = numpy.maximum.accumulate(numpy.concatenate(([0], occupancy)))
         return ends.tolist(), peaks.tolist()
 
+    def _peak_fits(self, state: SequenceState, need: int, running: Collection[SequenceState], available: int) -> bool:
+        """The candidate (``need`` blocks at its end) beside the running requests' peak up to the first
+        running end at or after its own, and their peak after it has ended: both within ``available``."""
+        if self._profile is None:
+            self._profile = self.peak_profile(running)
+        ends, peaks = self._profile
+        first = bisect_left(ends, max(0, self.predicted_tokens(state) - state.num_tokens))
+        return need + peaks[min(first + 1, len(ends))] <= available and peaks[-1] <= available
+
     @hookimpl
     def sagellm_admit_request(
         self, state: SequenceState, now_s: float, running: Collection[SequenceState], available_blocks: int
@@ -152,21 +159,12 @@ class FootprintAdmission:
             self._last_admit_s = now_s
             return None
         key = (now_s, len(running))  # the step, and its admissions so far
-        total = self.predicted_tokens(state)
-        if self.demand == "sum":
-            if key != self._growth_key:
-                self._growth_key, self._growth = key, self.growth_blocks(running)
-            growth = self._growth
-        else:
-            if key != self._growth_key:
-                self._growth_key = key
-                self._ends, self._peaks = self.peak_profile(running)
-            # The candidate beside the peak up to the first running end at or after its own; after it
-            # ends, the running requests' peak alone.
-            first = bisect_left(self._ends, max(0, total - state.num_tokens))
-            growth = self._peaks[min(first + 1, len(self._ends))]
-        need = -(-total // self.block_size)
-        if need + growth > available_blocks or (self.demand == "peak" and self._peaks[-1] > available_blocks):
+        if key != self._growth_key:
+            self._growth_key, self._growth, self._profile = key, self.growth_blocks(running), None
+        need = -(-self.predicted_tokens(state) // self.block_size)
+        if need + self._growth > available_blocks and (
+            self.demand == "sum" or not self._peak_fits(state, need, running, available_blocks)
+        ):
             self.deferred += 1
             return DEFER
         self.admitted += 1

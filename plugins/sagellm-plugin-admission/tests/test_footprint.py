@@ -121,17 +121,20 @@ def test_a_running_peak_that_cannot_fit_defers_even_a_request_ending_first():
     assert ask(rule(), new, running, available=2) is Admission.DEFER
 
 
-def test_the_peak_is_computed_once_a_step_until_an_admission_changes_running():
+def test_the_peak_is_computed_once_a_step_and_only_where_the_sum_does_not_fit():
     r = rule()
-    running = [state("r", 8, predicted(24), blocks=2)]
+    running = [state("r", 8, predicted(24), blocks=2)]  # 6 blocks to grow
     ask(r, state("a", 4, predicted(4)), running, available=100)
-    profile = (list(r._ends), list(r._peaks))
+    assert r._profile is None  # the sum fits: so does the peak
+    ask(r, state("b", 4, predicted(4)), running, available=7)  # 2 beside 6: the peak is needed
+    profile = r._profile
+    assert profile == ([24], [0, 6])
     running[0].block_ids = list(range(8))
-    ask(r, state("b", 4, predicted(4)), running, available=100)
-    assert (r._ends, r._peaks) == profile  # the same step
+    ask(r, state("c", 4, predicted(4)), running, available=7)
+    assert r._profile is profile  # the same step
     running.append(state("a", 4, predicted(4), blocks=1))
-    ask(r, state("c", 4, predicted(4)), running, available=100)
-    assert (r._ends, r._peaks) != profile
+    ask(r, state("d", 4, predicted(4)), running, available=1)
+    assert r._profile == ([4, 24], [0, 1, 1])  # an admission in the step: computed again
 
 
 def test_a_bad_demand_is_refused():
