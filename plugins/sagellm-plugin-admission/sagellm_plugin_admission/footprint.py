@@ -63,6 +63,9 @@ class FootprintSettings:
     #: What the running requests are predicted to need: "peak" (the predicted occupancy's peak over
     #: time, requests freeing their blocks at their predicted ends) or "sum" (all at their final footprint).
     demand: str = field(default="peak", validator=validators.in_(("peak", "sum")))
+    #: A request deferred after waiting this long (seconds since its arrival) holds back the requests
+    #: after it in the step's order, so that what the running requests free goes to it first.
+    hold_s: float = field(default=float("inf"), validator=[validators.instance_of(float), validators.ge(0)])
 
 
 class FootprintAdmission:
@@ -80,6 +83,8 @@ class FootprintAdmission:
         self.default_output_tokens = settings.default_output_tokens
         self.block_size = context.block_size
         self.demand = settings.demand
+        self.hold_s = settings.hold_s
+        self._held_at: float | None = None  # the step in which a request that waited hold_s was deferred
         #: Request id -> (predicted total tokens, generated tokens it stays valid below).
         self._totals: dict[str, tuple[int, float]] = {}
         self._growth_key: tuple[float, int] | None = None
@@ -158,6 +163,9 @@ class FootprintAdmission:
             self.fallbacks += 1
             self._last_admit_s = now_s
             return None
+        if self._held_at == now_s:
+            self.deferred += 1
+            return DEFER
         key = (now_s, len(running))  # the step, and its admissions so far
         if key != self._growth_key:
             self._growth_key, self._growth, self._profile = key, self.growth_blocks(running), None
@@ -166,6 +174,8 @@ class FootprintAdmission:
             self.demand == "sum" or not self._peak_fits(state, need, running, available_blocks)
         ):
             self.deferred += 1
+            if now_s - state.request.arrival_s >= self.hold_s:
+                self._held_at = now_s
             return DEFER
         self.admitted += 1
         self._last_admit_s = now_s

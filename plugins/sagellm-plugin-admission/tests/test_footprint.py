@@ -142,6 +142,27 @@ def test_a_bad_demand_is_refused():
         rule(demand="max")
 
 
+def test_a_request_deferred_after_hold_s_holds_back_those_after_it_in_its_step():
+    r = rule(hold_s=2.0)
+    running = [state("r", 8, predicted(24), blocks=2)]  # 6 blocks to grow
+    big, small = state("big", 40, predicted(40), arrival_s=0.0), state("small", 4, predicted(4), arrival_s=0.5)
+    assert ask(r, big, running, available=10, now_s=1.9) is Admission.DEFER  # waited 1.9 s: no hold
+    assert ask(r, small, running, available=10, now_s=1.9) is Admission.ADMIT
+    assert ask(r, big, running, available=10, now_s=2.0) is Admission.DEFER  # waited 2 s: it holds the step
+    assert ask(r, small, running, available=10, now_s=2.0) is Admission.DEFER
+    assert ask(r, small, running, available=10, now_s=2.1) is Admission.ADMIT  # the next step, big not asked first
+    assert ask(r, big, running, available=26, now_s=2.2) is Admission.ADMIT  # 20 beside 6
+    assert ask(r, small, running, available=26, now_s=2.2) is Admission.ADMIT  # an admitted request holds nothing
+
+
+def test_without_hold_s_a_long_wait_holds_nothing_back():
+    r = rule()
+    running = [state("r", 8, predicted(24), blocks=2)]
+    big, small = state("big", 40, predicted(40), arrival_s=0.0), state("small", 4, predicted(4), arrival_s=0.5)
+    assert ask(r, big, running, available=10, now_s=9.0) is Admission.DEFER
+    assert ask(r, small, running, available=10, now_s=9.0) is Admission.ADMIT
+
+
 def truthful_peak(running, new, size):
     """The largest occupancy beyond the blocks held, stepping a token at a time, requests freeing at their ends."""
     members = [(s.num_tokens, t, len(s.block_ids)) for s, t in running] + [(new[0].num_tokens, new[1], 0)]
@@ -174,7 +195,7 @@ def test_peak_admits_what_sum_admits_and_nothing_whose_truthful_peak_cannot_fit(
         running.append(s)
     new = state("n", new_spec[0], predicted(float(new_spec[1])))
     available = data.draw(st.integers(0, 120))
-    peak_rule, sum_rule = rule(), rule(demand="sum")
+    peak_rule, sum_rule = rule(hold_s=data.draw(st.sampled_from([0.0, 1.0, float("inf")]))), rule(demand="sum")
     by_peak = ask(peak_rule, new, running, available)
     by_sum = ask(sum_rule, new, running, available)
     if by_sum is Admission.ADMIT:
