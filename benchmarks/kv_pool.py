@@ -89,16 +89,17 @@ ADMISSION_RUNS = [
 
 
 def admission_rule(text: str) -> str:
-    """``greedy``, or ``DEMAND:QUANTILE``: the footprint rule with that demand (``sum``, ``peak``) and margin."""
-    demand, _, level = text.partition(":")
-    if text == "greedy" or (demand in ("sum", "peak") and _quantile(level)):
+    """``greedy``, or ``DEMAND:QUANTILE[:HOLD_S]``: the footprint rule with that demand (``sum``,
+    ``peak``), margin and, where given, ``hold_s``."""
+    demand, *numbers = text.split(":")
+    if text == "greedy" or (demand in ("sum", "peak") and len(numbers) in (1, 2) and _setting(*numbers)):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: expected greedy, or sum:Q or peak:Q with 0 < Q < 1")
+    raise argparse.ArgumentTypeError(f"{text!r}: expected greedy, or sum:Q or peak:Q (0 < Q < 1), then :HOLD_S")
 
 
-def _quantile(text: str) -> bool:
+def _setting(quantile: str, hold_s: str = "0") -> bool:
     try:
-        return 0 < float(text) < 1
+        return 0 < float(quantile) < 1 and float(hold_s) >= 0
     except ValueError:
         return False
 
@@ -116,7 +117,7 @@ def admission(args) -> None:
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for blocks in pools:
             for rule in args.rules:
-                demand, _, level = rule.partition(":")
+                demand, level, hold = (rule.split(":") + ["", ""])[:3]
                 overrides = {
                     ("kv_pool", "num_blocks"): blocks,
                     ("workload", "max_requests"): args.max_requests,
@@ -126,7 +127,10 @@ def admission(args) -> None:
                     overrides[("admission", "plugin")] = "footprint"
                     overrides[("admission", "demand")] = demand
                     overrides[("admission", "quantile")] = float(level)
+                    if hold:
+                        overrides[("admission", "hold_s")] = float(hold)
                 label = "greedy" if rule == "greedy" else f"footprint ({demand}), quantile {level}"
+                label += f", hold {hold} s" if hold else ""
                 r = replay(CONFIGS / config, overrides, label)
                 admitted_by = r["plugins"].get("admission", "")
                 predictors = r["plugins"]["lifetime"]  # the picked predictor, then its fallback
@@ -139,6 +143,8 @@ def admission(args) -> None:
                     check(label, r["admission"]["deferrals"] > 0, "the footprint rule deferred nothing")
                     ran = r["plugin_figures"]["footprint"]["demand"]
                     check(label, ran == demand, f"the footprint rule ran with demand {ran!r}")
+                    held = r["plugin_figures"]["footprint"]["hold_s"]
+                    check(label, held == (float(hold) if hold else None), f"the rule ran with hold_s {held}")
                 ttft, tpot = r["ttft_s"], r["tpot_s"]
                 print(
                     f"| {blocks:,} | {label} | {r['preemptions']:,} | {r['reprefill_rate']:.4f} |"
@@ -632,7 +638,7 @@ def main() -> None:
         nargs="+",
         type=admission_rule,
         default=["greedy", "sum:0.5", "sum:0.9", "peak:0.5", "peak:0.9"],
-        help="the rows of each pool: greedy, or DEMAND:QUANTILE (footprint with demand sum or peak)",
+        help="the rows of each pool: greedy, or DEMAND:QUANTILE[:HOLD_S] (footprint, demand sum or peak)",
     )
     p.set_defaults(func=admission)
     p = parts.add_parser("quotas")

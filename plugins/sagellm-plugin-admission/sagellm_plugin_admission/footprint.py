@@ -190,6 +190,7 @@ class FootprintAdmission:
         return {
             "footprint": {
                 "demand": self.demand,
+                "hold_s": None if self.hold_s == float("inf") else self.hold_s,
                 "admitted": self.admitted,
                 "deferred": self.deferred,
                 "greedy": self.fallbacks,
