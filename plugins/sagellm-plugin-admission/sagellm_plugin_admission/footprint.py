@@ -24,7 +24,10 @@ depends on ``demand``:
 - ``"sum"``: every running request at its final footprint at once, the
   candidate's footprint beside them (a bound on the peak, never smaller).
 
-Otherwise it is deferred and the step scheduler asks the next one.
+Otherwise it is deferred and the step scheduler asks the next one, unless
+it has waited ``hold_s`` since its arrival: then the requests after it in
+the step's order are deferred too, so that what the running requests free
+goes to it (a large request is not passed by smaller ones for ever).
 
 Greedy fallback, so that the queue never starves: with nothing running, a
 request is admitted as without the plugin (memory permitting); and when
@@ -64,8 +67,9 @@ class FootprintSettings:
     #: time, requests freeing their blocks at their predicted ends) or "sum" (all at their final footprint).
     demand: str = field(default="peak", validator=validators.in_(("peak", "sum")))
     #: A request deferred after waiting this long (seconds since its arrival) holds back the requests
-    #: after it in the step's order, so that what the running requests free goes to it first.
-    hold_s: float = field(default=float("inf"), validator=[validators.instance_of(float), validators.ge(0)])
+    #: after it in the step's order, so that what the running requests free goes to it first
+    #: (``inf``: never).
+    hold_s: float = field(default=2.0, validator=[validators.instance_of(float), validators.ge(0)])
 
 
 class FootprintAdmission:

@@ -143,7 +143,7 @@ def test_a_bad_demand_is_refused():
 
 
 def test_a_request_deferred_after_hold_s_holds_back_those_after_it_in_its_step():
-    r = rule(hold_s=2.0)
+    r = rule()  # hold_s = 2.0
     running = [state("r", 8, predicted(24), blocks=2)]  # 6 blocks to grow
     big, small = state("big", 40, predicted(40), arrival_s=0.0), state("small", 4, predicted(4), arrival_s=0.5)
     assert ask(r, big, running, available=10, now_s=1.9) is Admission.DEFER  # waited 1.9 s: no hold
@@ -156,7 +156,7 @@ def test_a_request_deferred_after_hold_s_holds_back_those_after_it_in_its_step()
 
 
 def test_without_hold_s_a_long_wait_holds_nothing_back():
-    r = rule()
+    r = rule(hold_s=float("inf"))
     running = [state("r", 8, predicted(24), blocks=2)]
     big, small = state("big", 40, predicted(40), arrival_s=0.0), state("small", 4, predicted(4), arrival_s=0.5)
     assert ask(r, big, running, available=10, now_s=9.0) is Admission.DEFER
