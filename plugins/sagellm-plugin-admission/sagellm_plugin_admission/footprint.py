@@ -150,6 +150,17 @@ class FootprintAdmission:
         peaks = numpy.maximum.accumulate(numpy.concatenate(([0], occupancy)))
         return ends.tolist(), peaks.tolist()
 
+    def _fits(
+        self, need: int, state: SequenceState, now_s: float, running: Collection[SequenceState], available: int
+    ) -> bool:
+        """``need`` blocks beside the running requests' demand."""
+        key = (now_s, len(running))  # the step, and its admissions so far
+        if key != self._growth_key:
+            self._growth_key, self._growth, self._profile = key, self.growth_blocks(running), None
+        if need + self._growth <= available:
+            return True  # the sum bounds the peak
+        return self.demand == "peak" and self._peak_fits(state, need, running, available)
+
     def _peak_fits(self, state: SequenceState, need: int, running: Collection[SequenceState], available: int) -> bool:
         """The candidate (``need`` blocks at its end) beside the running requests' peak up to the first
         running end at or after its own, and their peak after it has ended: both within ``available``."""
@@ -170,13 +181,8 @@ class FootprintAdmission:
         if self._held_at == now_s:
             self.deferred += 1
             return DEFER
-        key = (now_s, len(running))  # the step, and its admissions so far
-        if key != self._growth_key:
-            self._growth_key, self._growth, self._profile = key, self.growth_blocks(running), None
         need = -(-self.predicted_tokens(state) // self.block_size)
-        if need + self._growth > available_blocks and (
-            self.demand == "sum" or not self._peak_fits(state, need, running, available_blocks)
-        ):
+        if need > available_blocks or not self._fits(need, state, now_s, running, available_blocks):
             self.deferred += 1
             if now_s - state.request.arrival_s >= self.hold_s:
                 self._held_at = now_s

@@ -133,7 +133,7 @@ def test_the_peak_is_computed_once_a_step_and_only_where_the_sum_does_not_fit():
     ask(r, state("c", 4, predicted(4)), running, available=7)
     assert r._profile is profile  # the same step
     running.append(state("a", 4, predicted(4), blocks=1))
-    ask(r, state("d", 4, predicted(4)), running, available=1)
+    ask(r, state("d", 4, predicted(4)), running, available=2)
     assert r._profile == ([4, 24], [0, 1, 1])  # an admission in the step: computed again
 
 
