@@ -127,8 +127,7 @@ def admission(args) -> None:
                     overrides[("admission", "plugin")] = "footprint"
                     overrides[("admission", "demand")] = demand
                     overrides[("admission", "quantile")] = float(level)
-                    if hold:
-                        overrides[("admission", "hold_s")] = float(hold)
+                    overrides[("admission", "hold_s")] = float(hold) if hold else float("inf")
                 label = "greedy" if rule == "greedy" else f"footprint ({demand}), quantile {level}"
                 label += f", hold {hold} s" if hold else ""
                 r = replay(CONFIGS / config, overrides, label)
