@@ -98,8 +98,26 @@ ADMISSION_RUNS = [
 ]
 
 
+def admission_rule(text: str) -> str:
+    """``greedy``, or ``DEMAND:QUANTILE[:HOLD_S]``: the footprint rule with that demand (``sum``,
+    ``peak``), margin and, where given, ``hold_s``."""
+    demand, *numbers = text.split(":")
+    if text == "greedy" or (demand in ("sum", "peak") and len(numbers) in (1, 2) and _setting(*numbers)):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected greedy, or sum:Q or peak:Q (0 < Q < 1), then :HOLD_S")
+
+
+def _setting(quantile: str, hold_s: str = "0") -> bool:
+    try:
+        return 0 < float(quantile) < 1 and float(hold_s) >= 0
+    except ValueError:
+        return False
+
+
 def admission(args) -> None:
-    print(f"`python3 benchmarks/kv_pool.py admission --max-requests {args.max_requests}`\n")
+    print(
+        f"`python3 benchmarks/kv_pool.py admission --max-requests {args.max_requests} --rules {' '.join(args.rules)}`\n"
+    )
     for title, config, pools in ADMISSION_RUNS:
         print(f"### {title.format(n=args.max_requests)}\n")
         print(
@@ -108,26 +126,34 @@ def admission(args) -> None:
         )
         print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for blocks in pools:
-            for rule in (None, 0.5, 0.9):
+            for rule in args.rules:
+                demand, level, hold = (rule.split(":") + ["", ""])[:3]
                 overrides = {
                     ("kv_pool", "num_blocks"): blocks,
                     ("workload", "max_requests"): args.max_requests,
                     ("lifetime", "plugin"): "online",
                 }
-                if rule is not None:
+                if rule != "greedy":
                     overrides[("admission", "plugin")] = "footprint"
-                    overrides[("admission", "quantile")] = rule
-                label = "greedy" if rule is None else f"footprint, quantile {rule}"
+                    overrides[("admission", "demand")] = demand
+                    overrides[("admission", "quantile")] = float(level)
+                    overrides[("admission", "hold_s")] = float(hold) if hold else float("inf")
+                label = "greedy" if rule == "greedy" else f"footprint ({demand}), quantile {level}"
+                label += f", hold {hold} s" if hold else ""
                 r = replay(CONFIGS / config, overrides, label)
                 admitted_by = r["plugins"].get("admission", "")
                 predictors = r["plugins"]["lifetime"]  # the picked predictor, then its fallback
                 check(label, predictors.split(", ")[0] == "online", f"lifetime plugins {predictors!r}")
-                if rule is None:
+                if rule == "greedy":
                     check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
                     check(label, r["preemptions"] > 0, "greedy admission never preempted: the pool is not tight")
                 else:
                     check(label, admitted_by == "footprint", f"admission plugin {admitted_by!r}, not footprint")
                     check(label, r["admission"]["deferrals"] > 0, "the footprint rule deferred nothing")
+                    ran = r["plugin_figures"]["footprint"]["demand"]
+                    check(label, ran == demand, f"the footprint rule ran with demand {ran!r}")
+                    held = r["plugin_figures"]["footprint"]["hold_s"]
+                    check(label, held == (float(hold) if hold else None), f"the rule ran with hold_s {held}")
                 ttft, tpot = r["ttft_s"], r["tpot_s"]
                 print(
                     f"| {blocks:,} | {label} | {r['preemptions']:,} | {r['reprefill_rate']:.4f} |"
@@ -805,6 +831,13 @@ def main() -> None:
     parts = parser.add_subparsers(dest="part", required=True)
     p = parts.add_parser("admission")
     p.add_argument("--max-requests", type=int, default=4000)
+    p.add_argument(
+        "--rules",
+        nargs="+",
+        type=admission_rule,
+        default=["greedy", "sum:0.5", "sum:0.9", "peak:0.5", "peak:0.9"],
+        help="the rows of each pool: greedy, or DEMAND:QUANTILE[:HOLD_S] (footprint, demand sum or peak)",
+    )
     p.set_defaults(func=admission)
     p = parts.add_parser("quotas")
     p.add_argument("--sessions", type=int, default=16)
