@@ -22,8 +22,11 @@ def bpe_model_dir(tmp_path_factory) -> Path:
     return testing.save_tiny_model(tmp_path_factory.mktemp("tiny-bpe"), tokenizer=tokenizer)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory, tiny_model_dir):
+    """One server for test_api.py and test_server.py, whose requests leave
+    nothing held (each of those tests checks its own counts as differences);
+    test_api_fuzz.py, which pins blocks, starts its own."""
     srv = Server(server_config(tmp_path_factory.mktemp("server"), tiny_model_dir))
     yield srv
     srv.stop()

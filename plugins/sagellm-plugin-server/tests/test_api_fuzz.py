@@ -9,9 +9,10 @@ import json
 import time
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sagellm_plugin_server.testing import kv, metrics
+from sagellm_plugin_server.testing import Server, kv, metrics, server_config
 
 # Per field: values the API takes, then values it refuses.
 COMMON = {
@@ -123,6 +124,15 @@ def headers(draw) -> dict:
     if broken is not None:
         chosen[broken] = draw(st.sampled_from(HEADERS[broken][1]))
     return chosen
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    """A server of this module's own: its random hints pin blocks, which no
+    other module's server should inherit."""
+    srv = Server(server_config(tmp_path_factory.mktemp("fuzz-server"), tiny_model_dir))
+    yield srv
+    srv.stop()
 
 
 def test_random_requests_are_answered_whole_and_leave_nothing_held(server):

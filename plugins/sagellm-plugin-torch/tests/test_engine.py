@@ -2,8 +2,6 @@
 KV store moves real K/V bytes, the CLI runs the engine."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -143,7 +141,11 @@ def test_abort_frees_a_running_request_at_once(tiny_core):
     tiny_core.rt.check_invariants()
 
 
-def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
+def test_replay_and_generate_commands(tmp_path, tiny_model_dir, capsys):
+    """The commands as the console script runs them (``main``), in this
+    process: torch and the model's code are imported once, not once a command."""
+    from sagellm_core.cli import main
+
     path = helpers.write_config(
         tmp_path,
         model=str(tiny_model_dir),
@@ -153,42 +155,20 @@ def test_replay_and_generate_commands(tmp_path, tiny_model_dir):
         "system_prompt_tokens = 24\nuser_tokens = 8\noutput_tokens = 4\nsession_rate = 100.0\nthink_time_s = 0.01\n",
     )
     out = tmp_path / "report.json"
-    subprocess.run(
-        [sys.executable, "-m", "sagellm_core.cli", "replay", "--config", str(path), "--json", str(out), "--quiet"],
-        check=True,
-    )
+    assert main(["replay", "--config", str(path), "--json", str(out), "--quiet"]) == 0
+    capsys.readouterr()
 
     report = json.loads(out.read_text())
     assert report["requests"] == 8 and report["mode"] == "timed" and report["block_hit_rate"] > 0
-    gen = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sagellm_core.cli",
-            "generate",
-            "--config",
-            str(path),
-            "--prompt",
-            "w5 w6 w7",
-            "--raw",
-            "--max-tokens",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    generate = ["generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw", "--max-tokens", "3"]
+    assert main(generate) == 0
+    generated = capsys.readouterr().out
     core = helpers.engine_core(path)
     offline = core.generate([Request("x", [5, 6, 7], 3)])["x"]
-    assert gen.stdout.strip() == core.tokenizer.decode(offline, skip_special_tokens=True).strip()
+    assert generated.strip() == core.tokenizer.decode(offline, skip_special_tokens=True).strip()
     # --set reaches generate's config: a max_model_len below prompt + output refuses the request.
-    short = subprocess.run(
-        [sys.executable, "-m", "sagellm_core.cli", "generate", "--config", str(path), "--prompt", "w5 w6 w7", "--raw"]
-        + ["--max-tokens", "3", "--set", "engine.max_model_len=5"],
-        capture_output=True,
-        text=True,
-    )
-    assert short.returncode == 2 and "exceed max_model_len 5" in short.stderr
+    assert main([*generate, "--set", "engine.max_model_len=5"]) == 2
+    assert "exceed max_model_len 5" in capsys.readouterr().err
 
 
 def test_a_request_arrives_when_it_is_added(tiny_core):
