@@ -274,6 +274,21 @@ def tox_environment() -> dict[str, str]:
     return env
 
 
+def run_environment() -> dict[str, str]:
+    """The environment the .venv's commands run in: Python keeps the
+    bytecode it compiles, in a tree of its own under .venv
+    (PYTHONPYCACHEPREFIX), even where PYTHONDONTWRITEBYTECODE is set. A test
+    run starts many Python processes (servers, cluster instances, CLI
+    commands), each importing torch and transformers, which without kept
+    bytecode compile their sources again every time (about 7 s a process on
+    a 2-core machine); the sources' folders stay free of __pycache__. (tox
+    does not hand PYTHONDONTWRITEBYTECODE to its envs.)"""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("PYTHONPYCACHEPREFIX", str(VENV / "pycache"))
+    return env
+
+
 def hygiene() -> list[list[str]]:
     """The checks before the tests: the whole tree formatted and linted by
     ruff, the kernel (the top-level modules of sagellm_core) type-checked
@@ -292,14 +307,14 @@ def main(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     ensure_env(command, rest)
-    env = None
+    env = run_environment()
     if command == "replay":
         args = [str(BIN / "sagellm"), "replay", *rest]
     elif command == "sagellm":
         args = [str(BIN / "sagellm"), *rest]
     elif command == "test":
         for check in hygiene():
-            code = subprocess.run(check, cwd=ROOT).returncode
+            code = subprocess.run(check, cwd=ROOT, env=env).returncode
             if code:
                 print(f"dev.py: {Path(check[0]).name} {check[1]} found problems (see above)", file=sys.stderr)
                 return code

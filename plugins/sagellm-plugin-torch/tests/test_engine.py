@@ -72,6 +72,38 @@ def test_a_missing_model_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.engine
+def test_a_gguf_model_is_dequantized_once_and_kept_with_the_same_weights(tmp_path, monkeypatch):
+    """SmolLM2's GGUF file: with a cache folder that cannot be made the model
+    loads as it is; with one that can, the first load keeps a checkpoint
+    there and the next reads it; weights and tokenizer are the same each way."""
+
+    def fresh_load(cache, dtype="float32"):
+        monkeypatch.setenv("SAGELLM_MODEL_CACHE", str(cache))
+        models._load.cache_clear()
+        return models.load("smollm2", dtype)
+
+    (tmp_path / "a-file").write_text("")
+    direct, tokenizer = fresh_load(tmp_path / "a-file" / "models")  # not a folder: nothing kept
+    kept_to = tmp_path / "models"
+    first, _ = fresh_load(kept_to)
+    (kept,) = kept_to.iterdir()
+    assert kept.name.startswith("SmolLM2") and (kept / "model.safetensors").exists()
+    assert models._readable(models.resolve("smollm2")).folder == kept
+    again, again_tokenizer = fresh_load(kept_to)
+    half, _ = fresh_load(kept_to, "bfloat16")
+    models._load.cache_clear()
+    weights = direct.state_dict()
+    for other in (first, again):
+        assert other.state_dict().keys() == weights.keys()
+        assert all(torch.equal(other.state_dict()[name], tensor) for name, tensor in weights.items())
+    assert all(torch.equal(half.state_dict()[name], tensor.bfloat16()) for name, tensor in weights.items())
+    text = "<|im_start|>user\nHello, wörld 123<|im_end|>"
+    assert again_tokenizer(text).input_ids == tokenizer(text).input_ids
+    assert again_tokenizer.chat_template == tokenizer.chat_template
+    assert list(kept_to.iterdir()) == [kept]  # no staging folder left
+
+
 def test_an_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 8, "n_head": 2}')
     with pytest.raises(ConfigError, match=r"architecture 'gpt2' is not supported; the torch engine runs llama"):
