@@ -7,11 +7,12 @@ Belady (the offline optimum) and every policy asked for, and prints the
 block hit rate, the ratio to LRU, and the share of the gap between LRU and
 Belady that the policy closes; then, per policy, the worst ratio to LRU and
 the mean share of the gap closed over the suite. The suite's workloads are
-split in a half to tune on, a half held out, a fresh part and a final
-part (``--split``). With ``--hints``, each policy also runs on the workloads'
-client hints (``Request.kv_hints``): truthful, or with a share of them wrong
-or missing, on every workload whose source sends hints (its ``[workload]``
-keys include ``hints``); on the others it runs once, without.
+split in a half to tune on, a half held out, a fresh part, a final part
+and an untuned part (``--split``). With ``--hints``, each policy also runs
+on the workloads' client hints (``Request.kv_hints``): truthful, or with a
+share of them wrong or missing, on every workload whose source sends hints
+(its ``[workload]`` keys include ``hints``); on the others it runs once,
+without.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ REFERENCES = ("lru", "belady")
 #: The suite's parts: tuned on, held out (judged once, then looked at),
 #: fresh (new seeds and another ShareGPT slice, judged once, then looked at),
 #: final (seed 303 and a third ShareGPT slice, added before the request-aware
-#: policy was built, judged once at the end of that work); "all" is every
-#: workload.
-SPLITS = ("tune", "held-out", "fresh", "final", "all")
+#: policy was built, judged once at the end of that work), untuned (seed 505
+#: and a fourth ShareGPT slice, added after every other part had been looked
+#: at, for judging settings chosen on the others); "all" is every workload.
+SPLITS = ("tune", "held-out", "fresh", "final", "untuned", "all")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 #: A suite file's top-level keys, and each ``[[workload]]``'s.
 SUITE_KEYS = ("fractions", "workload")
@@ -439,7 +441,7 @@ def sagellm_register_commands(subparsers) -> None:
         "--split",
         choices=SPLITS,
         default="tune",
-        help="the suite's part to run: tune, held-out, fresh, final, or all (default: tune)",
+        help="the suite's part to run: tune, held-out, fresh, final, untuned, or all (default: tune)",
     )
     p.add_argument(
         "--hints",

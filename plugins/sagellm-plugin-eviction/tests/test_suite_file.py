@@ -1,5 +1,5 @@
-"""The shipped policy suite: its fresh part is new data, not the other
-parts again."""
+"""The shipped policy suite: its fresh, final and untuned parts are new
+data, not the other parts again."""
 
 import pytest
 from sagellm_plugin_eviction import suite
@@ -19,7 +19,7 @@ def test_the_fresh_part_draws_every_workload_anew():
     by_split = {}
     for entry in parsed["workload"]:
         by_split.setdefault(entry["split"], []).append(entry)
-    assert set(by_split) == {"tune", "held-out", "fresh", "final"}
+    assert set(by_split) == {"tune", "held-out", "fresh", "final", "untuned"}
     seen = [e for split in ("tune", "held-out") for e in by_split[split]]
     for entry in by_split["fresh"] + by_split["final"]:
         source = entry["config"]["workload"]["source"]
@@ -28,10 +28,11 @@ def test_the_fresh_part_draws_every_workload_anew():
         assert all(draw(entry) != draw(e) for e in same_source), entry["name"]
 
 
-def test_the_final_part_draws_anew_from_every_earlier_part():
+@pytest.mark.parametrize("part", ["final", "untuned"])
+def test_a_later_part_draws_anew_from_every_other_part(part):
     parsed, _ = suite.read_suite(None)
-    final = [e for e in parsed["workload"] if e["split"] == "final"]
-    earlier = [e for e in parsed["workload"] if e["split"] != "final"]
+    final = [e for e in parsed["workload"] if e["split"] == part]
+    earlier = [e for e in parsed["workload"] if e["split"] != part]
     assert {e["config"]["workload"]["source"] for e in final} >= {"generator", "agentic", "sharegpt", "rag"}
     for entry in final:
         source = entry["config"]["workload"]["source"]
