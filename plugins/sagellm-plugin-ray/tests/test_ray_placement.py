@@ -26,7 +26,7 @@ import httpx  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
 
-#: Each instance loads torch and a model: `tox -e ray` runs them (`-m "engine or not engine"`).
+#: Each instance loads torch and a model: `tox -e ray` runs them (`-m engine`).
 pytestmark = pytest.mark.engine
 
 START_S = 240.0
