@@ -691,6 +691,26 @@ def replayed_free(args) -> None:
         for n in names:
             setattr(RunsPool, n, originals[n])
     check("recorded", len(built) == 1, f"{len(built)} runs pools built")
+    # The same replay without reservations, its frees counted: a decoding
+    # request's growth in a full pool evicts one cached block a call.
+    unreserved: list[int] = []
+    free = originals["sagellm_free_blocks"]
+
+    @functools.wraps(free)
+    def counted(self, block_ids):
+        unreserved.append(len(block_ids))
+        return free(self, block_ids)
+
+    try:
+        RunsPool.sagellm_free_blocks = counted  # type: ignore[method-assign]
+        plain = session.run(
+            session.load_settings(CONFIGS / "mooncake-timed.toml", overrides={**overrides, ("kv_pool", "reserve"): 0}),
+            label="runs",
+        )
+    finally:
+        RunsPool.sagellm_free_blocks = free  # type: ignore[method-assign]
+    check("runs", not plain.runtime.reserves, "the replay without reservations kept blocks free")
+    check("runs", len(unreserved) > 0, "no free counted")
     frees = sum(1 for name, _, _ in calls if name == "sagellm_free_blocks")
     check("recorded", frees > 0, "no free recorded")
     now, was = RunsPool(*built[0]), RunsPool(*built[0])
@@ -722,7 +742,9 @@ def replayed_free(args) -> None:
         f"The same {len(calls):,} calls to `runs` with `reserve = 24` (recorded from a timed replay of the first"
         f" {args.requests} Mooncake requests), made directly on two fresh pools, alternately: {frees:,} frees of"
         f" {statistics.median(sizes):.0f} blocks at the median ({statistics.mean(sizes):.1f} mean), and the"
-        f" allocations between them.\n"
+        f" allocations between them. Without reservations the same replay makes {len(unreserved):,} frees,"
+        f" {sum(n == 1 for n in unreserved):,} of them of one block ({statistics.median(unreserved):.0f} at the"
+        f" median).\n"
     )
     print("| decision | free | p50 (µs) | mean (µs) | p99 (µs) | p50 over the free as it was |")
     print("|---|---|---:|---:|---:|---:|")
