@@ -765,7 +765,7 @@ def replayed_free(args) -> None:
 
 def offload(args) -> None:
     import torch
-    from sagellm_plugin_torch.devices import BLOCK_DIM, load_device
+    from sagellm_plugin_torch.devices import BLOCK_DIM, load_device, run_view
 
     device = load_device(args.device)
     layers, kv_heads, head_dim, block_size = 30, 3, 64, 16  # SmolLM2-135M
@@ -773,9 +773,11 @@ def offload(args) -> None:
     kv = device.allocate_kv(layers, num_blocks, block_size, kv_heads, head_dim, torch.float32)
     kv.normal_()
     n = args.tokens // block_size
-    host = torch.empty_like(kv[:, :, :n], device="cpu")
-    if getattr(device, "torch_device", None) is not None and str(kv.device).startswith("cuda"):
-        host = host.pin_memory()
+    # Host memory laid out as the host store's rows (block-major, pinned on
+    # a GPU), seen through the KV tensor's block dimension, as the engine copies.
+    per_block = tuple(kv.shape[:BLOCK_DIM]) + tuple(kv.shape[BLOCK_DIM + 1 :])
+    rows = torch.empty((n, *per_block), dtype=kv.dtype, pin_memory=kv.is_cuda)
+    host = rows.movedim(0, BLOCK_DIM)
     run = list(range(7, 7 + n))
     scattered = list(range(3, 3 + 4 * n, 4))  # every fourth block: no two adjacent
     slots = list(range(n))
@@ -805,11 +807,11 @@ def offload(args) -> None:
 
     def slice_copy(back=False):  # the run as one slice of each layer's K and V: what a run allows a copy to do
         def copy():
-            part = kv.narrow(BLOCK_DIM, run[0], n)
+            part, rows_part = run_view(kv, run[0], n), run_view(host, 0, n)
             if back:
-                part.copy_(host, non_blocking=True)
+                part.copy_(rows_part, non_blocking=True)
             else:
-                host.copy_(part, non_blocking=True)
+                rows_part.copy_(part, non_blocking=True)
 
         return copy
 

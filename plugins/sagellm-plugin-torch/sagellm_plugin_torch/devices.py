@@ -193,14 +193,21 @@ class TorchDevice:
         ``dst``, every layer at once: inside the KV tensor, or between it and
         a host tensor of the same per-block shape (offload, reload). Runs on
         the device's copy stream and returns once an event recorded after
-        the copy has completed."""
+        the copy has completed. Ids that come as runs (:func:`copy_runs`)
+        are copied a run at a time, each as one slice of every layer; others
+        are gathered by index."""
+        runs = copy_runs(src, src_ids, dst, dst_ids)
         with self.stream():
-            rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
-            dst.index_copy_(
-                BLOCK_DIM,
-                torch.tensor(dst_ids, dtype=torch.long, device=dst.device),
-                rows.to(dst.device, non_blocking=True),
-            )
+            if runs is not None:
+                for s, d, n in runs:
+                    run_view(dst, d, n).copy_(run_view(src, s, n))
+            else:
+                rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
+                dst.index_copy_(
+                    BLOCK_DIM,
+                    torch.tensor(dst_ids, dtype=torch.long, device=dst.device),
+                    rows.to(dst.device, non_blocking=True),
+                )
             done = self.event()
             done.record()
         done.synchronize()
@@ -209,6 +216,44 @@ class TorchDevice:
         """An event with ``record()`` and ``synchronize()``; the CPU runs
         copies synchronously, so its event is already complete."""
         return _CompletedEvent()
+
+
+#: Copy a run at a time when the runs average at least this many blocks: a
+#: run is a few copies whatever its length, a gather one whatever the count.
+MIN_MEAN_RUN = 4
+
+
+def copy_runs(
+    src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]
+) -> list[tuple[int, int, int]] | None:
+    """``(src start, dst start, length)`` of the runs in which both sides'
+    ids go up by one, when they average at least :data:`MIN_MEAN_RUN`
+    blocks; ``None`` when they do not, or when a copy inside one tensor
+    writes a block it reads (a gather reads every block before writing)."""
+    n = len(src_ids)
+    if n != len(dst_ids):
+        raise ValueError(f"copy_blocks: {n} source blocks for {len(dst_ids)} destination blocks")
+    if n == 0:
+        return []
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for k in range(1, n + 1):
+        if k == n or src_ids[k] != src_ids[k - 1] + 1 or dst_ids[k] != dst_ids[k - 1] + 1:
+            runs.append((src_ids[start], dst_ids[start], k - start))
+            start = k
+            if len(runs) * MIN_MEAN_RUN > n:
+                return None
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr() and not set(src_ids).isdisjoint(dst_ids):
+        return None
+    return runs
+
+
+def run_view(kv: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Blocks ``start .. start + length`` of ``kv``, block dimension first:
+    a slice of every layer's K and V, contiguous where ``kv`` is a block-major
+    host tensor seen through its block dimension (the host store's rows), so
+    a copy to or from it is one transfer."""
+    return kv.narrow(BLOCK_DIM, start, length).movedim(BLOCK_DIM, 0)
 
 
 class _CompletedEvent:
@@ -304,9 +349,27 @@ class CudaTorchDevice(TorchDevice):
         once: the compute stream waits on its event, so the next step reads
         the blocks only once they are there, and the host does not wait. A
         copy to host memory (an offload) waits for the rows to arrive in
-        pinned memory before the host scatters them into the host tensor."""
+        pinned memory before the host scatters them into the host tensor.
+        Ids that come as runs (:func:`copy_runs`) are copied a run at a time,
+        straight between the tensors, and a run copied to or from host
+        memory returns once it is done: it reads or writes the host tensor
+        in place, which the host may touch next."""
         compute = torch.cuda.current_stream(self.torch_device)
         done = torch.cuda.Event()
+        runs = copy_runs(src, src_ids, dst, dst_ids)
+        if runs is not None:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_stream(compute)
+                for s, d, n in runs:
+                    run_view(dst, d, n).copy_(run_view(src, s, n), non_blocking=True)
+                done.record(self._stream)
+            if src.device.type == "cpu" or dst.device.type == "cpu":
+                # The runs are read from or written to the host tensor in
+                # place (no staging copy): the host may touch it next.
+                done.synchronize()
+            else:
+                compute.wait_event(done)
+            return
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(compute)
             rows = src.index_select(BLOCK_DIM, torch.tensor(src_ids, dtype=torch.long, device=src.device))
