@@ -81,6 +81,10 @@ class HostStore:
             if self._declined_rounds % PROBE_EVERY:
                 return NOTHING
         assert self.rows is not None, "the runtime announces the device KV before the first put"
+        # Rows in device-block order: blocks adjacent on the device land in
+        # adjacent rows, so the device copies them as runs (an eviction round
+        # comes in its policy's order, LRU's from a prefix's tail).
+        blocks = sorted(blocks, key=lambda b: b.block_id)
         slots = self.index.place([b.key for b in blocks])
         if slots is None:  # more blocks than the store holds
             return NOTHING

@@ -58,6 +58,19 @@ def test_torch_kv_along_its_block_dimension():
     assert torch.equal(tensor[:, :, 3], before[:, :, 6]) and torch.equal(tensor[:, :, 4], before[:, :, 1])
 
 
+def test_blocks_adjacent_on_the_device_land_in_adjacent_rows_whatever_order_they_come_in():
+    kv = byte_kv()
+    host = store(6, kv)
+    # An eviction round in LRU's order: a prefix's tail first.
+    assert host.put(blocks((6, 60), (5, 50), (4, 40), (3, 30))).result() == 4
+    rows = host.get([30, 40, 50, 60]).result().row_ids
+    assert list(rows) == list(range(rows[0], rows[0] + 4)), "the prefix's rows are one run, in prefix order"
+    before = kv.tensor.copy()
+    kv.tensor[:] = 0
+    read_back(host, kv, [30, 40, 50, 60], [0, 1, 2, 3])
+    assert (kv.tensor[0:4] == before[3:7]).all()
+
+
 def test_a_full_store_reuses_the_row_written_longest_ago():
     host = store(2, byte_kv())
     host.put(blocks((0, 1), (1, 2)))
