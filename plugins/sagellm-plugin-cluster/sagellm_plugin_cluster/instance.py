@@ -60,6 +60,7 @@ from sagellm_core.types import Request
 from . import transports
 from .events import KVEventPublisher
 from .kv_tensors import KVTensors
+from .transfer import TransferStatus
 
 #: Seconds between two polls of a prefill instance's open leases.
 LEASE_POLL_S = 0.005
@@ -208,6 +209,8 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
     # freed on the engine's thread as soon as their reads end, not at the next pull.
     reapers = [p for p in pullers.values() if hasattr(p, "reap")]
     reaping: list[asyncio.Task[None]] = []
+    #: The last pull that did not end done: its request, status and reason.
+    last_failure: dict[str, str] = {}
 
     async def reap_parked() -> None:
         while await thread.call(lambda: sum(p.reap() for p in reapers)):
@@ -219,11 +222,15 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
         if puller is None:
             return error(400, f"link {body.link!r}: this instance serves {', '.join(pullers)}", param="link")
         request = Request(body.request_id, body.token_ids, 1)
-        status = await thread.call(lambda: puller.pull(request, body.timeout_s))
+        status, reason = await thread.call(
+            lambda: (puller.pull(request, body.timeout_s), getattr(puller, "reason", ""))
+        )
         if getattr(puller, "parked", 0) and (not reaping or reaping[-1].done()):
             reaping.append(asyncio.create_task(reap_parked()))
             del reaping[:-1]
-        return {"status": status.value}
+        if status is not TransferStatus.DONE:
+            last_failure.update(request_id=body.request_id, status=status.value, reason=reason)
+        return {"status": status.value, "reason": reason}
 
     @app.get("/kv/transfers")
     async def pulls() -> dict[str, Any]:
@@ -233,7 +240,7 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
             if reapers:  # landings held for reads still running, and those past their bound
                 summed["parked"] = sum(p.parked for p in reapers)
                 summed["reads_past_bound"] = sum(p.reads_past_bound for p in reapers)
-            return summed
+            return {**summed, "last_failure": dict(last_failure) or None}
 
         return await thread.call(read)  # type: ignore[no-any-return]
 
