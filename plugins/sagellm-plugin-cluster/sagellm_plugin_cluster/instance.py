@@ -26,12 +26,15 @@ address it serves on unless the cluster file names another), and answers:
 * decode: ``POST /kv/pull`` ``{"request_id", "token_ids", "link",
   "timeout_s"}``: pulls the prompt's blocks into its cache
   (the transport's ``DecodePuller``), ending done, failed or expired within
-  the deadline; the request itself then comes as any other, and computes
+  the deadline, answering its status and, where it did not end done, its
+  ``reason``; the request itself then comes as any other, and computes
   what the pull did not bring;
 * both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
-  by outcome (decode; with an in-place transport, also the landings still
-  held for reads that outlived their pull, ``parked``, which a task frees
-  on the engine thread as their reads end, and ``reads_past_bound``).
+  by outcome (decode, with the last pull that did not end done,
+  ``last_failure``: its request id, status and reason; with an in-place
+  transport, also the landings still held for reads that outlived their
+  pull, ``parked``, which a task frees on the engine thread as their reads
+  end, and ``reads_past_bound``).
 
 The lease and the pull run on the engine's thread (they allocate and free
 blocks): a transfer holds that instance's steps for its length, bounded by

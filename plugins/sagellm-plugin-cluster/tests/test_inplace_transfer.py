@@ -447,9 +447,10 @@ def test_a_stopped_peer_ends_the_read_within_its_bound_and_frees_the_landing(
     cancels the read; Mooncake's read returns once its progress timeout
     (``MC_TCP_PROGRESS_TIMEOUT_SEC``, set to the read's deadline) passes,
     within the read's deadline plus ``REAP_SLACK_S`` (``reads_past_bound``
-    counts one that does not). Mooncake's only: NIXL's shared-memory
-    transports on one machine, like RDMA, read a stopped process's memory
-    without it (its read of r3 ended done), and over UCX's TCP alone the
+    counts one that does not). Mooncake's only: NIXL's reads on one
+    machine go by UCX's cross-memory attach (``cma``), which, like RDMA,
+    reads a stopped process's memory without it (its read of r3 ended
+    done), and over UCX's TCP alone the
     case is not established (docs/benchmarks/disaggregation.md)."""
     import os
     import signal
