@@ -101,7 +101,7 @@ def test_the_decode_side_reads_the_leased_blocks_in_place(transport, sides, stor
     assert server.offer(request, time.monotonic()) == 4
     lease_ids = server.leases.open["r0"].block_ids
     status = serve_while(server, lambda: puller.pull(request, 5.0))
-    assert status is TransferStatus.DONE
+    assert status is TransferStatus.DONE and puller.reason == ""
     assert not server.busy and server.leases.ended[TransferStatus.DONE] == 1
     landed = decode.host.lookup(request).block_ids
     assert len(landed) == 4 and landed != lease_ids  # other ids on the decode side
@@ -142,11 +142,13 @@ def test_a_restarted_decode_side_takes_over_its_predecessors_claim(transport, si
     later = f"read 0 1 {puller.epoch}"
     assert store.compare_set(other_key, store.get(other_key).decode(), later).decode() == later
     assert gone.pull(other, 0.5) is TransferStatus.FAILED
+    assert gone.reason == f"no offer on the lease's key ({later!r})"
     assert decode.host.lookup(other).num_blocks == 0 and store.get(other_key).decode() == later
     server.poll(time.monotonic() + 120.0)  # its deadline ends it; "expired" waits for the decode side
     assert server.leases.ended[TransferStatus.EXPIRED] == 1 and not server.busy
     assert store.get(other_key).decode() == "expired" and not store.check([f"kv/{link}/blocks/r1"])
     assert puller.pull(other, 0.5) is TransferStatus.EXPIRED and not store.check([other_key])
+    assert puller.reason == "the lease expired before its claim"
     for rt in (prefill, decode, decode2):
         rt.check_invariants()
         assert rt.in_flight == 0
@@ -166,7 +168,7 @@ def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     compute(prefill, request)
     server.offer(request, time.monotonic())
     status = serve_while(server, lambda: puller.pull(request, 5.0))
-    assert status is TransferStatus.EXPIRED
+    assert status is TransferStatus.EXPIRED and puller.reason == "the lease ended before the read was confirmed"
     assert server.leases.ended[TransferStatus.EXPIRED] == 1 and server.expired_claimed == 1
     assert decode.host.lookup(request).num_blocks == 0
     assert puller.counts.expired == 1 and puller.counts.recomputed_tokens == request.num_prompt_tokens
@@ -194,6 +196,7 @@ def test_a_read_past_its_own_deadline_fails_and_its_landing_waits_for_it(transpo
     started = time.monotonic()
     status = serve_while(server, lambda: puller.pull(request, 30.0))
     assert status is TransferStatus.FAILED and puller.counts.failed == 1
+    assert puller.reason == "still reading at the read's own deadline"
     assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
     if time.monotonic() - started < inplace.STALL_S:  # the read has not returned yet: its landing is held
         assert puller.reap() == 1 and decode.in_flight == 1
