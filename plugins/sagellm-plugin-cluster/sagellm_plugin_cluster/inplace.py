@@ -179,6 +179,10 @@ def parse_peer(value: str, kind: str) -> Peer | None:
 
 
 class Read(Protocol):
+    """A read under way. One may also say what its library reported where
+    it failed (``error``: a string, empty otherwise), which the pull's
+    reason then gives."""
+
     def wait(self, timeout_s: float) -> bool | None:
         """Whether the read completed (``False``: it failed), waiting up to
         ``timeout_s``; ``None`` while it runs. Once it has ended, its
@@ -367,7 +371,7 @@ class DecodePuller(OfferReader):
         self.counts = TransferCounts()
         #: Why the last pull did not end ``DONE`` (``""`` when it did): what failed, or which deadline passed.
         self.reason = ""
-        self._why = ""
+        self._why = self._read_error = ""
         self._landing: Landing | None = None
         self._claim: str | None = None
         #: Reads that outlived their pull, and their landings (:meth:`reap`).
@@ -494,7 +498,9 @@ class DecodePuller(OfferReader):
                 TransferStatus.FAILED if overdue else TransferStatus.EXPIRED, f"still reading at {which}"
             )
         if not read:
-            return self._ended(TransferStatus.FAILED, f"{self.memory.kind}: the read ended in error")
+            return self._ended(
+                TransferStatus.FAILED, self._read_error or f"{self.memory.kind}: the read ended in error"
+            )
         if fault == "confirm-late":
             while self.store.get(key).decode() == claim and self.clock() < deadline:
                 time.sleep(0.005)
@@ -533,6 +539,7 @@ class DecodePuller(OfferReader):
         if self.memory.read_timeout_s is not None and self.memory.read_timeout_s < limit:
             limit, overdue = self.memory.read_timeout_s, True
         done = read.wait(max(0.0, limit))
+        self._read_error = getattr(read, "error", "") if done is False else ""
         if done is None:
             bound = self.memory.read_timeout_s if self.memory.read_timeout_s is not None else limit
             if not read.cancel():  # still running: its landing waits for it; else abandoned with the pull

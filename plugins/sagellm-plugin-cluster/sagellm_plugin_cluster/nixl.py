@@ -72,6 +72,11 @@ class NixlRead:
             time.sleep(POLL_S)
         return self._ended
 
+    @property
+    def error(self) -> str:
+        """The transfer's state, where it ended in error."""
+        return f"NIXL: the read ended in state {self.state}" if self._ended is False else ""
+
     def cancel(self) -> bool:
         """Release the transfer's handle, which NIXL cancels if it still
         runs; False if NIXL cannot (the handle is kept, and asked again)."""

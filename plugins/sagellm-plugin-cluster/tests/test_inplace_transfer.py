@@ -221,7 +221,7 @@ def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
     server.offer(request, time.monotonic())
     status = serve_while(server, lambda: puller.pull(request, 5.0))
     assert status is TransferStatus.FAILED
-    assert puller.reason.startswith("TransportError: "), puller.reason  # the library's refusal, as it said it
+    assert transport in puller.reason.lower(), puller.reason  # the library's refusal, as it said it
     assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
     assert decode.host.lookup(request).num_blocks == 0
     prefill.check_invariants()
