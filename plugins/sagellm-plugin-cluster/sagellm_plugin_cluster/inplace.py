@@ -258,6 +258,15 @@ def parse_ids(value: str, count: int, num_blocks: int) -> tuple[int, ...] | None
     return ids if all(i < num_blocks for i in ids) else None
 
 
+def _unlike(peer: Peer | None, ids: tuple[int, ...] | None) -> str:
+    """Why an offer cannot be read into this instance."""
+    if peer is None:
+        return "no peer described on the link"
+    if ids is None:
+        return "the lease's block ids missing or not the peer's"
+    return "the peer's blocks are of another size, model or layout"
+
+
 class PrefillServer:
     """The prefill side of one link: leases, offered in place; each held
     until the decode side confirms its read, or its deadline."""
@@ -467,7 +476,7 @@ class DecodePuller(OfferReader):
             or bytes_per_block != self.kv.bytes_per_block
             or peer.fingerprint != self.kv.fingerprint  # another model or layout: its bytes are not our KV
         ):
-            why = "no peer described" if peer is None else "its blocks or layout unlike this instance's"
+            why = _unlike(peer, ids)
             return self._ended(TransferStatus.FAILED if self.decline(key, offered) else TransferStatus.EXPIRED, why)
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
