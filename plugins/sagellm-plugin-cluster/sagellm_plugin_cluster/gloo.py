@@ -314,6 +314,8 @@ class DecodePuller(OfferReader):
         self.faults = dict(faults or {})
         self.clock = clock
         self.counts = TransferCounts()
+        #: Why the last pull did not end ``DONE`` (``""`` when it did): the error raised, else its status.
+        self.reason = ""
         self._landing: Landing | None = None
         self._claimed = False
         self._pair = _Pair(store, link, 1, host)
@@ -327,10 +329,13 @@ class DecodePuller(OfferReader):
         cache, ending in a terminal state within ``timeout_s``; counted."""
         deadline = self.clock() + timeout_s
         self._landing, self._claimed = None, False
+        why = ""
         try:
             status, num_blocks = self._pull(request, deadline)
-        except Exception:  # gloo and the store raise RuntimeErrors of their own: the pull failed
+        except Exception as exc:  # gloo and the store raise RuntimeErrors of their own: the pull failed
             status, num_blocks = (TransferStatus.EXPIRED if self.clock() >= deadline else TransferStatus.FAILED), 0
+            why = f"{type(exc).__name__}: {exc}"
+        self.reason = "" if status is TransferStatus.DONE else why or status.value
         if status is not TransferStatus.DONE:
             if self._landing is not None:
                 self._landing.abandon()

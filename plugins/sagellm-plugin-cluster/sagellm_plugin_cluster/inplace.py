@@ -179,6 +179,10 @@ def parse_peer(value: str, kind: str) -> Peer | None:
 
 
 class Read(Protocol):
+    """A read under way. One may also say what its library reported where
+    it failed (``error``: a string, empty otherwise), which the pull's
+    reason then gives."""
+
     def wait(self, timeout_s: float) -> bool | None:
         """Whether the read completed (``False``: it failed), waiting up to
         ``timeout_s``; ``None`` while it runs. Once it has ended, its
@@ -252,6 +256,15 @@ def parse_ids(value: str, count: int, num_blocks: int) -> tuple[int, ...] | None
         return None
     ids = tuple(map(int, parts))
     return ids if all(i < num_blocks for i in ids) else None
+
+
+def _unlike(peer: Peer | None, ids: tuple[int, ...] | None) -> str:
+    """Why an offer cannot be read into this instance."""
+    if peer is None:
+        return "no peer described on the link"
+    if ids is None:
+        return "the lease's block ids missing or not the peer's"
+    return "the peer's blocks are of another size, model or layout"
 
 
 class PrefillServer:
@@ -365,6 +378,9 @@ class DecodePuller(OfferReader):
         self.faults = dict(faults or {})
         self.clock = clock
         self.counts = TransferCounts()
+        #: Why the last pull did not end ``DONE`` (``""`` when it did): what failed, or which deadline passed.
+        self.reason = ""
+        self._why = self._read_error = ""
         self._landing: Landing | None = None
         self._claim: str | None = None
         #: Reads that outlived their pull, and their landings (:meth:`reap`).
@@ -402,12 +418,14 @@ class DecodePuller(OfferReader):
         cache, ending in a terminal state within ``timeout_s``; counted."""
         deadline = self.clock() + timeout_s
         self.reap()
-        self._landing, self._claim = None, None
+        self._landing, self._claim, self._why = None, None, ""
         key = store_key(self.link, f"lease/{request.request_id}")
         try:
             status, num_blocks = self._pull(request, key, deadline)
-        except Exception:  # the store raises RuntimeErrors of its own; the engine, TransportError
+        except Exception as exc:  # the store raises RuntimeErrors of its own; the engine, TransportError
             status, num_blocks = (TransferStatus.EXPIRED if self.clock() >= deadline else TransferStatus.FAILED), 0
+            self._why = f"{type(exc).__name__}: {exc}"
+        self.reason = "" if status is TransferStatus.DONE else self._why or status.value
         if status is not TransferStatus.DONE:
             if self._landing is not None:
                 self._landing.abandon()
@@ -441,7 +459,9 @@ class DecodePuller(OfferReader):
             # the claim over (the earlier one's confirmation could not win).
             offer = (0, self.kv.bytes_per_block)
         if offer is None:
-            return (TransferStatus.EXPIRED if offered == "expired" else TransferStatus.FAILED), 0
+            if offered == "expired":
+                return self._ended(TransferStatus.EXPIRED, "the lease expired before its claim")
+            return self._ended(TransferStatus.FAILED, f"no offer on the lease's key ({offered!r})")
         num_blocks, bytes_per_block = offer
         peer = self._peer()
         blocks_key = store_key(self.link, f"blocks/{rid}")
@@ -456,12 +476,13 @@ class DecodePuller(OfferReader):
             or bytes_per_block != self.kv.bytes_per_block
             or peer.fingerprint != self.kv.fingerprint  # another model or layout: its bytes are not our KV
         ):
-            return (TransferStatus.FAILED if self.decline(key, offered) else TransferStatus.EXPIRED), 0
+            why = _unlike(peer, ids)
+            return self._ended(TransferStatus.FAILED if self.decline(key, offered) else TransferStatus.EXPIRED, why)
         landing = self._landing = Landing.open(self.rt, request, num_blocks)
         if landing is None or not landing.block_ids:
             declined = self.decline(key, offered)
             if landing is None:
-                return (TransferStatus.FAILED if declined else TransferStatus.EXPIRED), 0
+                return self._ended(TransferStatus.FAILED if declined else TransferStatus.EXPIRED, "no room to land")
             self._landing = None  # this instance holds every block: the lease's outcome does not matter
             landing.land()
             return TransferStatus.DONE, 0
@@ -473,7 +494,7 @@ class DecodePuller(OfferReader):
         claim = f"read {landing.start} {count} {self.epoch}"
         if self.store.compare_set(key, offered, claim).decode() != claim:
             self.decline(key, offered)  # the value is "expired" (read, deleted) or a newer claim
-            return TransferStatus.EXPIRED, 0
+            return self._ended(TransferStatus.EXPIRED, "the lease ended before its claim")
         self._claim = claim
         if fault == "exit-after-claim":
             os._exit(17)
@@ -481,9 +502,14 @@ class DecodePuller(OfferReader):
         if read is None:  # still reading at a deadline: cancelled (abandoned), or parked (reap)
             if self._parked and self._parked[-1].landing is landing:
                 self._landing = None
-            return (TransferStatus.FAILED if overdue else TransferStatus.EXPIRED), 0
+            which = "the read's own deadline" if overdue else "the pull's deadline"
+            return self._ended(
+                TransferStatus.FAILED if overdue else TransferStatus.EXPIRED, f"still reading at {which}"
+            )
         if not read:
-            return TransferStatus.FAILED, 0
+            return self._ended(
+                TransferStatus.FAILED, self._read_error or f"{self.memory.kind}: the read ended in error"
+            )
         if fault == "confirm-late":
             while self.store.get(key).decode() == claim and self.clock() < deadline:
                 time.sleep(0.005)
@@ -492,11 +518,15 @@ class DecodePuller(OfferReader):
             # the claim over): the blocks read may have been reused since.
             self._claim = None
             self.decline(key, claim)  # deletes "expired", read
-            return TransferStatus.EXPIRED, 0
+            return self._ended(TransferStatus.EXPIRED, "the lease ended before the read was confirmed")
         self._claim = None
         self._landing = None
         landing.land()
         return TransferStatus.DONE, count
+
+    def _ended(self, status: TransferStatus, why: str) -> tuple[TransferStatus, int]:
+        self._why = why
+        return status, 0
 
     def _read(
         self, peer: Peer, src_ids: tuple[int, ...], landing: Landing, deadline: float, fault: str | None
@@ -518,6 +548,7 @@ class DecodePuller(OfferReader):
         if self.memory.read_timeout_s is not None and self.memory.read_timeout_s < limit:
             limit, overdue = self.memory.read_timeout_s, True
         done = read.wait(max(0.0, limit))
+        self._read_error = getattr(read, "error", "") if done is False else ""
         if done is None:
             bound = self.memory.read_timeout_s if self.memory.read_timeout_s is not None else limit
             if not read.cancel():  # still running: its landing waits for it; else abandoned with the pull

@@ -26,12 +26,15 @@ address it serves on unless the cluster file names another), and answers:
 * decode: ``POST /kv/pull`` ``{"request_id", "token_ids", "link",
   "timeout_s"}``: pulls the prompt's blocks into its cache
   (the transport's ``DecodePuller``), ending done, failed or expired within
-  the deadline; the request itself then comes as any other, and computes
+  the deadline, answering its status and, where it did not end done, its
+  ``reason``; the request itself then comes as any other, and computes
   what the pull did not bring;
 * both: ``GET /kv/transfers``: the leases ended (prefill) and the pulls
-  by outcome (decode; with an in-place transport, also the landings still
-  held for reads that outlived their pull, ``parked``, which a task frees
-  on the engine thread as their reads end, and ``reads_past_bound``).
+  by outcome (decode, with the last pull that did not end done,
+  ``last_failure``: its request id, status and reason; with an in-place
+  transport, also the landings still held for reads that outlived their
+  pull, ``parked``, which a task frees on the engine thread as their reads
+  end, and ``reads_past_bound``).
 
 The lease and the pull run on the engine's thread (they allocate and free
 blocks): a transfer holds that instance's steps for its length, bounded by
@@ -60,6 +63,7 @@ from sagellm_core.types import Request
 from . import transports
 from .events import KVEventPublisher
 from .kv_tensors import KVTensors
+from .transfer import TransferStatus
 
 #: Seconds between two polls of a prefill instance's open leases.
 LEASE_POLL_S = 0.005
@@ -208,6 +212,8 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
     # freed on the engine's thread as soon as their reads end, not at the next pull.
     reapers = [p for p in pullers.values() if hasattr(p, "reap")]
     reaping: list[asyncio.Task[None]] = []
+    #: The last pull that did not end done: its request, status and reason.
+    last_failure: dict[str, str] = {}
 
     async def reap_parked() -> None:
         while await thread.call(lambda: sum(p.reap() for p in reapers)):
@@ -219,11 +225,15 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
         if puller is None:
             return error(400, f"link {body.link!r}: this instance serves {', '.join(pullers)}", param="link")
         request = Request(body.request_id, body.token_ids, 1)
-        status = await thread.call(lambda: puller.pull(request, body.timeout_s))
+        status, reason = await thread.call(
+            lambda: (puller.pull(request, body.timeout_s), getattr(puller, "reason", ""))
+        )
         if getattr(puller, "parked", 0) and (not reaping or reaping[-1].done()):
             reaping.append(asyncio.create_task(reap_parked()))
             del reaping[:-1]
-        return {"status": status.value}
+        if status is not TransferStatus.DONE:
+            last_failure.update(request_id=body.request_id, status=status.value, reason=reason)
+        return {"status": status.value, "reason": reason}
 
     @app.get("/kv/transfers")
     async def pulls() -> dict[str, Any]:
@@ -233,7 +243,7 @@ def _add_decode_routes(app, thread, kv: KVTensors, store, transfers: Transfers) 
             if reapers:  # landings held for reads still running, and those past their bound
                 summed["parked"] = sum(p.parked for p in reapers)
                 summed["reads_past_bound"] = sum(p.reads_past_bound for p in reapers)
-            return summed
+            return {**summed, "last_failure": dict(last_failure) or None}
 
         return await thread.call(read)  # type: ignore[no-any-return]
 

@@ -52,6 +52,11 @@ class ThreadRead:
         returned (the engine's progress timeout bounds it)."""
         return not self._thread.is_alive()
 
+    @property
+    def error(self) -> str:
+        """What the engine returned, where the read failed."""
+        return f"Mooncake Transfer Engine: the read returned {self._result[0]}" if self._result[:1] != [0] else ""
+
 
 class MooncakeMemory(inplace.Memory):
     kind = "mooncake"

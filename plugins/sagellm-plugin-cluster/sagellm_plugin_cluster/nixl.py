@@ -14,7 +14,18 @@ UCX reaches a peer by network device, not by address: an instance whose
 transport address is not loopback has its agent's UCX use the device that
 holds that address (``UCX_NET_DEVICES``, where the environment does not set
 it; :func:`interface_of`), so its agent's metadata names that device's
-address. Loopback leaves UCX's choice alone (on one machine, shared memory).
+address. A loopback address (any of 127.0.0.0/8) leaves UCX's choice alone:
+such an instance is reached from this machine only, by a peer on loopback
+or on one of the machine's other addresses, and UCX's TCP refuses to join a
+loopback device to a non-loopback one ("local loopback remote
+non-loopback"; its shared-memory transports are not offered to NIXL, which
+asks for peer failure handling), so an agent held to ``lo`` could not reach
+a peer on ``eth0`` of the same machine, nor the reverse. On one machine
+UCX reads the bytes by cross-memory attach (``cma``), its messages over TCP.
+
+Adding a peer's agent that UCX cannot reach fails (``NIXL_ERR_BACKEND``);
+the pull then fails, its reason naming this agent's devices, and the agent
+is added again at the next pull.
 
 ``nixl-cu12`` is the wheel imported, not the ``nixl`` meta-package (which
 requires both ``nixl-cu12`` and ``nixl-cu13`` and picks one by torch's CUDA
@@ -61,6 +72,11 @@ class NixlRead:
             time.sleep(POLL_S)
         return self._ended
 
+    @property
+    def error(self) -> str:
+        """The transfer's state, where it ended in error."""
+        return f"NIXL: the read ended in state {self.state}" if self._ended is False else ""
+
     def cancel(self) -> bool:
         """Release the transfer's handle, which NIXL cancels if it still
         runs; False if NIXL cannot (the handle is kept, and asked again)."""
@@ -84,7 +100,7 @@ class NixlMemory(inplace.Memory):
     def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-        if host != "127.0.0.1" and "UCX_NET_DEVICES" not in os.environ:
+        if not is_loopback(host) and "UCX_NET_DEVICES" not in os.environ:
             device = interface_of(host)
             if device is None:
                 raise TransportError(f"NIXL: no network device of this machine holds {host}")
@@ -104,15 +120,35 @@ class NixlMemory(inplace.Memory):
         with self._lock:
             remote = self._peers.get(peer.handshake)
             if remote is None:
-                remote = self._peers[peer.handshake] = agent.add_remote_agent(peer.handshake)
+                try:
+                    remote = agent.add_remote_agent(peer.handshake)
+                except Exception as exc:  # NIXL raises its own nixl*Error types
+                    devices = os.environ.get("UCX_NET_DEVICES", "all")
+                    raise TransportError(
+                        f"NIXL: adding the peer's agent failed ({exc}; this agent's UCX_NET_DEVICES={devices}:"
+                        " UCX logs whether it found no transport from them to the peer's devices)"
+                    ) from exc
+                self._peers[peer.handshake] = remote
         if isinstance(remote, bytes):
             remote = remote.decode()
         targets = agent.get_xfer_descs([(local.address + dst, length, 0) for _, dst, length in segments], "DRAM")
         sources = agent.get_xfer_descs([(peer.address + src, length, 0) for src, _, length in segments], "DRAM")
-        return NixlRead(agent, agent.initialize_xfer("READ", targets, sources, remote))
+        try:
+            handle = agent.initialize_xfer("READ", targets, sources, remote)
+        except Exception as exc:  # NIXL raises its own nixl*Error types
+            raise TransportError(f"NIXL: preparing the read of {len(segments)} ranges failed ({exc})") from exc
+        return NixlRead(agent, handle)
 
 
 _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name is resolved first) is a loopback address."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def interface_of(host: str) -> str | None:

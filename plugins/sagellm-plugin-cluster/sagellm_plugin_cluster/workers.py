@@ -154,7 +154,7 @@ def run_decode(
             _put(
                 store,
                 f"result/{link}/{request.request_id}",
-                {"status": status.value, "pull_s": pull_s, "tokens": tokens},
+                {"status": status.value, "reason": getattr(puller, "reason", ""), "pull_s": pull_s, "tokens": tokens},
             )
         # No pull follows: a parked landing is freed once its read ends, which
         # its library bounds (inplace.REAP_SLACK_S past the read's deadline).

@@ -101,7 +101,7 @@ def test_the_decode_side_reads_the_leased_blocks_in_place(transport, sides, stor
     assert server.offer(request, time.monotonic()) == 4
     lease_ids = server.leases.open["r0"].block_ids
     status = serve_while(server, lambda: puller.pull(request, 5.0))
-    assert status is TransferStatus.DONE
+    assert status is TransferStatus.DONE and puller.reason == ""
     assert not server.busy and server.leases.ended[TransferStatus.DONE] == 1
     landed = decode.host.lookup(request).block_ids
     assert len(landed) == 4 and landed != lease_ids  # other ids on the decode side
@@ -142,11 +142,13 @@ def test_a_restarted_decode_side_takes_over_its_predecessors_claim(transport, si
     later = f"read 0 1 {puller.epoch}"
     assert store.compare_set(other_key, store.get(other_key).decode(), later).decode() == later
     assert gone.pull(other, 0.5) is TransferStatus.FAILED
+    assert gone.reason == f"no offer on the lease's key ({later!r})"
     assert decode.host.lookup(other).num_blocks == 0 and store.get(other_key).decode() == later
     server.poll(time.monotonic() + 120.0)  # its deadline ends it; "expired" waits for the decode side
     assert server.leases.ended[TransferStatus.EXPIRED] == 1 and not server.busy
     assert store.get(other_key).decode() == "expired" and not store.check([f"kv/{link}/blocks/r1"])
     assert puller.pull(other, 0.5) is TransferStatus.EXPIRED and not store.check([other_key])
+    assert puller.reason == "the lease expired before its claim"
     for rt in (prefill, decode, decode2):
         rt.check_invariants()
         assert rt.in_flight == 0
@@ -166,7 +168,7 @@ def test_a_read_the_deadline_overtook_is_never_cached(transport, sides, store):
     compute(prefill, request)
     server.offer(request, time.monotonic())
     status = serve_while(server, lambda: puller.pull(request, 5.0))
-    assert status is TransferStatus.EXPIRED
+    assert status is TransferStatus.EXPIRED and puller.reason == "the lease ended before the read was confirmed"
     assert server.leases.ended[TransferStatus.EXPIRED] == 1 and server.expired_claimed == 1
     assert decode.host.lookup(request).num_blocks == 0
     assert puller.counts.expired == 1 and puller.counts.recomputed_tokens == request.num_prompt_tokens
@@ -194,6 +196,7 @@ def test_a_read_past_its_own_deadline_fails_and_its_landing_waits_for_it(transpo
     started = time.monotonic()
     status = serve_while(server, lambda: puller.pull(request, 30.0))
     assert status is TransferStatus.FAILED and puller.counts.failed == 1
+    assert puller.reason == "still reading at the read's own deadline"
     assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
     if time.monotonic() - started < inplace.STALL_S:  # the read has not returned yet: its landing is held
         assert puller.reap() == 1 and decode.in_flight == 1
@@ -218,11 +221,105 @@ def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
     server.offer(request, time.monotonic())
     status = serve_while(server, lambda: puller.pull(request, 5.0))
     assert status is TransferStatus.FAILED
+    assert transport in puller.reason.lower(), puller.reason  # the library's refusal, as it said it
     assert server.leases.ended[TransferStatus.FAILED] == 1 and not server.busy
     assert decode.host.lookup(request).num_blocks == 0
     prefill.check_invariants()
     decode.check_invariants()
     assert decode.in_flight == 0 and prefill.in_flight == 0
+
+
+# One process per side on two addresses of this machine, a loopback one and
+# the machine's own: no engine, the library's registration and reads alone.
+
+#: A side of :func:`test_reads_between_a_loopback_address_and_the_machines_own`:
+#: ``python -c SIDE <config> <transport> <host> [<peer's description>]``.
+#: Without a description it registers its KV tensor, prints its description
+#: and the digest of its bytes, and waits for its stdin to close; with one,
+#: it reads the peer's whole tensor four times and prints each read's
+#: outcome and the digest of its own tensor after it (each line it prints
+#: begins ``side``: the libraries log to stdout too).
+SIDE = """
+import hashlib, sys, torch
+from sagellm_core.kit.testing import settings_from_toml
+from sagellm_core.runtime import Runtime
+from sagellm_core.types import KVCaches
+from sagellm_plugin_cluster import transports
+from sagellm_plugin_cluster.inplace import parse_peer
+from sagellm_plugin_cluster.kv_tensors import KVTensors
+
+config, transport, host, *peer = sys.argv[1:]
+rt = Runtime(settings_from_toml(open(config).read()))
+kv = KVTensors()
+rt.host.pm.register(kv)
+tensor = torch.randn(2, 2, 64, 4, 3, generator=torch.Generator().manual_seed(len(peer)))
+rt.register_kv_caches(KVCaches(tensor, 2, model="m"))
+memory = transports.load(transport)[0].memory
+local = memory.register(kv, host)
+digest = lambda: hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+if not peer:
+    print("side", local.describe(), digest(), flush=True)
+    sys.stdin.read()
+else:
+    remote = parse_peer(peer[0], local.kind)
+    for _ in range(4):
+        tensor.zero_()
+        try:
+            done = memory.start_read(local, remote, [(0, 0, remote.nbytes)]).wait(60.0)
+        except Exception as exc:
+            done = f"{type(exc).__name__}: {exc}".replace(" ", "_")
+        print("side", done, digest(), flush=True)
+"""
+
+
+def machine_address() -> str | None:
+    """This machine's first IPv4 address outside loopback, if it has one."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            address = socket.inet_ntoa(packed[20:24])
+            if not address.startswith("127."):
+                return address
+    return None
+
+
+@pytest.mark.parametrize("owner", ["loopback", "machine"])
+def test_reads_between_a_loopback_address_and_the_machines_own(transport, owner, tmp_path):
+    """The prefill side's process on one address, the decode side's on the
+    other (as two Ray nodes of one machine are, 127.0.0.2 and the machine's
+    address): each of four reads of the peer's whole tensor completes with
+    its bytes. (NIXL held an agent on a loopback address to UCX's ``lo``,
+    which UCX does not join to a non-loopback device: every read failed.)"""
+    import subprocess
+    import sys
+
+    from .conftest import CONFIG
+
+    address = machine_address()
+    if address is None:
+        pytest.skip("this machine has no IPv4 address outside loopback")
+    hosts = ("127.0.0.2", address) if owner == "loopback" else (address, "127.0.0.2")
+    config = tmp_path / "side.toml"
+    config.write_text(CONFIG.format(blocks=64))
+    side = [sys.executable, "-c", SIDE, str(config), transport]
+    server = subprocess.Popen([*side, hosts[0]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = next((line for line in server.stdout if line.startswith("side ")), "")  # past the libraries' logs
+        *description, expected = line.split()[1:] or [""]
+        assert description, "the prefill side printed no description"
+        reader = subprocess.run([*side, hosts[1], " ".join(description)], capture_output=True, text=True, timeout=240)
+    finally:
+        server.stdin.close()
+        server.wait(60)
+    reads = [line.split()[1:] for line in reader.stdout.splitlines() if line.startswith("side ")]
+    assert reads == [["True", expected]] * 4, reader.stdout + reader.stderr[-2000:]
 
 
 # Two processes of the torch engine: the gloo tests' cases, read in place.
@@ -353,9 +450,10 @@ def test_a_stopped_peer_ends_the_read_within_its_bound_and_frees_the_landing(
     cancels the read; Mooncake's read returns once its progress timeout
     (``MC_TCP_PROGRESS_TIMEOUT_SEC``, set to the read's deadline) passes,
     within the read's deadline plus ``REAP_SLACK_S`` (``reads_past_bound``
-    counts one that does not). Mooncake's only: NIXL's shared-memory
-    transports on one machine, like RDMA, read a stopped process's memory
-    without it (its read of r3 ended done), and over UCX's TCP alone the
+    counts one that does not). Mooncake's only: NIXL's reads on one
+    machine go by UCX's cross-memory attach (``cma``), which, like RDMA,
+    reads a stopped process's memory without it (its read of r3 ended
+    done), and over UCX's TCP alone the
     case is not established (docs/benchmarks/disaggregation.md)."""
     import os
     import signal

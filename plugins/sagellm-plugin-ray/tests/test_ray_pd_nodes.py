@@ -4,8 +4,8 @@ on the machine's address (as Ray picks it) and a second one on
 ``127.0.0.2``, one CPU each. All of 127.0.0.0/8 is loopback on Linux: this
 is one machine with two addresses, not two machines. Each instance serves,
 and binds its transport, on its node's address; KV goes over gloo and the
-Mooncake Transfer Engine (each where it is installed), and the greedy
-outputs equal one instance's. Marked ``engine``: ``tox -e ray``."""
+Mooncake Transfer Engine and NIXL (each where it is installed), and the
+greedy outputs equal one instance's. Marked ``engine``: ``tox -e ray``."""
 
 from __future__ import annotations
 
@@ -42,7 +42,11 @@ def instance_actors() -> list[dict]:
 #: The second raylet's address. (Ray replaces 127.0.0.1 by the machine's own
 #: address wherever it is given, so the head keeps that one, as Ray picks it.)
 SECOND_NODE_IP = "127.0.0.2"
-PD_PROMPTS = [f"alpha beta gamma delta epsilon zeta eta theta tail {i} " + "word " * i for i in range(4)]
+#: Four prompts of the tiny model's own words (``w0`` .. ``w127``, one token
+#: each), no two sharing a first block: each transfer moves every full
+#: block of its prompt (block size 4), none of them already on the decode side.
+PD_PROMPTS = [" ".join(f"w{10 * i + j}" for j in range(9 + i)) for i in range(4)]
+PD_BLOCKS = sum((len(p.split()) - 1) // 4 for p in PD_PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +83,7 @@ def one_instance(model_config):
         server.stop()
 
 
-# NIXL is not among them: across these two addresses one of its four
-# transfers fails (the decode instance recomputes it; outputs stay equal),
-# cause not established (docs/benchmarks/disaggregation.md).
-@pytest.mark.parametrize("transport", ["gloo", "mooncake"])
+@pytest.mark.parametrize("transport", ["gloo", "mooncake", "nixl"])
 def test_prefill_and_decode_on_two_nodes_exchange_kv(transport, two_addresses, model_config, one_instance, monkeypatch):
     """1P1D with ``placement = "ray"``: Ray puts the prefill and the decode
     instance on different nodes (one CPU each), each serving, and binding
@@ -126,4 +127,5 @@ def test_prefill_and_decode_on_two_nodes_exchange_kv(transport, two_addresses, m
     assert after["transfers"] == {"done": len(PD_PROMPTS), "failed": 0, "expired": 0}
     by_role = {i["role"]: i for i in after["instances"].values()}
     assert {i["invariants"] for i in by_role.values()} == {"ok"}
-    assert by_role["decode"]["transfers"]["done"] == len(PD_PROMPTS) and by_role["decode"]["transfers"]["blocks"] > 0
+    pulled = by_role["decode"]["transfers"]
+    assert pulled["done"] == len(PD_PROMPTS) and pulled["blocks"] == PD_BLOCKS, pulled
