@@ -765,7 +765,7 @@ def replayed_free(args) -> None:
 
 def offload(args) -> None:
     import torch
-    from sagellm_plugin_torch.devices import BLOCK_DIM, load_device, run_view
+    from sagellm_plugin_torch.devices import BLOCK_DIM, copy_runs, load_device, run_view
 
     device = load_device(args.device)
     layers, kv_heads, head_dim, block_size = 30, 3, 64, 16  # SmolLM2-135M
@@ -834,6 +834,10 @@ def offload(args) -> None:
         ("one run, a call per block", run, per_block(run), per_block(run, True)),
         ("one run, one slice copy", run, slice_copy(), slice_copy(True)),
     ]
+    # The run's rows are copied as one run each way, the scattered ones gathered.
+    check("one run", copy_runs(kv, run, host, slots) == [(run[0], 0, n)], "copy_blocks would not copy it as one run")
+    check("one run", copy_runs(host, slots, kv, run) == [(0, run[0], n)], "copy_blocks would not reload it as one run")
+    check("scattered", copy_runs(kv, scattered, host, slots) is None, "copy_blocks would not gather the blocks")
     base = None
     for label, ids, out, back in cases:
         t_out = timed(out)
