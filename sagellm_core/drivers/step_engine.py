@@ -50,6 +50,18 @@ of the step launched by the call before it, and leaves the next one running:
    the serial loop, and leaves step N+1, whose inputs are written again;
 4. step N+1 is launched (:meth:`StepEngine.launch`).
 
+Where step N and step N+1 are both decodes only and the executor can run
+step N+1 without step N's tokens on the host
+(:meth:`StepEngine.may_launch_ahead`), step N+1 is launched before step
+N's tokens are waited for (3 and 4 swap), so the device goes from one
+step to the next without waiting for the host. A sequence that stops at
+step N then runs in step N+1 all the same: it ends when step N is
+applied, as above (its counters as step N left them), and step N+1's
+token for it is dropped when step N+1 is applied
+(:attr:`StepEngine.tokens_dropped`). The KV step N+1 writes for it lies
+past its computed tokens, in a block that ending it does not cache, and
+the device runs a later step's use of that block after step N+1.
+
 A step with a prompt chunk is applied before the next is packed, as in the
 serial loop (its prompt's blocks are cached, its first token stamped). The
 tokens are the serial loop's; what may differ is when blocks come back: a
@@ -148,6 +160,11 @@ class StepEngine:
         self.batched_tokens = 0
         #: With :attr:`overlap`: the step launched and not yet applied.
         self.launched: Launched | None = None
+        #: With :attr:`overlap`: steps launched before the step ahead of
+        #: them was applied, and the tokens such steps computed for
+        #: sequences that had stopped (dropped).
+        self.steps_launched_ahead = 0
+        self.tokens_dropped = 0
 
     # ------------------------------------------------- the executor's part --
 
@@ -180,6 +197,13 @@ class StepEngine:
         """With :attr:`overlap`: wait for a launched step; its tokens, as
         :meth:`execute` returns them."""
         raise NotImplementedError
+
+    def may_launch_ahead(self, step: PackedStep) -> bool:
+        """With :attr:`overlap`: whether ``step`` (decodes only, prepared
+        against the running step) may be launched before the running step's
+        tokens are collected and applied: nothing of its launch reads them
+        on the host (a constrained sampler does). No, by default."""
+        return False
 
     def sampled(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> Collection[int]:
         """The requests of ``states`` (a step's chunks that complete their
@@ -298,6 +322,14 @@ class StepEngine:
         rejected, step = self._pack(launched is None)
         if step.states:
             self.prepare(step, None if launched is None else launched.handle)
+        if launched is not None and step.states and step.all_decode and self.may_launch_ahead(step):
+            handle = self.launch(step)
+            outputs = self._land(launched)
+            gone = sum(1 for state in step.states if state.status is RequestStatus.FINISHED)
+            self.steps_launched_ahead += 1
+            self.tokens_dropped += gone
+            self._launched(step, handle)
+            return rejected + outputs if rejected else outputs
         if launched is not None:
             outputs = self._land(launched)
             gone = [state for state in step.states if state.status is RequestStatus.FINISHED]
@@ -308,21 +340,29 @@ class StepEngine:
                 if step.states:
                     self.prepare(step, launched.handle)
         if step.states:
-            self.steps += 1
-            self.batched_tokens += step.num_batched_tokens
-            handle = self.launch(step)
-            self.launched = launched = Launched(step, handle, step.all_decode)
-            if step.all_decode:  # the next step is packed before this one's tokens are known
-                running = self.running
-                for state in step.states:
-                    state.num_computed_tokens += 1
-                    state.num_output_tokens += 1
-                    if state.num_output_tokens >= state.request.output_tokens:
-                        launched.finishing.append(state)
-                if launched.finishing:
-                    ending = set(map(id, launched.finishing))
-                    self.running = [state for state in running if id(state) not in ending]
+            self._launched(step, self.launch(step))
         return rejected + outputs if rejected else outputs
+
+    def _launched(self, step: PackedStep, handle: Any) -> None:
+        """``step`` was launched: it is the step in flight. A step of
+        decodes only has its counters advanced now (the next is packed
+        before its tokens are known), but for a sequence that stopped since
+        it was launched (ended, its token to be dropped)."""
+        self.steps += 1
+        self.batched_tokens += step.num_batched_tokens
+        self.launched = launched = Launched(step, handle, step.all_decode)
+        if step.all_decode:
+            running = self.running
+            for state in step.states:
+                if state.status is RequestStatus.FINISHED:
+                    continue
+                state.num_computed_tokens += 1
+                state.num_output_tokens += 1
+                if state.num_output_tokens >= state.request.output_tokens:
+                    launched.finishing.append(state)
+            if launched.finishing:
+                ending = set(map(id, launched.finishing))
+                self.running = [state for state in running if id(state) not in ending]
 
     def _land(self, launched: Launched) -> list[StepOutput]:
         """Wait for a launched step and apply its outputs (the requests

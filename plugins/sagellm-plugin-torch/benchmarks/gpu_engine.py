@@ -176,7 +176,7 @@ def decode_rows(
         events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         core.runner.execute = with_gpu_events(core.runner.execute, events)
         start = time.perf_counter()
-        before = core.batched_tokens
+        before, ahead = core.batched_tokens, core.steps_launched_ahead
         for _ in range(timed):
             contexts.append(sum(s.num_computed_tokens + 1 for s in core.running))
             # (asynchronous: a step returns the tokens of the step launched before it)
@@ -187,6 +187,10 @@ def decode_rows(
         gpu = sum(begin.elapsed_time(end) for begin, end in events) / 1e3 / timed
         decoded = core.batched_tokens - before
         assert decoded == batch * timed, f"batch {batch}: the timed steps were meant to decode only ({decoded} tokens)"
+        launched_ahead = core.steps_launched_ahead - ahead
+        assert launched_ahead == (timed if scheduling == "async" else 0), (
+            f"batch {batch}: {launched_ahead} of {timed} timed steps launched before the step ahead was applied"
+        )
         kv_read = statistics.mean(contexts) * kv_per_token
         limit = (weights + kv_read) / bandwidth
         rows.append(

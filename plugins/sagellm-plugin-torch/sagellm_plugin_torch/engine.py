@@ -21,7 +21,11 @@ With ``async_scheduling`` the step loop packs step N+1 while step N runs
 (:attr:`StepEngine.overlap`): a step is launched without waiting for its
 tokens (the sampled ids are copied to pinned host memory behind an event),
 and the next step's decodes read their input tokens from the ids the
-running step sampled, on the device, through the runner's input feed.
+running step sampled, on the device, through the runner's input feed. A
+step of decodes none of which samples under a constraint is launched
+before the running step's tokens are collected
+(:meth:`EngineCore.may_launch_ahead`), queued behind it on the device;
+the runner's host staging is double-buffered for it (:mod:`.runner`).
 """
 
 from __future__ import annotations
@@ -222,12 +226,15 @@ class EngineCore(StepEngine):
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos or ())
         self._seqs: dict[str, _Sequence] = {}
-        #: The last step's states, and their sequences, request ids and
-        #: whether every one samples plainly greedy (the runner's argmax).
+        #: The last step's states, and their sequences, request ids,
+        #: whether every one samples plainly greedy (the runner's argmax),
+        #: and whether none samples under a constraint (which reads the
+        #: running step's tokens on the host when it is launched).
         self._step_states: list[SequenceState] = []
         self._step_seqs: list[_Sequence] = []
         self._step_ids: list[str] = []
         self._step_greedy = True
+        self._step_unconstrained = True
         #: The prepared step's sampled sequences and whether all are plain greedy.
         self._sampling: list[_Sequence] = []
         self._greedy_only = True
@@ -303,6 +310,7 @@ class EngineCore(StepEngine):
             self._step_seqs = [self._seqs[state.request_id] for state in states]
             self._step_ids = [seq.state.request.request_id for seq in self._step_seqs]
             self._step_greedy = all(seq.plain_greedy for seq in self._step_seqs)
+            self._step_unconstrained = all(seq.sampling.constraint is None for seq in self._step_seqs)
         self._step_states = states
         seqs = self._step_seqs
         if step.all_decode:
@@ -337,6 +345,13 @@ class EngineCore(StepEngine):
             assert after is not None
             inputs.feed(after.ids, len(dst), dst, src)
         self._sampling, self._greedy_only = sampled, all(seq.plain_greedy for seq in sampled)
+
+    def may_launch_ahead(self, step: PackedStep) -> bool:
+        # The decodes read their tokens on the device; only a constraint's
+        # mask, filled when the step's sampling is launched, needs the
+        # running step's tokens accepted first. (``prepare`` just cached
+        # the step's sequences.)
+        return step.states is self._step_states and self._step_unconstrained
 
     def launch(self, step: PackedStep, to_host: bool = True) -> _Launch:
         """Run the prepared step and queue its sampling; the sampled ids

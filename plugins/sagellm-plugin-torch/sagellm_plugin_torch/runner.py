@@ -27,6 +27,11 @@ A step packed while the one before it runs (the engine's
 they are the ids the running step samples. :meth:`StepInputs.feed` names
 them, and :meth:`StepInputs.sync` copies them into the step's token ids on
 the device after the host's inputs arrive, before anything reads them.
+Such a step may be launched before the running step's tokens are collected,
+its copies queued behind that step on the device: so the host's staging
+(the step's inputs, the block tables' changed entries) is two buffers used
+in turn, and a buffer is written again only once the copy that read it is
+done.
 """
 
 from __future__ import annotations
@@ -129,12 +134,20 @@ class BlockTables:
     #: Changed entries staged per step; a step that changes more copies whole rows.
     STAGE = 1 << 16
 
-    def __init__(self, num_rows: int, width: int, device: torch.device, pin: bool):
+    def __init__(self, num_rows: int, width: int, device: torch.device, pin: bool, event: Any = None):
         self.width = width
+        #: Makes an event (``TorchDevice.event``) to record after a copy from the host's staging.
+        self._event = event
         self.on_host = device.type == "cpu"
         self.device = torch.zeros((num_rows, width), dtype=torch.int32, device=device)
         self._host_rows = None if self.on_host else _host_tensor((num_rows, width), torch.int32, pin)
-        self._stage = None if self.on_host else _host_tensor((self.STAGE, 3), torch.int32, pin)
+        # Two staging buffers used in turn, each with the event of the copy
+        # that last read it; and the event of a copy of whole rows, after
+        # which the host writes rows again.
+        self._stages = [] if self.on_host else [_host_tensor((self.STAGE, 3), torch.int32, pin) for _ in range(2)]
+        self._staged_events: list[Any] = [None, None]
+        self._stage_turn = 0
+        self._rows_copied: Any = None
         self._stage_device = None if self.on_host else torch.zeros((self.STAGE, 3), dtype=torch.int32, device=device)
         self._table = (self.device if self.on_host else self._host_rows).numpy()
         self._row_of: dict[str, int] = {}
@@ -149,6 +162,9 @@ class BlockTables:
 
     def begin_step(self) -> None:
         self._step += 1
+        if self._rows_copied is not None:  # a copy of whole rows reads the host table: it is done first
+            self._rows_copied.synchronize()
+            self._rows_copied = None
 
     def row(self, request_id: str, block_ids: list[int]) -> int:
         """The row holding ``request_id``'s ``block_ids``, written where they changed."""
@@ -203,6 +219,13 @@ class BlockTables:
             raise RuntimeError("more requests scheduled in one step than the block table has rows")
         return self._free.pop()
 
+    def _recorded(self) -> Any:
+        if self._event is None:
+            return None
+        event = self._event()
+        event.record()
+        return event
+
     def sync(self) -> None:
         """Bring the device table up to date with the rows written since the last sync."""
         changed, self._changed = self._changed, []
@@ -212,15 +235,22 @@ class BlockTables:
         if count > self.STAGE:
             lo, hi = min(r for r, _, _ in changed), max(r for r, _, _ in changed) + 1
             self.device[lo:hi].copy_(self._host_rows[lo:hi], non_blocking=True)
+            self._rows_copied = self._recorded()
             return
-        stage, at = self._stage.numpy(), 0
+        turn = self._stage_turn
+        self._stage_turn = 1 - turn
+        if self._staged_events[turn] is not None:  # the copy that read this buffer two syncs ago
+            self._staged_events[turn].synchronize()
+        host_stage = self._stages[turn]
+        stage, at = host_stage.numpy(), 0
         for r, first, n in changed:
             stage[at : at + n - first, 0] = r
             stage[at : at + n - first, 1] = np.arange(first, n, dtype=np.int32)
             stage[at : at + n - first, 2] = self._table[r, first:n]
             at += n - first
         staged = self._stage_device[:at]
-        staged.copy_(self._stage[:at], non_blocking=True)
+        staged.copy_(host_stage[:at], non_blocking=True)
+        self._staged_events[turn] = self._recorded()
         self.device.index_put_((staged[:, 0].long(), staged[:, 1].long()), staged[:, 2])
 
 
@@ -229,32 +259,34 @@ class StepInputs:
     arrays that reach the device in one copy. int32 throughout (token ids,
     positions and slots fit); slots are computed on the device."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device, pin: bool):
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device, pin: bool, event: Any = None):
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         # One packed buffer: per token its id, position and sequence; per
         # sequence its block-table row, length, query start (one more) and
         # the flat index of the row it samples; per fed token its index and
         # the row of the running step's ids it reads.
         lengths = (max_tokens, max_tokens, max_tokens, max_seqs, max_seqs, max_seqs + 1, max_seqs, max_seqs, max_seqs)
-        self.host = _host_tensor((sum(lengths),), torch.int32, pin)
-        self.device_buffer = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
-        host, dev = ([], [])
-        at = 0
+        on_host = device.type == "cpu"
+        # On the CPU the step reads the host arrays themselves; elsewhere two
+        # packed host buffers take turns (a step launched behind a running
+        # one copies its buffer only once that one is done), each with the
+        # event of the copy that last read it.
+        self._buffers = [_host_tensor((sum(lengths),), torch.int32, pin) for _ in range(1 if on_host else 2)]
+        self._copied: list[Any] = [None] * len(self._buffers)
+        self._event = event
+        self._turn = 0
+        self.device_buffer = self._buffers[0] if on_host else torch.zeros_like(self._buffers[0], device=device)
+        self._views: list[tuple[np.ndarray, ...]] = []
+        for buffer in self._buffers:
+            views, at = [], 0
+            for length in lengths:
+                views.append(buffer[at : at + length].numpy())
+                at += length
+            self._views.append(tuple(views))
+        dev, at = [], 0
         for length in lengths:
-            host.append(self.host[at : at + length].numpy())
             dev.append(self.device_buffer[at : at + length])
             at += length
-        (
-            self._tokens,
-            self._positions,
-            self._seq_of_token,
-            self._rows,
-            self._seq_lens,
-            self._query_start,
-            self._sample_rows,
-            self._fed_at,
-            self._fed_row,
-        ) = host
         (
             self.token_ids,
             self.positions,
@@ -267,7 +299,29 @@ class StepInputs:
             self.fed_row,
         ) = dev
         self._arange = np.arange(max(max_tokens, max_seqs + 1), dtype=np.int32)
+        self._use(0)
         self.reset()
+
+    def _use(self, turn: int) -> None:
+        """Write the next step into host buffer ``turn``, once the copy
+        that last read it is done."""
+        self._turn = turn
+        self.host = self._buffers[turn]
+        (
+            self._tokens,
+            self._positions,
+            self._seq_of_token,
+            self._rows,
+            self._seq_lens,
+            self._query_start,
+            self._sample_rows,
+            self._fed_at,
+            self._fed_row,
+        ) = self._views[turn]
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()
+            self._copied[turn] = None
 
     def reset(self) -> None:
         self.num_tokens = 0
@@ -373,6 +427,11 @@ class StepInputs:
     def sync(self) -> None:
         if self.device_buffer is not self.host:
             self.device_buffer.copy_(self.host, non_blocking=True)
+            turn = self._turn
+            if self._event is not None:
+                self._copied[turn] = copied = self._event()
+                copied.record()
+            self._use(1 - turn)
         k, ids = self.num_fed, self._fed_from
         if ids is None or not k:
             return
@@ -421,8 +480,8 @@ class ModelRunner:
         self.max_seqs = max_num_seqs
         # A step holds every running sequence's decode token, or the token
         # budget of prefill chunks; graphs pad decodes up to a bucket.
-        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, dev, pin)
-        self.tables = BlockTables(2 * max_num_seqs, -(-max_len // block_size), dev, pin)
+        self.inputs = StepInputs(max(max_num_batched_tokens, max_num_seqs), max_num_seqs, dev, pin, device.event)
+        self.tables = BlockTables(2 * max_num_seqs, -(-max_len // block_size), dev, pin, device.event)
         #: The runner's own decoder forward, where the device has fused ops
         #: and the model is of a family it knows; else the model's modules.
         self.decoder = FusedDecoder.of(self.model) if device.fused_layers else None

@@ -3,8 +3,9 @@ decode, static step buffers) against transformers' own greedy ``generate``
 on the same GPU, in fp32: token-identical with the prefix cache off and on,
 with evictions and host-tier reloads, under preemption, and each of those
 again with ``async_scheduling`` (step N+1 packed while step N runs on the
-GPU, its decodes fed step N's sampled ids on the device). Each run asserts it
-did what its name says. Skipped where CUDA is absent (CI)."""
+GPU, its decodes fed step N's sampled ids on the device, and launched
+before step N's tokens are read), also behind a slow device. Each run
+asserts it did what its name says. Skipped where CUDA is absent (CI)."""
 
 import pytest
 import torch
@@ -38,12 +39,25 @@ def reference(model_dir, prompts):
     return helpers.hf_generate(model.to("cuda"), prompts, MAX_TOKENS)
 
 
-def run(tmp_path, model_dir, prompts, overlap=False, **config):
+def run(tmp_path, model_dir, prompts, overlap=False, device_delay=0, **config):
+    """The engine's greedy outputs and counters; with ``device_delay``, a
+    kernel that spins that many GPU cycles is queued before each step, so
+    that the host runs further ahead of the device than it would."""
     core = helpers.engine_core(
         helpers.write_config(tmp_path, model=str(model_dir), **config), device="cuda", async_scheduling=overlap
     )
     assert core.runner.graphs is not None, "the cuda device was meant to capture decode graphs"
+    if device_delay:
+        execute = core.runner.execute
+
+        def delayed():
+            torch.cuda._sleep(device_delay)
+            return execute()
+
+        core.runner.execute = delayed
     results = core.generate(helpers.requests(prompts, MAX_TOKENS))
+    if overlap:
+        assert core.steps_launched_ahead > 0, "no step was launched before the one ahead of it was applied"
     core.rt.check_invariants()
     assert not core.has_work() and core.rt.counters.requests_finished == len(prompts)
     return [results[f"r{i}"] for i in range(len(prompts))], core.rt.counters
@@ -91,6 +105,15 @@ def test_async_scheduling_equals_transformers_generate(tmp_path, model_dir, prom
         assert counters.evicted_blocks > 0 and counters.host_hit_blocks > 0
     if config.get("num_blocks") == 20:
         assert counters.preemptions > 0
+    assert outputs == reference
+
+
+def test_steps_launched_ahead_of_a_slow_device_equal_transformers_generate(tmp_path, model_dir, prompts, reference):
+    """Each step queued behind a long kernel: the host prepares and launches
+    the next step while the device still has this one's input copies ahead
+    of it, and the staging buffers it writes are not the ones being read."""
+    outputs, counters = run(tmp_path, model_dir, prompts, overlap=True, device_delay=2_000_000, block_size=16)
+    assert counters.hit_blocks > 0
     assert outputs == reference
 
 

@@ -10,6 +10,7 @@ that stopped, preempted)."""
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sagellm_plugin_torch import testing as helpers
@@ -47,9 +48,10 @@ class Probe:
         core.runner.inputs.feed, core.prepare, core.launch = counting_feed, counting_prepare, counting_launch
 
 
-def serve(core, mix, arrive_every=1):
+def serve(core, mix, arrive_every=1, sampling=None):
     """Run ``mix`` (prompt, max_tokens, stop tokens), one request arriving
-    every ``arrive_every`` steps; the block ledger checked after each step.
+    every ``arrive_every`` steps (its ``SamplingParams`` from ``sampling(max_tokens,
+    stops)`` where given); the block ledger checked after each step.
     Returns each request's generated ids and finish reason, in order."""
     generated, reasons, streamed = {}, {}, {}
     pending, steps = list(enumerate(mix)), 0
@@ -57,9 +59,12 @@ def serve(core, mix, arrive_every=1):
         if pending and steps % arrive_every == 0:
             i, (prompt, max_tokens, stops) = pending.pop(0)
             rid = f"m{i}"
-            core.add_request(
-                Request(rid, prompt, max_tokens), SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(stops))
+            params = (
+                sampling(max_tokens, stops)
+                if sampling
+                else SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(stops))
             )
+            core.add_request(Request(rid, prompt, max_tokens), params)
             generated[rid] = core.generated_ids(core.requests[rid])
             streamed[rid] = []
         for out in core.step():
@@ -131,14 +136,63 @@ def test_decodes_are_fed_the_running_steps_ids(tmp_path, tiny_model_dir):
     assert all(reason == "length" for _, reason in serial)
 
 
-def test_a_sequence_that_stops_leaves_the_step_packed_after_it(tmp_path, tiny_model_dir):
+def test_a_sequence_that_stops_runs_in_the_step_launched_ahead_and_its_token_is_dropped(tmp_path, tiny_model_dir):
     mix = random_mix(2, 8, 40)
     serial = serve(engine(tmp_path / "serial", tiny_model_dir, False), mix, 1)
     assert any(reason == "stop" and len(ids) < 4 for ids, reason in serial), "no request stopped early"
     core = engine(tmp_path / "overlap", tiny_model_dir, True)
+    assert serve(core, mix, 1) == serial
+    assert core.steps_launched_ahead > 0, "no step was launched before the one ahead of it was applied"
+    assert core.tokens_dropped > 0, "no step launched ahead carried a sequence that had stopped"
+
+
+def test_a_sequence_that_stops_leaves_the_step_packed_after_it(tmp_path, tiny_model_dir):
+    """Where a step may not be launched ahead (a mixed step; a constrained
+    one), a sequence that stopped leaves it before it is launched."""
+    mix = random_mix(2, 8, 40)
+    serial = serve(engine(tmp_path / "serial", tiny_model_dir, False), mix, 1)
+    core = engine(tmp_path / "overlap", tiny_model_dir, True)
+    core.may_launch_ahead = lambda step: False
     probe = Probe(core)
     assert serve(core, mix, 1) == serial
     assert probe.prepared > probe.launched, "no packed step lost a sequence that stopped before it ran"
+    assert core.steps_launched_ahead == 0 and core.tokens_dropped == 0
+
+
+class AcceptBeforeNextMask:
+    """A constraint that allows the tokens above the last it accepted
+    (wrapping), and fails if its mask is asked for twice without a token
+    accepted in between: what a step launched before the tokens ahead of
+    it are applied would do."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.last, self.asked = vocab, 0, False
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        assert not self.asked, "a mask asked for before the last token was accepted"
+        self.asked = True
+        bitmask[row] = 0
+        for t in range(self.last + 1, self.last + 9):
+            t %= self.vocab
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+
+    def accept(self, token_id: int) -> None:
+        assert self.asked
+        self.asked, self.last = False, token_id
+
+
+def test_a_constrained_step_is_not_launched_ahead(tmp_path, tiny_model_dir):
+    mix = random_mix(4, 4, 0)
+
+    def constrained(core):
+        vocab = core.runner.vocab_size
+        return lambda max_tokens, stops: SamplingParams(max_tokens=max_tokens, constraint=AcceptBeforeNextMask(vocab))
+
+    serial_core = engine(tmp_path / "serial", tiny_model_dir, False)
+    serial = serve(serial_core, mix, 1, constrained(serial_core))
+    core = engine(tmp_path / "overlap", tiny_model_dir, True)
+    assert serve(core, mix, 1, constrained(core)) == serial
+    assert core.steps > 8 and core.steps_launched_ahead == 0
 
 
 @pytest.mark.parametrize("cache", [False, True])
