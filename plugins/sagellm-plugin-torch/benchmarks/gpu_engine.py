@@ -11,7 +11,10 @@ measured in this same run:
 3. TTFT with a cached 2,000-token prefix against without, one request at a
    time and 64 at once;
 4. bf16 greedy outputs against transformers' own bf16 ``generate``: the
-   first position where they differ, per prompt.
+   first position where they differ, per prompt;
+5. (``--parts profile``) a decode step's kernels by GPU time, and
+   (``--parts products``) each product of a layer alone in a CUDA graph,
+   as the engine runs it and in the alternatives tried against it.
 
 The decode and throughput parts run once per ``--scheduling`` mode:
 ``serial`` (a step's tokens reach the host before the next step is packed)
@@ -24,7 +27,7 @@ a folder the engine loads like any checkpoint. Every row asserts that it did
 what its label says (decode rows decoded, cached rows hit the cache).
 
     python plugins/sagellm-plugin-torch/benchmarks/gpu_engine.py [--shapes 1b,8b]
-        [--parts decode,throughput,ttft,bf16,profile] [--batches 1,64,256]
+        [--parts decode,throughput,ttft,bf16,profile,products] [--batches 1,64,256]
         [--scheduling serial,async] [--json out.json]
 """
 
@@ -268,6 +271,69 @@ def profile_decode(folder: Path, model_dir: Path, batch: int = 64, steps: int = 
     return rows[:25]
 
 
+def products(shape: dict, batch: int = 64, reps: int = 100) -> list[dict]:
+    """Each product of a decode step of ``shape`` at ``batch`` rows, bf16,
+    timed in a CUDA graph of ``reps`` calls (no launch gaps): ``F.linear``
+    as the engine runs it, ``torch.mm`` against the weight transposed, and
+    both with cuBLASLt in place of cuBLAS; the weights' bytes over the time."""
+    import torch.nn.functional as F
+
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    q_kv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * head_dim
+    sizes = {
+        "q/k/v": (hidden, q_kv),
+        "output projection": (hidden, hidden),
+        "gate and up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+        "head": (hidden, shape["vocab_size"]),
+    }
+
+    def timed(fn) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(5):
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, begin.elapsed_time(end) / reps)
+        return best * 1e3  # microseconds
+
+    rows = []
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            for name, (k, n) in sizes.items():
+                weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                transposed = weight.t().contiguous()
+                x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+                nbytes = weight.numel() * weight.element_size()
+                for form, fn in (
+                    ("linear", lambda x=x, w=weight: F.linear(x, w)),
+                    ("mm, transposed", lambda x=x, w=transposed: torch.mm(x, w)),
+                ):
+                    us = timed(fn)
+                    rows.append(
+                        {"library": library, "product": name, "form": form, "us": us, "tb_s": nbytes / us / 1e6}
+                    )
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+    return rows
+
+
 def throughput(
     folder: Path,
     model_dir: Path,
@@ -470,6 +536,15 @@ def main() -> int:
             shape_results["profile"] = rows
             for r in rows:
                 print(f"[{name}] profile {r['cuda_ms']:8.3f} ms/step {r['calls']:6d} calls  {r['name']}", flush=True)
+        if "products" in parts:
+            rows = products(SHAPES[name], batch=args.profile_batch)
+            shape_results["products"] = rows
+            for r in rows:
+                print(
+                    f"[{name}] product {r['product']:>17} at batch {args.profile_batch}, {r['library']:8}"
+                    f" {r['form']:>14}: {r['us']:7.1f} us ({r['tb_s']:.2f} TB/s)",
+                    flush=True,
+                )
         if "throughput" in parts:
             rows = throughput(root, model_dir, schedulings)
             shape_results["throughput"] = rows
