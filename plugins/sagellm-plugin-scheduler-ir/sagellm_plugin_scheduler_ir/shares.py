@@ -24,7 +24,11 @@ behind them. This pass caps the chunks of the step's requests
 A request's ask is its uncomputed tokens: for a running request, those of
 its prompt (and output, after a preemption) not yet computed; for a
 waiting one, the same less its cached-prefix hint from the last lookup
-(the runtime matches again at admission). Within a tenant, its tokens go to
+(the runtime matches again at admission). A hint may be stale: blocks it
+counted may be evicted by the time the request is admitted, and the
+request then computes more than it asked for. So a capped tenant's
+waiting request is limited to what it is given even when that covers its
+ask: its cap holds whatever admission finds. Within a tenant, its tokens go to
 its requests in the step's order. The tokens a request is given but does
 not use (deferred by admission, refused by memory) are not handed on
 within the step.
@@ -123,13 +127,14 @@ class TenantSharesPass:
         # A waiting request that no share or leftover reached asks for a token
         # at least and is given none: held back (0), all of them at once.
         held = dict.fromkeys(map(_request_id, waiting), 0)
+        caps = self.caps
         for i, tokens in asks.items():
             if i >= num_prefills:
-                request_id = waiting[i - num_prefills].request.request_id
-                if given.get(i, 0) < tokens:
-                    held[request_id] = given.get(i, 0)
+                request = waiting[i - num_prefills].request
+                if given.get(i, 0) < tokens or request.tenant in caps:
+                    held[request.request_id] = given.get(i, 0)
                 else:
-                    del held[request_id]
+                    del held[request.request_id]
         for request_id in limits.keys() & held.keys():  # an earlier pass's cap stands where it is lower
             held[request_id] = min(limits[request_id], held[request_id])
         limits.update(held)

@@ -52,6 +52,19 @@ def test_a_cap_holds_even_when_nobody_else_asks():
     assert ir.chunk_limits == {"doc": 1 + 1023, "doc-2": 0}
 
 
+def test_a_cap_holds_when_the_cache_hint_understates_the_ask():
+    # The second question on a document: the hint says the document is
+    # cached, so it asks for its question's 40 tokens; admission may find
+    # the document evicted and compute all 4,136. Its limit is what it was given.
+    question = waiting("doc-q2", "docs", 4136, cached=4096)
+    ir = ScheduleIR(0.0, [question], [], 8192, 8)
+    shares_pass(caps={"docs": 0.03125}).sagellm_schedule_pass(ir=ir)
+    assert ir.chunk_limits == {"doc-q2": 40}
+    uncapped = ScheduleIR(0.0, [waiting("doc-q2", "docs", 4136, cached=4096)], [], 8192, 8)
+    shares_pass(shares={"docs": 0.5}).sagellm_schedule_pass(ir=uncapped)
+    assert uncapped.chunk_limits == {}
+
+
 def test_nothing_is_capped_when_every_ask_fits():
     ir = ScheduleIR(0.0, [waiting("a", "chat-0", 100)], [running("b", "docs", 300, computed=100)], 8192, 8)
     shares_pass(shares={"chat-0": 0.5}).sagellm_schedule_pass(ir=ir)
@@ -177,8 +190,10 @@ def reference_limits(shares: dict, caps: dict, ir: ScheduleIR) -> dict[str, int]
             given[i] += more
             room[tenant] -= more
             left -= more
-    for (request_id, _, asked_tokens, floor), tokens in zip(asks, given):
-        if tokens < asked_tokens:
+    for (request_id, tenant, asked_tokens, floor), tokens in zip(asks, given):
+        # A capped tenant's waiting request is held to what it is given even
+        # when that covers its ask (which a stale cache hint may understate).
+        if tokens < asked_tokens or (floor == 0 and tenant in caps):
             limits[request_id] = min(limits.get(request_id, floor + tokens), floor + tokens)
     return limits
 
