@@ -289,6 +289,7 @@ TOX_STAMP = ".sagellm-sources.json"
 def tox_envs(args: list[str], ini: configparser.ConfigParser) -> list[str]:
     """The envs a tox command line names (-e/--env), else tox.ini's env_list."""
     named = []
+    args = args[: args.index("--")] if "--" in args else args  # the rest is the commands' (posargs)
     for flag, value in zip(args, [*args[1:], ""]):
         if flag in ("-e", "--env"):
             named.append(value)
@@ -348,8 +349,11 @@ def refresh_tox_envs(args: list[str]) -> dict[Path, dict]:
     has run (the sources as they were before it installed anything)."""
     ini = configparser.ConfigParser(interpolation=None, strict=False)
     ini.read(ROOT / "tox.ini")
-    recreate = "-r" in args or "--recreate" in args
-    stamps = {}
+    options = args[: args.index("--")] if "--" in args else args
+    recreate = "-r" in options or "--recreate" in options
+    stamps: dict[Path, dict] = {}
+    if not runs_envs(options):
+        return stamps
     for env in tox_envs(args, ini):
         folder = ROOT / ".tox" / env
         now = tox_sources(tox_projects(env, ini))
@@ -380,6 +384,14 @@ def refresh_tox_envs(args: list[str]) -> dict[Path, dict]:
             subprocess.run([*command, *(str(ROOT / name) for name in changed)], check=True, cwd=ROOT)
             (folder / TOX_STAMP).write_text(json.dumps(now, indent=1, sort_keys=True))
     return stamps
+
+
+def runs_envs(options: list[str]) -> bool:
+    """Whether a tox command line runs envs (`tox`, `tox -e X`, `tox run`,
+    `tox run-parallel`), not lists, shows or configures them."""
+    if options and not options[0].startswith("-") and options[0] not in ("run", "r", "run-parallel", "p"):
+        return False
+    return not {"-l", "-a", "--listenvs", "--listenvs-all", "-h", "--help", "--version"} & set(options)
 
 
 def tox_installed(folder: Path) -> bool:

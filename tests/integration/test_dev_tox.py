@@ -102,7 +102,7 @@ def test_the_env_s_projects_are_those_of_its_deps(dev):
     ini = configparser.ConfigParser(interpolation=None, strict=False)
     ini.read(dev.ROOT / "tox.ini")
     assert dev.tox_envs([], ini) == ["tiny", "other"]
-    assert dev.tox_envs(["-e", "other,tiny", "--", "-k", "x"], ini) == ["other", "tiny"]
+    assert dev.tox_envs(["-e", "other,tiny", "--", "-k", "x", "-e", "y"], ini) == ["other", "tiny"]
     assert dev.tox_envs(["-etiny"], ini) == ["tiny"]
     assert dev.tox_projects("tiny", ini) == ["plugins/sagellm-plugin-tiny"]
     assert dev.tox_projects("other", ini) == []
@@ -153,3 +153,12 @@ def test_tox_s_own_recreate_or_a_missing_env_is_left_to_tox(dev):
     assert folder.exists()  # tox recreates it
     assert stamps == {folder: dev.tox_sources(["plugins/sagellm-plugin-tiny"])}
     assert dev.refresh_tox_envs(["-e", "other"]) == {dev.ROOT / ".tox" / "other": {}}
+
+
+def test_commands_that_run_no_env_change_none(dev):
+    folder = make_env(dev)
+    (folder / dev.TOX_STAMP).unlink()  # an env dev.py would make again before running it
+    for args in (["-l"], ["list"], ["config", "-e", "tiny"], ["-e", "tiny", "--help"]):
+        assert dev.refresh_tox_envs(args) == {}
+        assert folder.exists()
+    assert dev.runs_envs(["run", "-e", "tiny"]) and dev.runs_envs(["-e", "tiny", "-r"]) and dev.runs_envs([])
