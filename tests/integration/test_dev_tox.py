@@ -69,12 +69,14 @@ def dev(tmp_path, monkeypatch):
     return module
 
 
-def make_env(dev, env: str = "tiny") -> Path:
-    """The env as tox leaves it: a venv with the plugin installed (not
-    editable), its deps recorded, and dev.py's stamp written."""
+def make_env(dev, env: str = "tiny", installed: bool = False) -> Path:
+    """The env as tox leaves it: a venv (with the plugin installed, not
+    editable, where ``installed``: a build, the slow part), its deps
+    recorded, and dev.py's stamp written."""
     folder = dev.ROOT / ".tox" / env
     subprocess.run([str(dev.BIN / "uv"), "venv", "--quiet", "--python", sys.executable, str(folder)], check=True)
-    install(dev, folder)
+    if installed:
+        install(dev, folder)
     (folder / ".tox-info.json").write_text(json.dumps({"PythonRun": {"deps": {"requirements": ["x"]}}}))
     # As dev.py stamps an env once tox has run in it (with -r: a fresh one).
     for stamped, sources in dev.refresh_tox_envs(["-e", env, "-r"]).items():
@@ -109,7 +111,7 @@ def test_the_env_s_projects_are_those_of_its_deps(dev):
 
 
 def test_unchanged_sources_leave_the_env_alone(dev):
-    folder = make_env(dev)
+    folder = make_env(dev, installed=True)
     before = (folder / dev.TOX_STAMP).read_text()
     installed = next(folder.rglob("sagellm_plugin_tiny/__init__.py"))
     mtime = installed.stat().st_mtime_ns
@@ -121,7 +123,7 @@ def test_unchanged_sources_leave_the_env_alone(dev):
 
 
 def test_changed_sources_are_reinstalled_into_the_env(dev):
-    folder = make_env(dev)
+    folder = make_env(dev, installed=True)
     assert installed_value(folder) == "1"
     (dev.ROOT / "plugins" / "sagellm-plugin-tiny" / "sagellm_plugin_tiny" / "__init__.py").write_text("VALUE = 2\n")
     dev.refresh_tox_envs(["-e", "tiny"])
