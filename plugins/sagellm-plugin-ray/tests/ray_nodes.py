@@ -6,7 +6,6 @@ the torch engine, the server and the cluster plugin are installed."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from collections.abc import Iterator
 
 import httpx
@@ -48,9 +47,4 @@ def instance_actors() -> list[dict]:
 def stop(front) -> int:
     """Stop a front (``sagellm_plugin_server.testing.Server``) with SIGTERM:
     its exit status; killed, and the test failed, if it is not gone in 120 s."""
-    front.process.terminate()
-    try:
-        return front.process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        front.process.kill()
-        raise
+    return front.stop(120, must_exit=True)
