@@ -16,13 +16,21 @@ environment and install only what is missing or whose pyproject.toml changed.
 Installs go through uv (from PyPI, into .venv), whose one cache of wheels
 serves every later install, the tox environments' too; pip is the fallback
 where uv cannot be installed.
+
+A tox env installs this repository's projects non-editable, and tox alone
+would keep that install while their sources change: `tox` reinstalls into
+an existing env the projects whose sources changed since it installed them
+(with uv, without their requirements), and recreates the env where one's
+pyproject.toml changed, or where it cannot tell what the env holds.
 """
 
 from __future__ import annotations
 
+import configparser
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -274,6 +282,126 @@ def tox_environment() -> dict[str, str]:
     return env
 
 
+#: In a tox env's folder: what of this repository it holds (tox_sources()).
+TOX_STAMP = ".sagellm-sources.json"
+
+
+def tox_envs(args: list[str], ini: configparser.ConfigParser) -> list[str]:
+    """The envs a tox command line names (-e/--env), else tox.ini's env_list."""
+    named = []
+    args = args[: args.index("--")] if "--" in args else args  # the rest is the commands' (posargs)
+    for flag, value in zip(args, [*args[1:], ""]):
+        if flag in ("-e", "--env"):
+            named.append(value)
+        elif flag.startswith("--env="):
+            named.append(flag.split("=", 1)[1])
+        elif flag.startswith("-e") and len(flag) > 2:
+            named.append(flag[2:])
+    listed = named or [ini.get("tox", "env_list", fallback="")]
+    return [env.strip() for value in listed for env in value.replace("\n", ",").split(",") if env.strip()]
+
+
+def tox_projects(env: str, ini: configparser.ConfigParser) -> list[str]:
+    """The projects of this repository an env of tox.ini installs (its
+    deps' `{tox_root}` paths, `{[testenv]deps}` expanded), by key()."""
+    lines = ini.get(f"testenv:{env}", "deps", fallback=None)
+    if lines is None:
+        lines = ini.get("testenv", "deps", fallback="")
+    lines = lines.replace("{[testenv]deps}", ini.get("testenv", "deps", fallback=""))
+    found = []
+    for line in lines.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("{tox_root}"):
+            path = ROOT / line[len("{tox_root}") :].split("[", 1)[0].strip().lstrip("/")
+            if (path / "pyproject.toml").exists():
+                found.append(key(path.resolve()))
+    return sorted(set(found))
+
+
+def source_digest(project: Path) -> str:
+    """A digest of what a project's wheel is built from: its pyproject,
+    README and the packages its pyproject lists (their files, by content)."""
+    table = pyproject(project)
+    names = {name.split(".", 1)[0] for name in table.get("tool", {}).get("setuptools", {}).get("packages", [])}
+    files = [project / "pyproject.toml", project / "README.md"]
+    for name in sorted(names):
+        files += sorted(f for f in (project / name).rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+    h = hashlib.sha256()
+    for f in files:
+        if f.exists():
+            h.update(f.relative_to(project).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def tox_sources(projects: list[str]) -> dict[str, dict[str, str]]:
+    return {name: {"pyproject": digest(ROOT / name), "sources": source_digest(ROOT / name)} for name in projects}
+
+
+def refresh_tox_envs(args: list[str]) -> dict[Path, dict]:
+    """Bring each existing env the command runs up to date with this
+    repository's sources, the cheapest way that is still right: nothing
+    where nothing changed; the projects whose sources changed reinstalled
+    (uv, without their requirements, which have not changed); the env
+    removed, for tox to make again, where a project's pyproject.toml changed
+    (its requirements may have), where the env's projects are not those it
+    was stamped with, or where it has no stamp (made by tox alone, or
+    before a reinstall finished). Returns each env's stamp to write once tox
+    has run (the sources as they were before it installed anything)."""
+    ini = configparser.ConfigParser(interpolation=None, strict=False)
+    ini.read(ROOT / "tox.ini")
+    options = args[: args.index("--")] if "--" in args else args
+    recreate = "-r" in options or "--recreate" in options
+    stamps: dict[Path, dict] = {}
+    if not runs_envs(options):
+        return stamps
+    for env in tox_envs(args, ini):
+        folder = ROOT / ".tox" / env
+        now = tox_sources(tox_projects(env, ini))
+        stamps[folder] = now
+        if recreate or not folder.exists():
+            continue
+        try:
+            then = json.loads((folder / TOX_STAMP).read_text())
+        except (OSError, ValueError):
+            then = None
+        python = folder / ("Scripts" if os.name == "nt" else "bin") / "python"
+        changed = sorted(name for name in now if then and then.get(name, {}).get("sources") != now[name]["sources"])
+        if (
+            then is None
+            or set(then) != set(now)
+            or any(then[name].get("pyproject") != now[name]["pyproject"] for name in now)
+            or (changed and not (BIN / "uv").exists())
+            or not python.exists()
+        ):
+            print(f"dev.py: tox env {env} recreated: what it installed from this repository changed", file=sys.stderr)
+            shutil.rmtree(folder)
+        elif changed:
+            print(f"dev.py: tox env {env}: reinstalling {', '.join(changed)} (their sources changed)", file=sys.stderr)
+            (folder / TOX_STAMP).unlink()  # until the reinstall is done
+            distributions = [pyproject(ROOT / name)["project"]["name"] for name in changed]
+            reinstall = [f"--reinstall-package={name}" for name in distributions]
+            command = [str(BIN / "uv"), "pip", "install", "--quiet", "--python", str(python), "--no-deps", *reinstall]
+            subprocess.run([*command, *(str(ROOT / name) for name in changed)], check=True, cwd=ROOT)
+            (folder / TOX_STAMP).write_text(json.dumps(now, indent=1, sort_keys=True))
+    return stamps
+
+
+def runs_envs(options: list[str]) -> bool:
+    """Whether a tox command line runs envs (`tox`, `tox -e X`, `tox run`,
+    `tox run-parallel`), not lists, shows or configures them."""
+    if options and not options[0].startswith("-") and options[0] not in ("run", "r", "run-parallel", "p"):
+        return False
+    return not {"-l", "-a", "--listenvs", "--listenvs-all", "-h", "--help", "--version"} & set(options)
+
+
+def tox_installed(folder: Path) -> bool:
+    """Whether tox has installed an env's deps (it records them once they are in)."""
+    try:
+        return bool(json.loads((folder / ".tox-info.json").read_text())["PythonRun"]["deps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def run_environment() -> dict[str, str]:
     """The environment the .venv's commands run in: Python keeps the
     bytecode it compiles, in a tree of its own under .venv
@@ -320,7 +448,12 @@ def main(argv: list[str]) -> int:
                 return code
         args = [str(BIN / "python"), "-m", "pytest", *rest]
     else:
-        args, env = [str(BIN / "tox"), *rest], tox_environment()
+        stamps = refresh_tox_envs(rest)
+        code = subprocess.run([str(BIN / "tox"), *rest], cwd=ROOT, env=tox_environment()).returncode
+        for folder, sources in stamps.items():
+            if tox_installed(folder):
+                (folder / TOX_STAMP).write_text(json.dumps(sources, indent=1, sort_keys=True))
+        return code
     return subprocess.run(args, cwd=ROOT, env=env).returncode
 
 

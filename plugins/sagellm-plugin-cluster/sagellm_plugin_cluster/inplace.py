@@ -380,7 +380,7 @@ class DecodePuller(OfferReader):
         self.counts = TransferCounts()
         #: Why the last pull did not end ``DONE`` (``""`` when it did): what failed, or which deadline passed.
         self.reason = ""
-        self._why = self._read_error = ""
+        self._read_error = ""
         self._landing: Landing | None = None
         self._claim: str | None = None
         #: Reads that outlived their pull, and their landings (:meth:`reap`).
@@ -418,14 +418,17 @@ class DecodePuller(OfferReader):
         cache, ending in a terminal state within ``timeout_s``; counted."""
         deadline = self.clock() + timeout_s
         self.reap()
-        self._landing, self._claim, self._why = None, None, ""
+        self._landing, self._claim, self.reason = None, None, ""
         key = store_key(self.link, f"lease/{request.request_id}")
         try:
             status, num_blocks = self._pull(request, key, deadline)
         except Exception as exc:  # the store raises RuntimeErrors of its own; the engine, TransportError
             status, num_blocks = (TransferStatus.EXPIRED if self.clock() >= deadline else TransferStatus.FAILED), 0
-            self._why = f"{type(exc).__name__}: {exc}"
-        self.reason = "" if status is TransferStatus.DONE else self._why or status.value
+            self.reason = f"{type(exc).__name__}: {exc}"
+        if status is TransferStatus.DONE:
+            self.reason = ""
+        elif not self.reason:
+            self.reason = status.value
         if status is not TransferStatus.DONE:
             if self._landing is not None:
                 self._landing.abandon()
@@ -525,7 +528,7 @@ class DecodePuller(OfferReader):
         return TransferStatus.DONE, count
 
     def _ended(self, status: TransferStatus, why: str) -> tuple[TransferStatus, int]:
-        self._why = why
+        self.reason = why
         return status, 0
 
     def _read(

@@ -23,6 +23,15 @@ asks for peer failure handling), so an agent held to ``lo`` could not reach
 a peer on ``eth0`` of the same machine, nor the reverse. On one machine
 UCX reads the bytes by cross-memory attach (``cma``), its messages over TCP.
 
+The agent's progress thread (it answers the peers' reads of this
+process's memory over UCX's TCP) waits on UCX's events between two rounds,
+for at most :data:`PROGRESS_WAIT_US`: NIXL's Python API starts it with no
+wait at all (``pthrDelay = 0``), and then it spins, one core busy for
+the life of the process, every instance's, idle or not (on a 2-core machine
+the two processes of one prefill/decode pair took both cores from their own
+engines). NIXL's Python API has no parameter for it: :func:`new_agent`
+gives the wait to the agent's configuration as the agent is made.
+
 Adding a peer's agent that UCX cannot reach fails (``NIXL_ERR_BACKEND``);
 the pull then fails, its reason naming this agent's devices, and the agent
 is added again at the next pull.
@@ -48,6 +57,10 @@ from .kv_tensors import TransportError
 
 #: Seconds between two looks at a running transfer.
 POLL_S = 0.0002
+#: Microseconds the agent's progress thread waits for UCX's next event
+#: before it progresses the workers anyway (NIXL's ``pthrDelay``): an event
+#: wakes it at once, so a read does not wait for it.
+PROGRESS_WAIT_US = 10_000
 
 
 class NixlRead:
@@ -98,8 +111,6 @@ class NixlMemory(inplace.Memory):
         self._peers: dict[bytes, str] = {}
 
     def _register(self, tensor: Any, host: str) -> tuple[str, bytes, Any]:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
         if not is_loopback(host) and "UCX_NET_DEVICES" not in os.environ:
             device = interface_of(host)
             if device is None:
@@ -107,8 +118,7 @@ class NixlMemory(inplace.Memory):
             os.environ["UCX_NET_DEVICES"] = device  # read by UCX as the agent starts
 
         name = f"sagellm-{os.getpid()}-{len(self._handles)}"
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
-        agent = nixl_agent(name, config)
+        agent = new_agent(name)
         try:
             agent.register_memory([(tensor.data_ptr(), tensor.nbytes, 0, "")], "DRAM")
         except Exception as exc:  # NIXL raises its own nixl*Error types
@@ -138,6 +148,42 @@ class NixlMemory(inplace.Memory):
         except Exception as exc:  # NIXL raises its own nixl*Error types
             raise TransportError(f"NIXL: preparing the read of {len(segments)} ranges failed ({exc})") from exc
         return NixlRead(agent, handle)
+
+
+def new_agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend and a progress thread that waits
+    on UCX's events (:data:`PROGRESS_WAIT_US`).
+
+    ``nixl_agent`` builds its native configuration itself and sets
+    ``pthrDelay = 0`` in it; for the one call that makes the agent, its
+    module's bindings are seen through :class:`_WaitingBindings`, which
+    sets the wait on that configuration. Called under the memory's lock
+    (:meth:`.inplace.Memory.register`): one agent is made at a time."""
+    from nixl_cu12 import _api
+
+    config = _api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+    bindings = _api.nixlBind
+    _api.nixlBind = _WaitingBindings(bindings)
+    try:
+        agent = _api.nixl_agent(name, config)
+    finally:
+        _api.nixlBind = bindings
+    return agent
+
+
+class _WaitingBindings:
+    """NIXL's native bindings, but an agent made through them gets the
+    progress thread's wait (:data:`PROGRESS_WAIT_US`)."""
+
+    def __init__(self, bindings: Any) -> None:
+        self._bindings = bindings
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (the bindings' name)
+        config.pthrDelay = PROGRESS_WAIT_US
+        return self._bindings.nixlAgent(name, config)
 
 
 _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B

@@ -229,6 +229,34 @@ def test_a_refused_read_fails_and_frees_both_sides(transport, sides, store):
     assert decode.in_flight == 0 and prefill.in_flight == 0
 
 
+def test_an_idle_nixl_agent_leaves_the_cpu_alone(transport):
+    """An agent as the transport makes it (its progress thread running), in
+    a process of its own that then sleeps for two seconds: its progress
+    thread waits on UCX's events and the process takes almost no CPU. (With
+    NIXL's own wait of zero the thread spun, a whole core for as long as
+    the process lived. A loaded machine only lowers what a spinning thread
+    gets, never raises what a waiting one takes.)"""
+    import subprocess
+    import sys
+
+    if transport != "nixl":
+        pytest.skip("the progress thread is NIXL's")
+    code = (
+        "import os, time\n"
+        "from sagellm_plugin_cluster.nixl import new_agent\n"
+        "agent = new_agent('idle')\n"
+        "cpu, wall = time.process_time(), time.monotonic()\n"
+        "time.sleep(2.0)\n"
+        "print('idle', time.process_time() - cpu, time.monotonic() - wall, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    line = next((line for line in out.stdout.splitlines() if line.startswith("idle ")), None)
+    assert line is not None, out.stdout + out.stderr[-2000:]
+    cpu, wall = map(float, line.split()[1:])
+    assert cpu < 0.25 * wall, f"the idle agent's process took {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
 # One process per side on two addresses of this machine, a loopback one and
 # the machine's own: no engine, the library's registration and reads alone.
 

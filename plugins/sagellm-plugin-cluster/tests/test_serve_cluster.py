@@ -65,13 +65,8 @@ def serve_cluster(cluster: Path) -> Server:
 
 def stop(front: Server) -> int:
     """Stop the front (SIGTERM) and return its exit status; it has as long
-    as its instances take to stop (``Server.stop`` kills at 20 s)."""
-    front.process.terminate()
-    try:
-        return front.process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        front.process.kill()
-        raise
+    as its instances take to stop, and fails the test past 120 s."""
+    return front.stop(120, must_exit=True)
 
 
 def settled_stats(url: str, n: int) -> dict:

@@ -9,8 +9,6 @@ greedy outputs equal one instance's. Marked ``engine``: ``tox -e ray``."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -20,23 +18,11 @@ pytest.importorskip("sagellm_plugin_server")
 pytest.importorskip("sagellm_plugin_cluster")
 
 import httpx  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
 
+from .ray_nodes import START_S, complete, instance_actors, stop, two_raylets  # noqa: E402
+
 pytestmark = pytest.mark.engine
-
-START_S = 240.0
-
-
-def complete(url: str, prompt: str) -> httpx.Response:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
-def instance_actors() -> list[dict]:
-    """The instance actors alive, from Ray's actor table."""
-    table = ray._private.state.actors().values()
-    return [a for a in table if a["ActorClassName"].endswith("InstanceActor") and a["State"] == "ALIVE"]
 
 
 #: The second raylet's address. (Ray replaces 127.0.0.1 by the machine's own
@@ -53,15 +39,8 @@ PD_BLOCKS = sum((len(p.split()) - 1) // 4 for p in PD_PROMPTS)
 def two_addresses():
     """A head raylet on the machine's address and a second one on
     ``SECOND_NODE_IP``, one CPU each."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        cluster.add_node(num_cpus=1, node_ip_address=SECOND_NODE_IP)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+    with two_raylets(SECOND_NODE_IP) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +93,7 @@ def test_prefill_and_decode_on_two_nodes_exchange_kv(transport, two_addresses, m
         answers = [complete(front.url, p) for p in PD_PROMPTS]
         after = httpx.get(f"{front.url}/kv/stats", params={"check_invariants": True}, timeout=60).json()
     finally:
-        front.process.terminate()
-        try:
-            front.process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            front.process.kill()
-            raise
+        stop(front)
     nodes = {a["Address"]["IPAddress"] for a in actors}
     assert len(actors) == 2 and len(nodes) == 2 and SECOND_NODE_IP in nodes, actors  # one on each address
     assert [a.status_code for a in answers] == [200] * len(PD_PROMPTS)

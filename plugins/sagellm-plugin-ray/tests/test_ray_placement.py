@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,13 +22,13 @@ pytest.importorskip("sagellm_plugin_server")
 pytest.importorskip("sagellm_plugin_cluster")
 
 import httpx  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 from sagellm_plugin_server.testing import Server, server_config  # noqa: E402
+
+from .ray_nodes import START_S, complete, instance_actors, stop, two_raylets  # noqa: E402
 
 #: Each instance loads torch and a model: `tox -e ray` runs them (`-m engine`).
 pytestmark = pytest.mark.engine
 
-START_S = 240.0
 PROMPT = "alpha beta gamma delta epsilon zeta eta theta"
 
 
@@ -46,32 +45,14 @@ def parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def complete(url: str, prompt: str) -> httpx.Response:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
-def instance_actors() -> list[dict]:
-    """The instance actors alive, from Ray's actor table (no dashboard needed)."""
-    table = ray._private.state.actors().values()
-    return [a for a in table if a["ActorClassName"].endswith("InstanceActor") and a["State"] == "ALIVE"]
-
-
 def stats(url: str) -> dict:
     return httpx.get(f"{url}/kv/stats", timeout=60).json()
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)  # to read the actors' state
+    with two_raylets() as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture
@@ -111,12 +92,7 @@ def test_instances_as_actors_on_both_nodes_routed_around_when_one_dies(two_nodes
         after = [complete(front.url, PROMPT) for _ in range(4)]
         later = stats(front.url)
     finally:
-        front.process.terminate()
-        try:
-            code = front.process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            front.process.kill()
-            raise
+        code = stop(front)
     output = front.process.stdout.read()
     assert len(actors) == 2 and len({a["Address"]["NodeID"] for a in actors}) == 2  # one instance on each node
     assert [a.status_code for a in first] == [200] * 4

@@ -49,12 +49,19 @@ class Server:
         self.stop()
         raise RuntimeError(f"sagellm serve did not become healthy in {start_timeout_s:g} s")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 20.0, must_exit: bool = False) -> int:
+        """SIGTERM, then SIGKILL if it is still running ``timeout_s`` later;
+        its exit status. With ``must_exit`` a server that had to be killed
+        fails the caller (the ``TimeoutExpired`` raised): a front, say, that
+        does not stop its instances in time."""
         self.process.terminate()
         try:
-            self.process.wait(timeout=20)
+            return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            if must_exit:
+                raise
+            return self.process.wait()
 
 
 def server_config(folder: Path, model: Path, max_waiting: int = 4096, max_num_seqs: int = 32) -> Path:
