@@ -76,29 +76,7 @@ def test_a_missing_model_is_one_line(tmp_path):
 def test_a_gguf_model_is_dequantized_once_and_kept_with_the_same_weights(tmp_path, monkeypatch):
     """SmolLM2's GGUF file: with a cache folder that cannot be made the model
     loads as it is; with one that can, the first load keeps a checkpoint
-    there and the next reads it; weights and tokenizer are the same each way.
-
-    transformers dequantizes the file (about 20 s on a 2-core machine) the
-    same way each time: its first dequantization is kept here, and the
-    second load that asks for it gets a copy, so that the file is
-    dequantized once; no later load asks for it (they read the checkpoint)."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    dequantize = AutoModelForCausalLM.from_pretrained
-    asked, dequantized = [], []
-
-    def from_pretrained(*args, **kwargs):
-        if not kwargs.get("gguf_file"):  # a checkpoint folder
-            return dequantize(*args, **kwargs)
-        asked.append((args, kwargs))
-        assert asked[-1] == asked[0]  # the same file, the same dtype
-        if not dequantized:
-            dequantized.append(dequantize(*args, **kwargs))
-        return copy.deepcopy(dequantized[0])
-
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    there and the next reads it; weights and tokenizer are the same each way."""
 
     def fresh_load(cache, dtype="float32"):
         monkeypatch.setenv("SAGELLM_MODEL_CACHE", str(cache))
@@ -117,16 +95,13 @@ def test_a_gguf_model_is_dequantized_once_and_kept_with_the_same_weights(tmp_pat
     models._load.cache_clear()
     weights = direct.state_dict()
     for other in (first, again):
-        theirs = other.state_dict()
-        assert theirs.keys() == weights.keys()
-        assert all(torch.equal(theirs[name], tensor) for name, tensor in weights.items())
-    halves = half.state_dict()
-    assert all(torch.equal(halves[name], tensor.bfloat16()) for name, tensor in weights.items())
+        assert other.state_dict().keys() == weights.keys()
+        assert all(torch.equal(other.state_dict()[name], tensor) for name, tensor in weights.items())
+    assert all(torch.equal(half.state_dict()[name], tensor.bfloat16()) for name, tensor in weights.items())
     text = "<|im_start|>user\nHello, wörld 123<|im_end|>"
     assert again_tokenizer(text).input_ids == tokenizer(text).input_ids
     assert again_tokenizer.chat_template == tokenizer.chat_template
     assert list(kept_to.iterdir()) == [kept]  # no staging folder left
-    assert len(asked) == 2  # the loads with no checkpoint kept; the later ones read it
 
 
 def test_an_unsupported_architecture_is_refused(tmp_path):
