@@ -315,7 +315,8 @@ def products(shape: dict, batch: int = 64, reps: int = 100) -> list[dict]:
     default = torch.backends.cuda.preferred_blas_library()
     try:
         for library in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(library)
+            in_effect = torch.backends.cuda.preferred_blas_library(library)
+            assert in_effect.name.lower() == library, f"products: {library} asked for, {in_effect.name} in effect"
             for name, (k, n) in sizes.items():
                 weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 transposed = weight.t().contiguous()
@@ -377,6 +378,9 @@ def throughput(
             generated += sum(1 for out in core.step() if out.token_id is not None)
         engine_s[scheduling] = time.perf_counter() - start
         assert generated == tokens, f"{scheduling}: the engine generated {generated} tokens, not {tokens}"
+        assert (core.steps_launched_ahead > 0) == (scheduling == "async"), (
+            f"throughput, {scheduling}: {core.steps_launched_ahead} steps launched before the step ahead was applied"
+        )
         assert core.rt.counters.preemptions == 0, "the pool was sized to hold every request"
         del core
         gc.collect()
