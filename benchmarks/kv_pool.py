@@ -173,6 +173,7 @@ name = "replay"
 mode = "timed"
 [workload]
 source = "noisy-neighbour"
+seed = {seed}
 tenants = 3
 sessions_per_tenant = {sessions}
 document_rate = {rate}
@@ -204,25 +205,50 @@ caps = {{{step_caps}}}
 """
 
 
-def quotas(args) -> None:
-    print(f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks)\n")
-    runs: list[tuple[str, float, float | None, float | None | bool]] = [("chat tenants alone", 0.0, None, False)]
-    for rate in args.rates:
-        runs += [(f"documents at {rate}/s, no quota", rate, None, False)]
-        for cap in args.caps:
-            runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap, False)]
-            runs += [(f"documents at {rate}/s, quota (docs cap {cap}) + step shares", rate, cap, None)]
-            runs += [
-                (f"documents at {rate}/s, quota (docs cap {cap}) + step shares, docs step cap {step}", rate, cap, step)
-                for step in args.step_caps
-            ]
-    reports = []
-    turns: dict[str, dict[str, tuple[str, float, int, int]]] = {}  # label -> request id -> what its turn found
-    real_record = recorder_mod.Recorder.record
+def _p99(values: list[float]) -> float:
+    """The report's nearest-rank p99 (``report.tenant_ttft_s``), of values pooled over seeds."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
-    def record(recorder, outcome):  # every finished request's TTFT and cached prompt, by row
+
+#: A quota row: label, document rate, the documents' cap, their step cap
+#: (False: no tenant-shares pass; None: the shares alone), their contended cap.
+QuotaRun = tuple[str, float, "float | None", "float | None | bool", "float | None"]
+#: A turn's tenant, TTFT, cached tokens at admission and prompt tokens.
+Turn = tuple[str, float, int, int]
+
+
+def quota_runs(args) -> list[QuotaRun]:
+    runs: list[QuotaRun] = [("chat tenants alone", 0.0, None, False, None)]
+    for rate in args.rates:
+        runs += [(f"documents at {rate}/s, no quota", rate, None, False, None)]
+        for cap in args.caps:
+            runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap, False, None)]
+            runs += [(f"documents at {rate}/s, quota (docs cap {cap}) + step shares", rate, cap, None, None)]
+            for step in args.step_caps:
+                shared = f"documents at {rate}/s, quota (docs cap {cap}) + step shares, docs step cap {step}"
+                runs += [(shared, rate, cap, step, None)]
+                runs += [
+                    (f"{shared}, {contended} while a chat tenant prefills", rate, cap, step, contended)
+                    for contended in args.contended_caps
+                ]
+    return runs
+
+
+def replay_quota_runs(
+    args, runs: list[QuotaRun]
+) -> tuple[dict[str, list[dict]], dict[str, dict[tuple[int, str], Turn]]]:
+    """Each row replayed once a seed, checked to be what its label says:
+    label -> each seed's report, and label -> (seed, request id) -> its turn."""
+    rows: dict[str, list[dict]] = {}
+    turns: dict[str, dict[tuple[int, str], Turn]] = {}
+    real_record = recorder_mod.Recorder.record
+    into: dict[tuple[int, str], Turn] = {}
+    seed = 0
+
+    def record(recorder, outcome):  # every finished request's TTFT and cached prompt
         request = outcome.request
-        turns[label][request.request_id] = (
+        into[seed, request.request_id] = (
             request.tenant,
             outcome.ttft_s,
             outcome.num_cached_tokens,
@@ -231,80 +257,135 @@ def quotas(args) -> None:
         real_record(recorder, outcome)
 
     recorder_mod.Recorder.record = record  # type: ignore[method-assign]
-    for label, rate, cap, step_cap in runs:
-        turns[label] = {}
-        text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks)
-        text += QUOTA.format(cap=cap) if cap is not None else ""
-        if step_cap is not False:
-            text = text.replace('passes = ["fcfs"]', 'passes = ["fcfs", "tenant-shares"]')
-            text += STEP_SHARES.format(step_caps="" if step_cap is None else f"docs = {step_cap}")
-        r = session.run(settings_from_toml(text), label=label).report
-        admitted_by = r["plugins"].get("admission", "")
-        check(label, ("docs" in r["tenant_block_hit_rates"]) == (rate > 0), "the document tenant's presence")
-        passes = r["plugins"]["scheduler"]
-        check(label, passes == ("fcfs" if step_cap is False else "fcfs, tenant-shares"), f"scheduler passes {passes!r}")
-        if cap is None:
-            check(label, not admitted_by, f"admission plugin {admitted_by!r} loaded")
-        else:
-            check(label, admitted_by == "quota", f"admission plugin {admitted_by!r}, not quota")
-            check(label, r["admission"]["tenant_deferrals"].get("docs", 0) > 0, "the quota deferred no document")
-        reports.append((label, r))
-    alone = reports[0][1]
-    chats = sorted(t for t in alone["tenant_block_hit_rates"])
+    try:
+        for label, rate, cap, step_cap, contended in runs:
+            into = turns[label] = {}
+            rows[label] = []
+            for seed in args.seeds:
+                text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks, seed=seed)
+                text += QUOTA.format(cap=cap) if cap is not None else ""
+                if step_cap is not False:
+                    text = text.replace('passes = ["fcfs"]', 'passes = ["fcfs", "tenant-shares"]')
+                    text += STEP_SHARES.format(step_caps="" if step_cap is None else f"docs = {step_cap}")
+                    text += f"contended_caps = {{docs = {contended}}}\n" if contended is not None else ""
+                r = session.run(settings_from_toml(text), label=label).report
+                admitted_by = r["plugins"].get("admission", "")
+                check(label, ("docs" in r["tenant_block_hit_rates"]) == (rate > 0), "the document tenant's presence")
+                passes = r["plugins"]["scheduler"]
+                check(label, passes == ("fcfs" if step_cap is False else "fcfs, tenant-shares"), f"passes {passes!r}")
+                wanted = "" if cap is None else "quota"
+                check(label, admitted_by == wanted, f"admission plugin {admitted_by!r}, not {wanted!r}")
+                rows[label].append(r)
+            if cap is not None:  # in some seed: in a large pool one seed's documents may all fit
+                deferred = sum(r["admission"]["tenant_deferrals"].get("docs", 0) for r in rows[label])
+                check(label, deferred > 0, "the quota deferred no document")
+            if contended is not None:
+                yielded = [r["plugin_figures"].get("tenant-shares", {}).get("yielded_steps", {}) for r in rows[label]]
+                check(label, all(y.get("docs", 0) > 0 for y in yielded), "the documents never yielded a step")
+    finally:
+        recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
+    return rows, turns
+
+
+def quotas(args) -> None:
+    seeds = ", ".join(map(str, args.seeds))
+    print(
+        f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks,"
+        f" seeds {seeds})\n"
+    )
+    runs = quota_runs(args)
+    rows, turns = replay_quota_runs(args, runs)
+    alone_label = runs[0][0]
+    chats = sorted(rows[alone_label][0]["tenant_block_hit_rates"])
+
+    def hit_rate(label: str, tenant: str) -> float:  # the mean over seeds
+        return statistics.fmean(r["tenant_block_hit_rates"][tenant] for r in rows[label])
+
+    def ttft_p99(label: str, tenant: str) -> float:  # each seed's TTFTs pooled
+        return _p99([t[1] for t in turns[label].values() if t[0] == tenant])
+
+    def chat_ttft_mean(label: str) -> float:  # every chat turn's, over the seeds
+        return statistics.fmean(t[1] for t in turns[label].values() if t[0] in chats)
+
+    if len(args.seeds) > 1:
+        print(
+            "Hit rates: the mean over the seeds; TTFT p99: of each tenant's turns over all the seeds;"
+            " Jain's index: the lowest of the seeds'; preemptions and deferrals: summed.\n"
+        )
     print(
         "| run | "
         + " | ".join(f"{t} hit rate (vs alone)" for t in chats)
         + " | docs hit rate |"
         + " | ".join(f" {t} TTFT p99 s (vs alone)" for t in chats)
-        + " | docs TTFT p99 (s) | Jain (all tenants) |"
+        + " | chat TTFT mean s (vs alone) | docs TTFT p99 (s) | Jain (all tenants) |"
         " Jain (chat) | preemptions | docs deferrals |"
     )
-    print("|---|" + "---:|" * (2 * len(chats) + 6))
-    for label, r in reports:
-        hits, ttft = r["tenant_block_hit_rates"], r["tenant_ttft_s"]
-        cells = [f"{hits[t]:.4f} ({ratio(hits[t], alone['tenant_block_hit_rates'][t])})" for t in chats]
-        cells.append(f"{hits['docs']:.4f}" if "docs" in hits else "-")
-        cells += [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], alone['tenant_ttft_s'][t]['p99'])})" for t in chats]
-        cells.append(f"{ttft['docs']['p99']:.3f}" if "docs" in ttft else "-")
-        chat_jain = report_mod.jain_index([hits[t] for t in chats])
-        deferred = r["admission"]["tenant_deferrals"].get("docs", 0)
-        cells += [f"{r['jain_fairness']:.4f}", f"{chat_jain:.4f}", f"{r['preemptions']:,}", f"{deferred:,}"]
+    print("|---|" + "---:|" * (2 * len(chats) + 7))
+    for label, _, _, _, _ in runs:
+        reports = rows[label]
+        cells = [f"{hit_rate(label, t):.4f} ({ratio(hit_rate(label, t), hit_rate(alone_label, t))})" for t in chats]
+        cells.append(f"{hit_rate(label, 'docs'):.4f}" if "docs" in reports[0]["tenant_block_hit_rates"] else "-")
+        cells += [f"{ttft_p99(label, t):.3f} ({ratio(ttft_p99(label, t), ttft_p99(alone_label, t))})" for t in chats]
+        mean, mean_alone = chat_ttft_mean(label), chat_ttft_mean(alone_label)
+        cells.append(f"{mean:.4f} ({ratio(mean, mean_alone)})")
+        cells.append(f"{ttft_p99(label, 'docs'):.3f}" if "docs" in reports[0]["tenant_ttft_s"] else "-")
+        jain = min(r["jain_fairness"] for r in reports)
+        chat_jain = min(report_mod.jain_index([r["tenant_block_hit_rates"][t] for t in chats]) for r in reports)
+        preemptions = sum(r["preemptions"] for r in reports)
+        deferred = sum(r["admission"]["tenant_deferrals"].get("docs", 0) for r in reports)
+        cells += [f"{jain:.4f}", f"{chat_jain:.4f}", f"{preemptions:,}", f"{deferred:,}"]
         print(f"| {label} | " + " | ".join(cells) + " |")
     print()
-    for label, r in reports:
-        if "quota" in r["plugin_figures"]:
-            admit, victims = hook_p50(r, "sagellm_admit_request"), hook_p50(r, "sagellm_select_victims")
-            print(f"{label}: quota figures {r['plugin_figures']['quota']}; p50 µs: admit {admit}, victims {victims}")
+    if len(args.seeds) > 1:  # each seed's TTFT p99 against alone, the rows' spread
+        print("Each seed's chat TTFT p99 against alone (the report's own, per run):\n")
+        print("| run | seed | " + " | ".join(f"{t} TTFT p99 s (vs alone)" for t in chats) + " |")
+        print("|---|---:|" + "---:|" * len(chats))
+        for label, _, _, _, _ in runs[1:]:
+            for seed, r, base in zip(args.seeds, rows[label], rows[alone_label]):
+                ttft, ttft_alone = r["tenant_ttft_s"], base["tenant_ttft_s"]
+                cells = [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], ttft_alone[t]['p99'])})" for t in chats]
+                print(f"| {label} | {seed} | " + " | ".join(cells) + " |")
+        print()
+    for label, _, _, _, _ in runs:
+        for seed, r in zip(args.seeds, rows[label]):
+            if "quota" in r["plugin_figures"]:
+                admit, victims = hook_p50(r, "sagellm_admit_request"), hook_p50(r, "sagellm_select_victims")
+                figures = r["plugin_figures"]["quota"]
+                print(f"{label} (seed {seed}): quota figures {figures}; p50 µs: admit {admit}, victims {victims}")
+            if "tenant-shares" in r["plugin_figures"]:
+                print(f"{label} (seed {seed}): tenant-shares figures {r['plugin_figures']['tenant-shares']}")
     print()
-    recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
-    memory_floor(args, alone)
-    alone_turns = turns[reports[0][0]]
+    memory_floor(args, rows[alone_label][0])
+    alone_turns = turns[alone_label]
     print(
         "The slowest two turns of each chat tenant in the rows with the smallest step cap,"
         " against the same turns alone:\n"
     )
     print("| run | turn | TTFT s (alone) | prompt tokens | cached (alone) |")
     print("|---|---|---:|---:|---:|")
-    for label, _ in reports:
-        if args.step_caps and label.endswith(f"docs step cap {min(args.step_caps)}"):
+    for label, _, _, step_cap, _ in runs:
+        if args.step_caps and step_cap == min(args.step_caps):
             for tenant in chats:
-                mine = sorted((t[1], rid) for rid, t in turns[label].items() if t[0] == tenant)
-                for ttft, rid in mine[-2:]:
-                    _, _, cached, prompt = turns[label][rid]
-                    _, ttft_alone, cached_alone, _ = alone_turns[rid]
+                mine = sorted((t[1], key) for key, t in turns[label].items() if t[0] == tenant)
+                for ttft, key in mine[-2:]:
+                    _, _, cached, prompt = turns[label][key]
+                    _, ttft_alone, cached_alone, _ = alone_turns[key]
+                    turn = key[1] if len(args.seeds) == 1 else f"{key[1]} (seed {key[0]})"
                     print(
-                        f"| {label} | {rid} | {ttft:.3f} ({ttft_alone:.3f}) | {prompt:,} |"
+                        f"| {label} | {turn} | {ttft:.3f} ({ttft_alone:.3f}) | {prompt:,} |"
                         f" {cached:,} ({cached_alone:,}) |"
                     )
     print()
     print("The scheduling passes' hook (`sagellm_schedule_pass`, every pass of a step in one call), µs:\n")
-    print("| run | calls | p50 | mean | p99 |")
-    print("|---|---:|---:|---:|---:|")
-    for label, r in reports:
-        stats = r["hooks"]["sagellm_schedule_pass"]
-        print(
-            f"| {label} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} | {stats['p99_us']:.2f} |"
-        )
+    print("| run | seed | calls | p50 | mean | p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, _, _, _, _ in runs:
+        for seed, r in zip(args.seeds, rows[label]):
+            stats = r["hooks"]["sagellm_schedule_pass"]
+            print(
+                f"| {label} | {seed} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} |"
+                f" {stats['p99_us']:.2f} |"
+            )
     print()
 
 
@@ -326,7 +407,8 @@ def memory_floor(args, alone: dict) -> None:
     print("|---:|" + "---:|" * (2 * len(chats) + 1))
     for blocks in sorted(sizes, reverse=True):
         label = f"chat tenants alone, {blocks:,} blocks"
-        r = session.run(settings_from_toml(NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks)), label=label)
+        text = NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks, seed=args.seeds[0])
+        r = session.run(settings_from_toml(text), label=label)
         r = r.report
         check(label, "docs" not in r["tenant_block_hit_rates"], "a document tenant")
         check(label, r["plugins"].get("admission", "") == "", "an admission plugin")
@@ -873,6 +955,14 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--caps", type=float, nargs="+", default=[0.25])
     p.add_argument("--step-caps", type=float, nargs="*", default=[0.125, 0.03125])
+    p.add_argument(
+        "--contended-caps",
+        type=float,
+        nargs="*",
+        default=[],
+        help="rows with each step cap and the documents' cap in a step where a chat tenant prefills, besides",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the workload's seeds, pooled in each row")
     p.add_argument(
         "--alone-blocks", type=int, nargs="*", default=[3840], help="pool sizes for the chat tenants alone, besides"
     )

@@ -19,7 +19,16 @@ behind them. This pass caps the chunks of the step's requests
 * **a cap bounds a tenant** named in ``caps``: its prefill tokens in a step
   are at most ``cap * budget`` (at least one), even when nobody else asks.
   A cap is not work-conserving: it keeps the step short, so a request of
-  another tenant arriving mid-step waits for a short step, not a long one.
+  another tenant arriving mid-step waits for a short step, not a long one;
+* **a tenant yields to the guaranteed ones** where ``contended_caps``
+  names it (a tenant without a share): in a step in which a tenant with a
+  share asks for prefill tokens, its cap is its contended cap (0: none,
+  but for a running prefill's floor of one token). Prefill is
+  compute-bound, so a capped tenant's chunk riding in a step of decodes
+  costs little, but in the step that computes another tenant's prompt it
+  adds its whole compute time to that prompt's first token; this keeps it
+  out of exactly those steps. The price: while guaranteed tenants prefill
+  in every step, the yielding tenant's waiting requests get nothing.
 
 A request's ask is its uncomputed tokens: for a running request, those of
 its prompt (and output, after a preemption) not yet computed; for a
@@ -40,6 +49,7 @@ import math
 from collections.abc import Callable
 from itertools import compress, count
 from operator import attrgetter
+from typing import Any
 
 from attrs import field, frozen, validators
 
@@ -61,6 +71,9 @@ class TenantSharesSettings:
     #: Tenant -> the most of each step's prefill tokens it may take, asked
     #: for by others or not (a tenant not named: no cap).
     caps: dict = field(factory=dict, validator=_fractions)
+    #: Tenant (without a share) -> its cap in a step in which a tenant with
+    #: a share asks for prefill tokens (a tenant not named: its cap).
+    contended_caps: dict = field(factory=dict, validator=_fractions)
 
     def __attrs_post_init__(self) -> None:
         if sum(self.shares.values()) > 1:
@@ -68,6 +81,11 @@ class TenantSharesSettings:
         for tenant, share in self.shares.items():
             if share > self.caps.get(tenant, 1.0):
                 raise ValueError(f"shares: tenant {tenant!r} is guaranteed {share}, more than its cap")
+        for tenant, cap in self.contended_caps.items():
+            if self.shares.get(tenant):
+                raise ValueError(f"contended_caps: tenant {tenant!r} has a share; only a tenant without one yields")
+            if cap > self.caps.get(tenant, 1.0):
+                raise ValueError(f"contended_caps: tenant {tenant!r} may take {cap} contended, more than its cap")
 
 
 _tenant = attrgetter("request.tenant")
@@ -88,6 +106,12 @@ class TenantSharesPass:
     def __init__(self, settings: TenantSharesSettings, context: PluginContext):
         self.shares = dict(settings.shares)
         self.caps = dict(settings.caps)
+        self.contended_caps = dict(settings.contended_caps)
+        self.sharing = {t for t, share in settings.shares.items() if share > 0}
+        #: Steps in which a tenant with a share asked for prefill tokens, and
+        #: of those, the steps each yielding tenant had requests to prefill in.
+        self.contended_steps = 0
+        self.yielded_steps: dict[str, int] = {}
 
     @hookimpl
     def sagellm_schedule_pass(self, ir: ScheduleIR) -> None:
@@ -117,7 +141,12 @@ class TenantSharesPass:
                 asks[i] = tokens
             return tokens
 
-        given = self._divide(tenants, ask, budget)
+        contended = self._contended(tenants, num_prefills, ask)
+        if contended:
+            self.contended_steps += 1
+            for tenant in self.contended_caps.keys() & set(tenants):
+                self.yielded_steps[tenant] = self.yielded_steps.get(tenant, 0) + 1
+        given = self._divide(tenants, ask, budget, contended)
         limits = ir.chunk_limits
         for i in range(num_prefills):  # a running prefill keeps its floor of one token
             tokens = given.get(i, 0)
@@ -127,11 +156,11 @@ class TenantSharesPass:
         # A waiting request that no share or leftover reached asks for a token
         # at least and is given none: held back (0), all of them at once.
         held = dict.fromkeys(map(_request_id, waiting), 0)
-        caps = self.caps
+        capped = self.caps.keys() | self.contended_caps.keys()
         for i, tokens in asks.items():
             if i >= num_prefills:
                 request = waiting[i - num_prefills].request
-                if given.get(i, 0) < tokens or request.tenant in caps:
+                if given.get(i, 0) < tokens or request.tenant in capped:
                     held[request.request_id] = given.get(i, 0)
                 else:
                     del held[request.request_id]
@@ -139,13 +168,35 @@ class TenantSharesPass:
             held[request_id] = min(limits[request_id], held[request_id])
         limits.update(held)
 
-    def _divide(self, tenants: list[str], ask: Callable[[int], int], budget: int) -> dict[int, int]:
+    @hookimpl
+    def sagellm_report_figures(self) -> dict[str, Any] | None:
+        if not self.contended_caps:
+            return None
+        yielded = dict(sorted(self.yielded_steps.items()))
+        return {"tenant-shares": {"contended_steps": self.contended_steps, "yielded_steps": yielded}}
+
+    def _contended(self, tenants: list[str], num_prefills: int, ask: Callable[[int], int]) -> bool:
+        """Whether a tenant with a share asks for prefill tokens this step
+        (a waiting request asks for one at least; a running prefill may
+        have only its floor left). Read only where a tenant yields."""
+        if not self.contended_caps or not self.sharing:
+            return False
+        sharing = self.sharing
+        for i in compress(count(), map(sharing.__contains__, tenants)):
+            if i >= num_prefills or ask(i) > 0:
+                return True
+        return False
+
+    def _divide(self, tenants: list[str], ask: Callable[[int], int], budget: int, contended: bool) -> dict[int, int]:
         """Position -> the tokens it is given, where any: the guaranteed
         tenants' shares first, each tenant's in order, then what is left in
-        order, every tenant within its cap."""
+        order, every tenant within its cap (its contended cap in a
+        contended step)."""
         # A capped tenant's room; an uncapped one's never binds (it is at
-        # least what is left of the step).
+        # least what is left of the step). A contended cap may be 0.
         room = {t: max(1, _fraction(cap, budget)) for t, cap in self.caps.items()}
+        if contended:
+            room.update({t: _fraction(cap, budget) for t, cap in self.contended_caps.items()})
         owed = {t: n for t, share in self.shares.items() if (n := min(_fraction(share, budget), room.get(t, budget)))}
         given: dict[int, int] = {}  # position -> tokens given, where any
         # The positions of the tenants a phase concerns are picked at C speed

@@ -65,6 +65,27 @@ def test_a_cap_holds_when_the_cache_hint_understates_the_ask():
     assert uncapped.chunk_limits == {}
 
 
+def test_a_yielding_tenant_takes_its_contended_cap_only_while_a_shared_tenant_prefills():
+    doc = running("doc", "docs", 6000, computed=1000)
+    queued = waiting("doc-2", "docs", 4000)
+    settings = dict(shares={"chat-0": 0.25}, caps={"docs": 0.125}, contended_caps={"docs": 0.0})
+    alone = ScheduleIR(0.0, [queued], [doc], 8192, 8)
+    yielding = shares_pass(**settings)
+    yielding.sagellm_schedule_pass(ir=alone)
+    assert alone.chunk_limits == {"doc": 1 + 1023, "doc-2": 0}  # nobody with a share asks: its cap
+    chat = waiting("chat", "chat-0", 1500)
+    contended = ScheduleIR(0.0, [chat, waiting("doc-2", "docs", 4000)], [running("doc", "docs", 6000, 1000)], 8192, 8)
+    yielding.sagellm_schedule_pass(ir=contended)
+    # The chat turn asks: the document keeps its floor of one token, the queued one gets none.
+    assert contended.chunk_limits == {"doc": 1, "doc-2": 0}
+    assert yielding.sagellm_report_figures() == {"tenant-shares": {"contended_steps": 1, "yielded_steps": {"docs": 1}}}
+    # A shared tenant's running prefill with only its floor left asks for nothing more.
+    last = ScheduleIR(0.0, [], [running("chat", "chat-0", 1500, 1499), running("doc", "docs", 6000, 1000)], 8192, 8)
+    yielding.sagellm_schedule_pass(ir=last)
+    assert last.chunk_limits == {"doc": 1 + 1023}
+    assert shares_pass(caps={"docs": 0.125}).sagellm_report_figures() is None
+
+
 def test_nothing_is_capped_when_every_ask_fits():
     ir = ScheduleIR(0.0, [waiting("a", "chat-0", 100)], [running("b", "docs", 300, computed=100)], 8192, 8)
     shares_pass(shares={"chat-0": 0.5}).sagellm_schedule_pass(ir=ir)
@@ -86,6 +107,10 @@ def test_settings_refuse_shares_past_the_step_or_a_cap():
         TenantSharesSettings(shares={"a": 0.5}, caps={"a": 0.25})
     with pytest.raises(ValueError):
         TenantSharesSettings(caps={"a": 1.5})
+    with pytest.raises(ValueError, match="only a tenant without one yields"):
+        TenantSharesSettings(shares={"a": 0.5}, contended_caps={"a": 0.1})
+    with pytest.raises(ValueError, match="more than its cap"):
+        TenantSharesSettings(caps={"a": 0.1}, contended_caps={"a": 0.2})
 
 
 requests = st.lists(
@@ -154,7 +179,7 @@ def test_every_tenant_that_asks_gets_its_share_and_no_cap_is_passed(spec, budget
             assert tokens == asked[tenant] or tokens == room
 
 
-def reference_limits(shares: dict, caps: dict, ir: ScheduleIR) -> dict[str, int]:
+def reference_limits(shares: dict, caps: dict, ir: ScheduleIR, contended_caps: dict | None = None) -> dict[str, int]:
     """The pass's rule read literally (every ask built, every tenant's room
     kept, every request's limit written one by one), the spec the pass's
     faster reading must agree with."""
@@ -174,6 +199,10 @@ def reference_limits(shares: dict, caps: dict, ir: ScheduleIR) -> dict[str, int]
         asked[tenant] = asked.get(tenant, 0) + tokens
     fraction = lambda share, n: math.floor(share * n + 1e-9)  # noqa: E731
     room = {t: max(1, fraction(caps[t], budget)) if t in caps else budget for t in asked}
+    contended_caps = contended_caps or {}
+    # Contended: a tenant with a (nonzero) share asks for a token or more beyond a running prefill's floor.
+    if any(shares.get(tenant, 0) > 0 and tokens > 0 for _, tenant, tokens, _ in asks):
+        room.update({t: fraction(cap, budget) for t, cap in contended_caps.items() if t in asked})
     owed = {t: min(n, fraction(shares.get(t, 0.0), budget), room[t]) for t, n in asked.items()}
     left = budget - sum(owed.values())
     given = []
@@ -193,7 +222,7 @@ def reference_limits(shares: dict, caps: dict, ir: ScheduleIR) -> dict[str, int]
     for (request_id, tenant, asked_tokens, floor), tokens in zip(asks, given):
         # A capped tenant's waiting request is held to what it is given even
         # when that covers its ask (which a stale cache hint may understate).
-        if tokens < asked_tokens or (floor == 0 and tenant in caps):
+        if tokens < asked_tokens or (floor == 0 and (tenant in caps or tenant in contended_caps)):
             limits[request_id] = min(limits.get(request_id, floor + tokens), floor + tokens)
     return limits
 
@@ -214,6 +243,11 @@ def test_the_pass_decides_exactly_as_its_rule_read_literally(data, shares, caps,
     shares = {t: s for t, s in shares.items() if s <= caps.get(t, 1.0)}
     while sum(shares.values()) > 1:
         shares.pop(next(iter(shares)))
+    unshared = [t for t in TENANTS if not shares.get(t)]
+    contended_caps = (
+        data.draw(st.dictionaries(st.sampled_from(unshared), st.sampled_from([0.0, 0.01, 0.1]))) if unshared else {}
+    )
+    contended_caps = {t: min(cap, caps.get(t, 1.0)) for t, cap in contended_caps.items()}
     running_states = []
     for i, (tenant, prompt, computed, generated) in enumerate(run):
         # A running request has a token left to compute (the last, or the next decode's).
@@ -227,6 +261,6 @@ def test_the_pass_decides_exactly_as_its_rule_read_literally(data, shares, caps,
     ids = [s.request_id for s in running_states + waiting_states]
     earlier = data.draw(st.dictionaries(st.sampled_from(ids), st.integers(0, 500)) if ids else st.just({}))
     ir = ScheduleIR(0.0, waiting_states, running_states, budget, 64, dict(earlier))
-    expected = reference_limits(shares, caps, ir)
-    shares_pass(shares=shares, caps=caps).sagellm_schedule_pass(ir=ir)
+    expected = reference_limits(shares, caps, ir, contended_caps)
+    shares_pass(shares=shares, caps=caps, contended_caps=contended_caps).sagellm_schedule_pass(ir=ir)
     assert ir.chunk_limits == expected
