@@ -190,6 +190,25 @@ store_tables = st.dictionaries(
     ),
     max_size=4,
 )
+#: A ``[scheduler.tenant-shares]`` table: shares, caps and contended caps
+#: of any contents, or of fractions (sound or contradicting each other).
+_fractions = st.sampled_from([0.0, 0.01, 0.25, 0.5, 1.0])
+_tenant_fractions = st.dictionaries(st.sampled_from(["tenant-0", "tenant-1", "docs"]), _fractions, max_size=2)
+share_tables = st.one_of(
+    st.dictionaries(
+        st.sampled_from(["shares", "caps", "contended_caps", "unknown_key"]),
+        st.one_of(
+            hostile_scalars,
+            st.dictionaries(
+                st.sampled_from(["tenant-0", "", "docs"]), st.one_of(hostile_scalars, _fractions), max_size=3
+            ),
+        ),
+        max_size=3,
+    ),
+    st.fixed_dictionaries(
+        {}, optional={"shares": _tenant_fractions, "caps": _tenant_fractions, "contended_caps": _tenant_fractions}
+    ),
+)
 config_values = st.one_of(
     hostile_scalars,
     st.sampled_from(
@@ -198,7 +217,7 @@ config_values = st.one_of(
             *("../../etc/passwd", "events.jsonl", "/tmp/x", "generator"),
         ]
     ),
-    st.lists(st.sampled_from(["fcfs", "sjf", "nope", "", "host", "disk"]), max_size=3),
+    st.lists(st.sampled_from(["fcfs", "sjf", "tenant-shares", "nope", "", "host", "disk"]), max_size=3),
     st.dictionaries(st.sampled_from(["tenant-0", "", "docs"]), hostile_scalars, max_size=3),
     store_tables,
 )

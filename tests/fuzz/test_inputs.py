@@ -17,6 +17,7 @@ from strategies import (
     config_file,
     mooncake_trace,
     replay_argv,
+    share_tables,
     sharegpt_records,
     store_tables,
     toml_text,
@@ -146,6 +147,21 @@ def test_class6_a_store_s_rules(tmp_path_factory, table, tiers):
     config.write_text(toml_text({**BASE, "kv_stores": stores}))
     outcome = run_cli(["replay", "--config", str(config), "--quiet", "--json", "{tmp}/report.json"])
     judge("6: a store's rules", outcome, culprits=[str(config)])
+
+
+@FUZZ
+@given(table=share_tables)
+def test_class6_a_tenant_shares_table(tmp_path_factory, table):
+    """Any ``[scheduler.tenant-shares]`` table (shares, caps, contended
+    caps) on a timed replay of two tenants: a correct run or one line
+    naming the config."""
+    folder = tmp_path_factory.mktemp("shares")
+    config = folder / "config.toml"
+    engine = {"name": "replay", "mode": "timed"}
+    scheduler = {"passes": ["fcfs", "tenant-shares"], "tenant-shares": table}
+    config.write_text(toml_text({**BASE, "engine": engine, "scheduler": scheduler}))
+    outcome = run_cli(["replay", "--config", str(config), "--quiet", "--json", "{tmp}/report.json"])
+    judge("6: a tenant-shares table", outcome, culprits=[str(config)])
 
 
 @FUZZ
