@@ -4,6 +4,7 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
     python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
+        [--contended-caps C ...] [--seeds 0 ...] [--order fcfs|prefix-aware] [--blocks N] [--sessions N]
     python3 benchmarks/kv_pool.py contiguity [--config FILE] [--blocks N] [--max-requests N] [--pools LABEL ...]
     python3 benchmarks/kv_pool.py latency [--requests 500]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
@@ -18,8 +19,11 @@ contiguous allocation. Each part prints Markdown tables, the figures of
   beside the document tenant without and with quotas, and with quotas and
   the ``tenant-shares`` pass (a share of each step's prefill tokens for each
   chat tenant, and the documents capped at ``--step-caps`` where a row
-  says): each chat tenant's block hit rate and TTFT p99 against alone,
-  Jain's index over all the tenants' hit rates; the slowest chat turns
+  says, and with ``--contended-caps`` their cap in a step in which a chat
+  tenant asks for prefill tokens): each chat tenant's block hit rate and
+  TTFT p99 against alone, the chat turns' mean TTFT, Jain's index over
+  all the tenants' hit rates, each row on every ``--seeds`` seed with the
+  turns pooled; the slowest chat turns
   against the same turns alone; the passes' hook time; and the chat
   tenants alone in the pool less each document cap's blocks (and in
   ``--alone-blocks``): the memory floor of their TTFT.
@@ -188,7 +192,7 @@ plugin = "lru"
 [lifetime]
 plugin = "stat"
 [scheduler]
-passes = ["fcfs"]
+passes = ["{order}"]
 """
 QUOTA = """
 [admission]
@@ -262,17 +266,18 @@ def replay_quota_runs(
             into = turns[label] = {}
             rows[label] = []
             for seed in args.seeds:
-                text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks, seed=seed)
+                text = NOISY.format(sessions=args.sessions, rate=rate, blocks=args.blocks, seed=seed, order=args.order)
                 text += QUOTA.format(cap=cap) if cap is not None else ""
                 if step_cap is not False:
-                    text = text.replace('passes = ["fcfs"]', 'passes = ["fcfs", "tenant-shares"]')
+                    text = text.replace(f'passes = ["{args.order}"]', f'passes = ["{args.order}", "tenant-shares"]')
                     text += STEP_SHARES.format(step_caps="" if step_cap is None else f"docs = {step_cap}")
                     text += f"contended_caps = {{docs = {contended}}}\n" if contended is not None else ""
                 r = session.run(settings_from_toml(text), label=label).report
                 admitted_by = r["plugins"].get("admission", "")
                 check(label, ("docs" in r["tenant_block_hit_rates"]) == (rate > 0), "the document tenant's presence")
                 passes = r["plugins"]["scheduler"]
-                check(label, passes == ("fcfs" if step_cap is False else "fcfs, tenant-shares"), f"passes {passes!r}")
+                wanted = args.order if step_cap is False else f"{args.order}, tenant-shares"
+                check(label, passes == wanted, f"passes {passes!r}")
                 wanted = "" if cap is None else "quota"
                 check(label, admitted_by == wanted, f"admission plugin {admitted_by!r}, not {wanted!r}")
                 rows[label].append(r)
@@ -291,7 +296,7 @@ def quotas(args) -> None:
     seeds = ", ".join(map(str, args.seeds))
     print(
         f"`python3 benchmarks/kv_pool.py quotas` ({args.sessions} sessions a chat tenant, {args.blocks:,} blocks,"
-        f" seeds {seeds})\n"
+        f" seeds {seeds}, {args.order})\n"
     )
     runs = quota_runs(args)
     rows, turns = replay_quota_runs(args, runs)
@@ -407,7 +412,7 @@ def memory_floor(args, alone: dict) -> None:
     print("|---:|" + "---:|" * (2 * len(chats) + 1))
     for blocks in sorted(sizes, reverse=True):
         label = f"chat tenants alone, {blocks:,} blocks"
-        text = NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks, seed=args.seeds[0])
+        text = NOISY.format(sessions=args.sessions, rate=0.0, blocks=blocks, seed=args.seeds[0], order=args.order)
         r = session.run(settings_from_toml(text), label=label)
         r = r.report
         check(label, "docs" not in r["tenant_block_hit_rates"], "a document tenant")
@@ -963,6 +968,7 @@ def main() -> None:
         help="rows with each step cap and the documents' cap in a step where a chat tenant prefills, besides",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the workload's seeds, pooled in each row")
+    p.add_argument("--order", default="fcfs", choices=["fcfs", "prefix-aware"], help="the first pass of every row")
     p.add_argument(
         "--alone-blocks", type=int, nargs="*", default=[3840], help="pool sizes for the chat tenants alone, besides"
     )
