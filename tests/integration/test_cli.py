@@ -335,3 +335,17 @@ def test_unknown_executor_is_a_one_line_error(tmp_path, capsys):
     assert main(["compare", "--config", str(a), "--config", str(a), "--executor", "slurm", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--executor slurm: no such executor" in err
+
+
+def test_the_noisy_neighbour_configs_compare_and_the_quota_isolates_the_chat_tenants(tmp_path):
+    out = tmp_path / "c.json"
+    configs = ["contrib/configs/noisy-neighbour.toml", "contrib/configs/noisy-neighbour-quota.toml"]
+    assert main(["compare", *(a for c in configs for a in ("--config", c)), "--json", str(out), "--quiet"]) == 0
+    greedy, quota = json.loads(out.read_text())
+    assert greedy["requests"] == quota["requests"] > 0 and greedy["rejected"] == quota["rejected"] == 0
+    assert quota["plugins"]["admission"] == "quota" and quota["admission"]["tenant_deferrals"]["docs"] > 0
+    assert quota["plugin_figures"]["tenant-shares"]["yielded_steps"]["docs"] > 0
+    for tenant in ("chat-0", "chat-1", "chat-2"):
+        assert quota["tenant_block_hit_rates"][tenant] > greedy["tenant_block_hit_rates"][tenant]
+        assert quota["tenant_ttft_s"][tenant]["p99"] < greedy["tenant_ttft_s"][tenant]["p99"] / 2
+    assert all(v["guarantee_violations"] == 0 for v in quota["plugin_figures"]["quota"].values())
