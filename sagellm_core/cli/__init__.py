@@ -130,7 +130,8 @@ def cmd_compare(args) -> int:
     session.check_same_workload(all_settings)
     jobs = [(settings, Path(settings.path).stem) for settings in all_settings]
     results = session.run_many(jobs, workers=args.workers, executor=args.executor, progress=not args.quiet)
-    report.print_reports([r.report for r in results])
+    if not args.quiet:
+        report.print_reports([r.report for r in results])
     _write_outputs(args, results)
     return 0
 
@@ -152,8 +153,9 @@ def cmd_sweep(args) -> int:
     for (_, value, _), rep in zip(runs, reports):
         rep["sweep"] = {"key": name, "value": value}
     figures = args.figure or ["block_hit_rate"]
-    for figure in figures:
-        Console().print(report.sweep_table(runs, name, values, figure))
+    if not args.quiet:
+        for figure in figures:
+            Console().print(report.sweep_table(runs, name, values, figure))
     try:
         if args.json:
             report.write_json(reports, args.json)

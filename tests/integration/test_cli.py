@@ -50,9 +50,11 @@ def test_compare_side_by_side(tmp_path, capsys):
     b.write_text(base + '[eviction]\nplugin = "lfu"\n')
     out = tmp_path / "c.json"
     assert main(["compare", "--config", str(a), "--config", str(b), "--json", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out == ""  # --quiet: no progress bar, no table
     reports = json.loads(out.read_text())
     assert [r["label"] for r in reports] == ["lru", "lfu"]
     assert reports[0]["requests"] == reports[1]["requests"]
+    assert main(["compare", "--config", str(a), "--config", str(b)]) == 0
     table = capsys.readouterr().out
     assert "lru" in table and "lfu" in table
 
