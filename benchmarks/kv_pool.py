@@ -62,6 +62,7 @@ import functools
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy
 
@@ -209,31 +210,32 @@ caps = {{{step_caps}}}
 """
 
 
-def _p99(values: list[float]) -> float:
-    """The report's nearest-rank p99 (``report.tenant_ttft_s``), of values pooled over seeds."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+class QuotaRun(NamedTuple):
+    """A row of the quota table."""
+
+    label: str
+    rate: float  # documents a second (0: the chat tenants alone)
+    cap: float | None  # the documents' share of the pool (None: no quota)
+    step_cap: float | None | bool  # their share of a step (False: no tenant-shares pass; None: the shares alone)
+    contended: float | None = None  # their step cap while a chat tenant prefills (None: their step cap)
 
 
-#: A quota row: label, document rate, the documents' cap, their step cap
-#: (False: no tenant-shares pass; None: the shares alone), their contended cap.
-QuotaRun = tuple[str, float, "float | None", "float | None | bool", "float | None"]
 #: A turn's tenant, TTFT, cached tokens at admission and prompt tokens.
 Turn = tuple[str, float, int, int]
 
 
 def quota_runs(args) -> list[QuotaRun]:
-    runs: list[QuotaRun] = [("chat tenants alone", 0.0, None, False, None)]
+    runs = [QuotaRun("chat tenants alone", 0.0, None, False)]
     for rate in args.rates:
-        runs += [(f"documents at {rate}/s, no quota", rate, None, False, None)]
+        runs += [QuotaRun(f"documents at {rate}/s, no quota", rate, None, False)]
         for cap in args.caps:
-            runs += [(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap, False, None)]
-            runs += [(f"documents at {rate}/s, quota (docs cap {cap}) + step shares", rate, cap, None, None)]
+            runs += [QuotaRun(f"documents at {rate}/s, quota (docs cap {cap})", rate, cap, False)]
+            runs += [QuotaRun(f"documents at {rate}/s, quota (docs cap {cap}) + step shares", rate, cap, None)]
             for step in args.step_caps:
                 shared = f"documents at {rate}/s, quota (docs cap {cap}) + step shares, docs step cap {step}"
-                runs += [(shared, rate, cap, step, None)]
+                runs += [QuotaRun(shared, rate, cap, step)]
                 runs += [
-                    (f"{shared}, {contended} while a chat tenant prefills", rate, cap, step, contended)
+                    QuotaRun(f"{shared}, {contended} while a chat tenant prefills", rate, cap, step, contended)
                     for contended in args.contended_caps
                 ]
     return runs
@@ -300,14 +302,15 @@ def quotas(args) -> None:
     )
     runs = quota_runs(args)
     rows, turns = replay_quota_runs(args, runs)
-    alone_label = runs[0][0]
+    labels = [run.label for run in runs]
+    alone_label = labels[0]
     chats = sorted(rows[alone_label][0]["tenant_block_hit_rates"])
 
     def hit_rate(label: str, tenant: str) -> float:  # the mean over seeds
         return statistics.fmean(r["tenant_block_hit_rates"][tenant] for r in rows[label])
 
     def ttft_p99(label: str, tenant: str) -> float:  # each seed's TTFTs pooled
-        return _p99([t[1] for t in turns[label].values() if t[0] == tenant])
+        return report_mod.percentiles([t[1] for t in turns[label].values() if t[0] == tenant])["p99"]
 
     def chat_ttft_mean(label: str) -> float:  # every chat turn's, over the seeds
         return statistics.fmean(t[1] for t in turns[label].values() if t[0] in chats)
@@ -326,7 +329,7 @@ def quotas(args) -> None:
         " Jain (chat) | preemptions | docs deferrals |"
     )
     print("|---|" + "---:|" * (2 * len(chats) + 7))
-    for label, _, _, _, _ in runs:
+    for label in labels:
         reports = rows[label]
         cells = [f"{hit_rate(label, t):.4f} ({ratio(hit_rate(label, t), hit_rate(alone_label, t))})" for t in chats]
         cells.append(f"{hit_rate(label, 'docs'):.4f}" if "docs" in reports[0]["tenant_block_hit_rates"] else "-")
@@ -345,13 +348,13 @@ def quotas(args) -> None:
         print("Each seed's chat TTFT p99 against alone (the report's own, per run):\n")
         print("| run | seed | " + " | ".join(f"{t} TTFT p99 s (vs alone)" for t in chats) + " |")
         print("|---|---:|" + "---:|" * len(chats))
-        for label, _, _, _, _ in runs[1:]:
+        for label in labels[1:]:
             for seed, r, base in zip(args.seeds, rows[label], rows[alone_label]):
                 ttft, ttft_alone = r["tenant_ttft_s"], base["tenant_ttft_s"]
                 cells = [f"{ttft[t]['p99']:.3f} ({ratio(ttft[t]['p99'], ttft_alone[t]['p99'])})" for t in chats]
                 print(f"| {label} | {seed} | " + " | ".join(cells) + " |")
         print()
-    for label, _, _, _, _ in runs:
+    for label in labels:
         for seed, r in zip(args.seeds, rows[label]):
             if "quota" in r["plugin_figures"]:
                 admit, victims = hook_p50(r, "sagellm_admit_request"), hook_p50(r, "sagellm_select_victims")
@@ -368,7 +371,7 @@ def quotas(args) -> None:
     )
     print("| run | turn | TTFT s (alone) | prompt tokens | cached (alone) |")
     print("|---|---|---:|---:|---:|")
-    for label, _, _, step_cap, _ in runs:
+    for label, step_cap in [(run.label, run.step_cap) for run in runs]:
         if args.step_caps and step_cap == min(args.step_caps):
             for tenant in chats:
                 mine = sorted((t[1], key) for key, t in turns[label].items() if t[0] == tenant)
@@ -384,7 +387,7 @@ def quotas(args) -> None:
     print("The scheduling passes' hook (`sagellm_schedule_pass`, every pass of a step in one call), µs:\n")
     print("| run | seed | calls | p50 | mean | p99 |")
     print("|---|---:|---:|---:|---:|---:|")
-    for label, _, _, _, _ in runs:
+    for label in labels:
         for seed, r in zip(args.seeds, rows[label]):
             stats = r["hooks"]["sagellm_schedule_pass"]
             print(

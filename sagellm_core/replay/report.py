@@ -17,7 +17,8 @@ from sagellm_core.runtime import Runtime
 from sagellm_core.timing import summarise
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean, nearest-rank p50, p95 and p99, and max (rounded to the µs)."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(values)
@@ -105,10 +106,10 @@ def build(
         "pool_fragmentation_mean": round(recorder.fragmentation_sum / recorder.used_block_samples, 4)
         if recorder.used_block_samples
         else 0.0,
-        "ttft_s": _percentiles(recorder.ttft_s) if timed else None,
-        "tenant_ttft_s": {t: _percentiles(v) for t, v in sorted(recorder.tenant_ttft_s.items())} if timed else None,
-        "tpot_s": _percentiles(recorder.tpot_s) if timed else None,
-        "e2e_s": _percentiles(recorder.e2e_s) if timed else None,
+        "ttft_s": percentiles(recorder.ttft_s) if timed else None,
+        "tenant_ttft_s": {t: percentiles(v) for t, v in sorted(recorder.tenant_ttft_s.items())} if timed else None,
+        "tpot_s": percentiles(recorder.tpot_s) if timed else None,
+        "e2e_s": percentiles(recorder.e2e_s) if timed else None,
         "slo_attainment": round(recorder.deadlines_met / recorder.deadlines, 6)
         if timed and recorder.deadlines
         else None,

@@ -108,6 +108,8 @@ class TenantSharesPass:
         self.caps = dict(settings.caps)
         self.contended_caps = dict(settings.contended_caps)
         self.sharing = {t for t, share in settings.shares.items() if share > 0}
+        # The tenants whose waiting requests are held to what they are given.
+        self.capped = settings.caps.keys() | settings.contended_caps.keys()
         #: Steps in which a tenant with a share asked for prefill tokens, and
         #: of those, the steps each yielding tenant had requests to prefill in.
         self.contended_steps = 0
@@ -156,7 +158,7 @@ class TenantSharesPass:
         # A waiting request that no share or leftover reached asks for a token
         # at least and is given none: held back (0), all of them at once.
         held = dict.fromkeys(map(_request_id, waiting), 0)
-        capped = self.caps.keys() | self.contended_caps.keys()
+        capped = self.capped
         for i, tokens in asks.items():
             if i >= num_prefills:
                 request = waiting[i - num_prefills].request
