@@ -4,7 +4,7 @@ contiguous allocation. Each part prints Markdown tables, the figures of
 
     python3 benchmarks/kv_pool.py admission [--max-requests N]
     python3 benchmarks/kv_pool.py quotas [--caps 0.25] [--step-caps 0.125 0.03125] [--alone-blocks 3840]
-        [--contended-caps C ...] [--seeds 0 ...] [--order fcfs|prefix-aware] [--blocks N] [--sessions N]
+        [--contended-caps C ...] [--seeds 0 ...] [--order fcfs|prefix-aware] [--blocks N] [--sessions N] [--steps]
     python3 benchmarks/kv_pool.py contiguity [--config FILE] [--blocks N] [--max-requests N] [--pools LABEL ...]
     python3 benchmarks/kv_pool.py latency [--requests 500]
     python3 benchmarks/kv_pool.py offload [--device cpu|cuda] [--tokens 2000] [--repeat 20]
@@ -70,6 +70,7 @@ from sagellm_core.drivers import recorder as recorder_mod
 from sagellm_core.kit.testing import settings_from_toml
 from sagellm_core.replay import report as report_mod
 from sagellm_core.replay import session
+from sagellm_core.replay.engine import TimedReplay
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "contrib" / "configs"
@@ -220,8 +221,11 @@ class QuotaRun(NamedTuple):
     contended: float | None = None  # their step cap while a chat tenant prefills (None: their step cap)
 
 
-#: A turn's tenant, TTFT, cached tokens at admission and prompt tokens.
-Turn = tuple[str, float, int, int]
+#: A turn's tenant, TTFT, cached tokens at admission, prompt tokens and arrival (s).
+Turn = tuple[str, float, int, int, float]
+#: A replayed step: its start and end (s), and its tokens by tenant and
+#: phase ("prefill" or "decode").
+Step = tuple[float, float, dict[tuple[str, str], int]]
 
 
 def quota_runs(args) -> list[QuotaRun]:
@@ -243,14 +247,26 @@ def quota_runs(args) -> list[QuotaRun]:
 
 def replay_quota_runs(
     args, runs: list[QuotaRun]
-) -> tuple[dict[str, list[dict]], dict[str, dict[tuple[int, str], Turn]]]:
+) -> tuple[dict[str, list[dict]], dict[str, dict[tuple[int, str], Turn]], dict[tuple[str, int], list[Step]]]:
     """Each row replayed once a seed, checked to be what its label says:
-    label -> each seed's report, and label -> (seed, request id) -> its turn."""
+    label -> each seed's report, label -> (seed, request id) -> its turn,
+    and with ``--steps``, (label, seed) -> the replay's steps in order."""
     rows: dict[str, list[dict]] = {}
     turns: dict[str, dict[tuple[int, str], Turn]] = {}
-    real_record = recorder_mod.Recorder.record
+    steps: dict[tuple[str, int], list[Step]] = {}
+    real_record, real_execute = recorder_mod.Recorder.record, TimedReplay.execute
     into: dict[tuple[int, str], Turn] = {}
     seed = 0
+    label = ""
+
+    def execute(engine, step):  # the step's span and its tokens by tenant and phase
+        start = engine.simulated_s
+        real_execute(engine, step)
+        tokens: dict[tuple[str, str], int] = {}
+        for state, n, prefill in zip(step.states, step.num_new, step.prefill):
+            key = (state.request.tenant, "prefill" if prefill else "decode")
+            tokens[key] = tokens.get(key, 0) + n
+        steps.setdefault((label, seed), []).append((start, engine.simulated_s, tokens))
 
     def record(recorder, outcome):  # every finished request's TTFT and cached prompt
         request = outcome.request
@@ -259,10 +275,13 @@ def replay_quota_runs(
             outcome.ttft_s,
             outcome.num_cached_tokens,
             request.num_prompt_tokens,
+            request.arrival_s,
         )
         real_record(recorder, outcome)
 
     recorder_mod.Recorder.record = record  # type: ignore[method-assign]
+    if args.steps:
+        TimedReplay.execute = execute  # type: ignore[method-assign]
     try:
         for label, rate, cap, step_cap, contended in runs:
             into = turns[label] = {}
@@ -291,7 +310,8 @@ def replay_quota_runs(
                 check(label, all(y.get("docs", 0) > 0 for y in yielded), "the documents never yielded a step")
     finally:
         recorder_mod.Recorder.record = real_record  # type: ignore[method-assign]
-    return rows, turns
+        TimedReplay.execute = real_execute  # type: ignore[method-assign]
+    return rows, turns, steps
 
 
 def quotas(args) -> None:
@@ -301,7 +321,7 @@ def quotas(args) -> None:
         f" seeds {seeds}, {args.order})\n"
     )
     runs = quota_runs(args)
-    rows, turns = replay_quota_runs(args, runs)
+    rows, turns, steps = replay_quota_runs(args, runs)
     labels = [run.label for run in runs]
     alone_label = labels[0]
     chats = sorted(rows[alone_label][0]["tenant_block_hit_rates"])
@@ -376,8 +396,8 @@ def quotas(args) -> None:
             for tenant in chats:
                 mine = sorted((t[1], key) for key, t in turns[label].items() if t[0] == tenant)
                 for ttft, key in mine[-2:]:
-                    _, _, cached, prompt = turns[label][key]
-                    _, ttft_alone, cached_alone, _ = alone_turns[key]
+                    _, _, cached, prompt, _ = turns[label][key]
+                    _, ttft_alone, cached_alone, _, _ = alone_turns[key]
                     turn = key[1] if len(args.seeds) == 1 else f"{key[1]} (seed {key[0]})"
                     print(
                         f"| {label} | {turn} | {ttft:.3f} ({ttft_alone:.3f}) | {prompt:,} |"
@@ -394,6 +414,32 @@ def quotas(args) -> None:
                 f"| {label} | {seed} | {stats['calls']:,} | {stats['p50_us']:.2f} | {stats['mean_us']:.2f} |"
                 f" {stats['p99_us']:.2f} |"
             )
+    print()
+    if args.steps:
+        steps_around_slowest_turns(args, runs, chats, turns, steps)
+
+
+def steps_around_slowest_turns(args, runs, chats, turns, steps) -> None:
+    """For each chat tenant's slowest turn in the rows with the smallest
+    step cap: the replay's steps from the one in progress when it arrived
+    to the one that gave its first token, beside the same turn's alone."""
+    alone_label = runs[0].label
+    print("The steps around each chat tenant's slowest turn (ms from its arrival; tokens by tenant and phase):\n")
+    print("| run | turn | step | start, end (ms) | length (ms) | tokens |")
+    print("|---|---|---|---:|---:|---|")
+    for label in [run.label for run in runs if args.step_caps and run.step_cap == min(args.step_caps)]:
+        for tenant in chats:
+            ttft, key = max((t[1], key) for key, t in turns[label].items() if t[0] == tenant)
+            for row, name in ((label, label), (alone_label, "(alone)")):
+                arrival, first_token = turns[row][key][4], turns[row][key][4] + turns[row][key][1]
+                spans = [s for s in steps[row, key[0]] if s[1] > arrival and s[0] < first_token - 1e-9]
+                for i, (start, end, tokens) in enumerate(spans):
+                    words = ", ".join(f"{t} {phase} {n:,}" for (t, phase), n in sorted(tokens.items()))
+                    where = "in progress" if start < arrival else f"{i + 1 - (spans[0][0] < arrival)}"
+                    print(
+                        f"| {name} | {key[1]} (seed {key[0]}) | {where} | {(start - arrival) * 1e3:+.1f},"
+                        f" {(end - arrival) * 1e3:+.1f} | {(end - start) * 1e3:.1f} | {words} |"
+                    )
     print()
 
 
@@ -972,6 +1018,9 @@ def main() -> None:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="the workload's seeds, pooled in each row")
     p.add_argument("--order", default="fcfs", choices=["fcfs", "prefix-aware"], help="the first pass of every row")
+    p.add_argument(
+        "--steps", action="store_true", help="the replay's steps around each chat tenant's slowest turn, besides"
+    )
     p.add_argument(
         "--alone-blocks", type=int, nargs="*", default=[3840], help="pool sizes for the chat tenants alone, besides"
     )
